@@ -1,0 +1,3 @@
+from gpn_scale.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""The one CLI, `gpn-scale SUBCOMMAND ...`.
+
+Each subcommand lives beside the code it drives and owns its argument parser: `main(argv)`
+returning an exit status. Modules are imported only when their subcommand runs, so
+`gpn-scale --help` stays fast and a subcommand pays only for its own dependencies.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from gpn_scale.errors import UserError
+
+COMMANDS = {
+    "model-info": ("gpn_scale.model_info:main", "print a model config's parameter breakdown"),
+    "convert": ("gpn_scale.convert:main", "convert a reference (paper) checkpoint to a native one"),
+    "prep": ("data_prep.cli:main", "tokenize and pack text into MDS shards"),
+    "demo": ("gpn_scale.demo:main", "the README's main job on the embedded corpus"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: gpn-scale SUBCOMMAND [ARGS...]", "", "subcommands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`gpn-scale SUBCOMMAND --help` for a subcommand's arguments."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"error: unknown subcommand {name!r}; expected one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module_name, func_name = COMMANDS[name][0].split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    try:
+        return int(func(rest) or 0)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,24 @@
+# Sourced by the README's commands: make (once) and activate the project's virtual environment.
+# Reinstalls only when pyproject.toml changes. Python 3.11 recommended; no GPU needed.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${GPN_SCALE_VENV:-$root/.venv}"
+python="${PYTHON:-python3}"
+stamp="$venv/.gpn-scale-installed"
+want="$(sha256sum "$root/pyproject.toml" | cut -c1-16)"
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[env] creating $venv"
+  "$python" -m venv "$venv"
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[env] installing gpn-scale and its dependencies into $venv (first run: several minutes)"
+  "$venv/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+  "$venv/bin/python" -m pip install -q -e "$root[dev]" 2>&1 | grep -vE "is ignored|^WARNING: Location" || true
+  "$venv/bin/python" -c "import gpn_scale, torch, deepspeed, streaming, triton, wandb" 2>/dev/null \
+    || { echo "[env] install failed: see pip's output above" >&2; exit 1; }
+  echo "$want" > "$stamp"
+fi
+export PATH="$venv/bin:$PATH"
+export DS_ACCELERATOR="${DS_ACCELERATOR:-$("$venv/bin/python" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}"
+export WANDB_MODE="${WANDB_MODE:-offline}"
+cd "$root"
