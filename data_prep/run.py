@@ -1,0 +1,152 @@
+"""The prep run on one node: plan the units, prepare this node's share in a worker pool, merge.
+
+Units are dealt to nodes by index modulo the node count, and each worker prepares whole units,
+so which process prepared a unit never shows in its bytes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+from tqdm import tqdm
+
+from data_prep import output
+from data_prep.sources import expand_inputs, limit_rows, plan_units
+from data_prep.tokenizer import Tokenizer
+from data_prep.unit import Settings, prepare_unit
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(settings: Settings) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = Tokenizer(settings.tokenizer_path, settings.eos_token, settings.bos_token)
+
+
+def _work(index: int, unit, settings: Settings) -> dict:
+    return prepare_unit(index, unit, settings, _worker_tokenizer)
+
+
+def prepare(inputs: list[str], settings: Settings, *, val_inputs: list[str], max_docs: int | None,
+            max_tokens: int | None, workers: int, num_nodes: int, node_rank: int) -> dict | None:
+    """Prepare this node's units; on a single node also merge. Returns the merged stats, if merged."""
+    out = Path(settings.out)
+    tokenizer = Tokenizer(settings.tokenizer_path, settings.eos_token, settings.bos_token)
+    files = expand_inputs(inputs + val_inputs)
+    units, skipped_files = plan_units(files, settings.filters, settings.skip_bad)
+    if max_docs is not None:
+        units = limit_rows(units, max_docs)
+    manifest = _manifest(settings, tokenizer, files, units, skipped_files, max_docs, max_tokens)
+    output.check_manifest(out, manifest)
+    _copy_tokenizer(out, tokenizer)
+
+    mine = [i for i in range(len(units)) if i % num_nodes == node_rank]
+    # With one node the cap is known here, so units past it are never started.
+    cap = max_tokens if num_nodes == 1 else None
+    started = time.perf_counter()
+    with multiprocessing.get_context("fork").Pool(workers, _init_worker, (settings,)) as pool:
+        progress = _Progress(len(mine), workers)
+        pending: deque = deque()
+        queue = iter(mine)
+        done_tokens = 0
+        while True:
+            while len(pending) < 2 * workers and (cap is None or done_tokens < cap):
+                index = next(queue, None)
+                if index is None:
+                    break
+                committed = output.read_unit_stats(out, output.unit_id(index))
+                pending.append(committed or pool.apply_async(_work, (index, units[index], settings)))
+            if not pending:
+                break
+            head = pending.popleft()
+            stats = head if isinstance(head, dict) else head.get()
+            progress.update(stats, fresh=not isinstance(head, dict))
+            done_tokens += sum(s["windows"] for s in stats["splits"].values()) * settings.seq_len
+        progress.close()
+    elapsed = time.perf_counter() - started
+
+    print(progress.summary(elapsed), file=sys.stderr)
+    if num_nodes > 1:
+        print(f"node {node_rank}/{num_nodes} done; once every node is, run: gpn-scale prep merge {out}", file=sys.stderr)
+        return None
+    stats = output.merge(out)
+    print(_final_summary(out, stats), file=sys.stderr)
+    return stats
+
+
+def _manifest(settings: Settings, tokenizer: Tokenizer, files, units, skipped_files, max_docs, max_tokens) -> dict:
+    info = tokenizer.info
+    return {
+        "tokenizer": {"path": settings.tokenizer_path, "sha256": info.sha256, "kind": info.kind,
+                      "vocab_size": info.vocab_size, "eos_id": info.eos_id, "bos_id": info.bos_id,
+                      "dtype": info.dtype.name, "copy": info.filename},
+        "config": {
+            "seq_len": settings.seq_len, "add_bos": settings.add_bos, "splits": list(settings.splits),
+            "text_column": settings.filters.text_column, "min_int_score": settings.filters.min_int_score,
+            "min_score": settings.filters.min_score, "val_fraction": settings.val_fraction,
+            "val_files": sorted(settings.val_files), "max_docs": max_docs, "max_tokens": max_tokens,
+            "compression": settings.compression, "size_limit": settings.size_limit,
+            "on_error": "skip" if settings.skip_bad else "fail",
+        },
+        "inputs": files,
+        "skipped_files": skipped_files,
+        "units": [u.to_json() for u in units],
+    }
+
+
+def _copy_tokenizer(out: Path, tokenizer: Tokenizer) -> None:
+    dest = out / tokenizer.info.filename
+    if not dest.exists():
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        shutil.copyfile(tokenizer.path, tmp)
+        tmp.replace(dest)
+
+
+class _Progress:
+    """A bar over this node's units with documents/s and tokens/s, in total and per worker."""
+
+    def __init__(self, units: int, workers: int):
+        self.bar = tqdm(total=units, unit="unit", desc="prep", disable=None, file=sys.stderr)
+        self.workers = workers
+        self.started = time.perf_counter()
+        self.docs = self.tokens = self.resumed = 0
+        self.busy = 0.0  # seconds workers spent on units this run
+
+    def update(self, stats: dict, fresh: bool) -> None:
+        if fresh:
+            self.docs += sum(s["documents"] for s in stats["splits"].values())
+            self.tokens += sum(s["tokens"] for s in stats["splits"].values())
+            self.busy += stats["seconds"]
+        else:
+            self.resumed += 1
+        wall = max(time.perf_counter() - self.started, 1e-9)
+        self.bar.set_postfix_str(f"{self.docs / wall:,.0f} docs/s {self.tokens / wall:,.0f} tok/s "
+                                 f"({self.tokens / max(self.busy, 1e-9):,.0f} tok/s/worker)", refresh=False)
+        self.bar.update()
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def summary(self, elapsed: float) -> str:
+        return (f"prep: {self.bar.total} units ({self.resumed} already committed), {self.docs:,} documents, "
+                f"{self.tokens:,} tokens in {elapsed:.1f}s: {self.tokens / max(elapsed, 1e-9):,.0f} tok/s total, "
+                f"{self.tokens / max(self.busy, 1e-9):,.0f} tok/s per worker ({self.workers} workers)")
+
+
+def _final_summary(out: Path, stats: dict) -> str:
+    lines = [f"wrote {out}:"]
+    for split, s in stats["splits"].items():
+        lines.append(f"  {split:5} {s['documents']:>12,} docs {s['tokens']:>15,} tokens {s['windows']:>12,} "
+                     f"windows of {stats['seq_len']}, {s['dropped_tail_tokens']:,} tail tokens dropped")
+    skipped = sum(stats["skipped"]["documents"].values())
+    if skipped or stats["skipped"]["files"]:
+        lines.append(f"  skipped {skipped:,} documents {stats['skipped']['documents']} and "
+                     f"{len(stats['skipped']['files'])} files (see stats.json)")
+    if stats["filtered"]:
+        lines.append(f"  filtered {stats['filtered']}")
+    return "\n".join(lines)

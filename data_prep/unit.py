@@ -1,0 +1,150 @@
+"""One work unit: read -> check -> tokenize -> pack -> MDS, written aside and committed at the end."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from streaming import MDSWriter
+
+from data_prep import output
+from data_prep.pack import Packer
+from data_prep.sources import BadLine, Document, Filters, Unit, read_unit
+from data_prep.tokenizer import Tokenizer
+from gpn_scale.errors import UserError
+
+LISTED_PER_UNIT = 20  # bad documents a unit names in its stats (all are counted)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a worker needs besides the unit; all of it is recorded in prep.json."""
+
+    out: str
+    tokenizer_path: str
+    eos_token: str | None
+    bos_token: str | None
+    filters: Filters
+    seq_len: int
+    add_bos: bool
+    val_fraction: float
+    val_files: frozenset[str]
+    splits: tuple[str, ...]
+    compression: str | None
+    size_limit: int
+    skip_bad: bool
+
+
+def is_val(text_utf8: bytes, fraction: float) -> bool:
+    """Deterministic held-out choice from the document's content alone (not its position)."""
+    h = int.from_bytes(hashlib.blake2b(text_utf8, digest_size=8).digest(), "little")
+    return h < fraction * 2**64
+
+
+class _Checker:
+    """Sorts documents into kept, filtered (by a score flag) and bad (reported or fatal)."""
+
+    def __init__(self, settings: Settings, unit: Unit):
+        self.settings = settings
+        self.row_word = "line" if unit.row_group < 0 else "row"
+        self.skipped: Counter[str] = Counter()
+        self.filtered: Counter[str] = Counter()
+        self.listed: list[dict] = []
+
+    def problem(self, doc: Document) -> str | None:
+        text = doc.text
+        if isinstance(text, BadLine):
+            return text.reason
+        if isinstance(text, bytes):
+            return "invalid UTF-8"
+        if not isinstance(text, str):
+            return f"text is {type(text).__name__}, expected a string"
+        if not text:
+            return "empty text"
+        return None
+
+    def keep(self, doc: Document) -> bytes | None:
+        """The document's UTF-8 bytes if it is kept; otherwise counts it (or raises)."""
+        reason = self.problem(doc)
+        if reason is None:
+            try:
+                utf8 = doc.text.encode("utf-8")
+            except UnicodeEncodeError:  # lone surrogates, e.g. from a JSON "\\ud800" escape
+                reason = "invalid UTF-8 (lone surrogate)"
+        if reason is not None:
+            if not self.settings.skip_bad:
+                raise UserError(f"{doc.file}: {self.row_word} {doc.row}: {reason} "
+                                f"(--on-error skip skips and counts such documents)")
+            self.skipped[reason] += 1
+            if len(self.listed) < LISTED_PER_UNIT:
+                self.listed.append({"file": doc.file, self.row_word: doc.row, "reason": reason})
+            return None
+        f = self.settings.filters
+        for name, value, floor in (("int_score", doc.int_score, f.min_int_score), ("score", doc.score, f.min_score)):
+            if floor is not None and (value is None or value < floor):
+                self.filtered[f"{name} below {floor}" if value is not None else f"no {name}"] += 1
+                return None
+        return utf8
+
+
+def prepare_unit(index: int, unit: Unit, settings: Settings, tokenizer: Tokenizer) -> dict:
+    """Prepare and commit one unit; return its stats (plus this attempt's timing)."""
+    started = time.perf_counter()
+    out, uid = Path(settings.out), output.unit_id(index)
+    output.clear_unit(out, uid)
+    tmp = out / ".tmp" / uid
+    tmp.mkdir(parents=True)
+
+    info = tokenizer.info
+    columns = {"tokens": f"ndarray:{info.dtype.name}:{settings.seq_len}"}
+    writers = {s: MDSWriter(out=str(tmp / s), columns=columns, compression=settings.compression,
+                            size_limit=settings.size_limit) for s in settings.splits}
+    packers = {s: Packer(settings.seq_len, info.dtype) for s in settings.splits}
+    counts = {s: Counter(documents=0, tokens=0, windows=0, dropped_tail_tokens=0) for s in settings.splits}
+    unigram = np.zeros(info.vocab_size, np.int64)
+    checker = _Checker(settings, unit)
+    whole_file_val = unit.file in settings.val_files
+    prefix = [info.bos_id] if settings.add_bos else []
+
+    def emit(split: str, windows: np.ndarray) -> None:
+        counts[split]["windows"] += len(windows)
+        if split == "train":
+            unigram[:] += np.bincount(windows.ravel(), minlength=info.vocab_size)
+        for window in windows:
+            writers[split].write({"tokens": window})
+
+    for batch in read_unit(unit, settings.filters):
+        kept, routes = [], []
+        for doc in batch:
+            utf8 = checker.keep(doc)
+            if utf8 is not None:
+                kept.append(doc.text)
+                val = whole_file_val or (settings.val_fraction > 0 and is_val(utf8, settings.val_fraction))
+                routes.append("val" if val else "train")
+        by_split: dict[str, list[list[int]]] = {s: [] for s in settings.splits}
+        for split, ids in zip(routes, tokenizer.encode(kept)):
+            by_split[split].append(prefix + ids + [info.eos_id])
+        for split, docs in by_split.items():
+            if docs:
+                counts[split]["documents"] += len(docs)
+                counts[split]["tokens"] += sum(map(len, docs))
+                emit(split, packers[split].add(docs))
+
+    for split in settings.splits:
+        counts[split]["dropped_tail_tokens"] = packers[split].finish()
+        writers[split].finish()
+    stats = {
+        "unit": uid,
+        "source": unit.to_json(),
+        "splits": {s: dict(c) for s, c in counts.items()},
+        "skipped": dict(sorted(checker.skipped.items())),
+        "skipped_documents": checker.listed,
+        "filtered": dict(sorted(checker.filtered.items())),
+    }
+    output.commit_unit(out, uid, tmp, stats, unigram)
+    return {**stats, "seconds": time.perf_counter() - started, "pid": os.getpid()}
