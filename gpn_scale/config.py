@@ -1,0 +1,120 @@
+"""YAML configs -> validated dataclasses. Unknown keys and wrong types are one-line errors.
+
+Model configs are YAML files (see configs/models/) with a `family` key choosing the model class;
+dotted overrides (`d_state=256`) are applied before validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+from gpn_scale.errors import UserError
+
+CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of keys to values at the top level")
+    return data
+
+
+def _check_type(value, annotation, where: str):
+    """Returns value (ints widened to float where a float is expected) or raises UserError."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check_type(value, option, where)
+            except UserError as e:
+                errors.append(e)
+        raise errors[0]
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation in (int, float, str, bool) and not (
+        isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
+    ):
+        raise UserError(f"{where}: expected {annotation.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def build_dataclass(cls, data: dict, where: str, prefix: str = ""):
+    """Instantiate dataclass `cls` from `data`; errors read `WHERE: PREFIXkey: problem`."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UserError(f"{where}: {prefix}{unknown[0]}: unknown key; expected one of: {', '.join(sorted(known))}")
+    values = {k: _check_type(v, hints[k], f"{where}: {prefix}{k}") for k, v in data.items()}
+    try:
+        return cls(**values)
+    except (ValueError, TypeError) as e:  # __post_init__ checks ("key: problem"), or a missing key
+        raise UserError(f"{where}: {prefix}{e}") from None
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`a.b=1 c=x` -> {"a": {"b": 1}, "c": "x"}; values are parsed as YAML scalars."""
+    out: dict = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"override {item!r}: expected dotted.key=value")
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(raw)
+    return out
+
+
+def merge(base: dict, overrides: dict) -> dict:
+    out = dict(base)
+    for k, v in overrides.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def resolve_config_path(path: str | Path, kind: str) -> Path:
+    """A path as given, or a bare name looked up in configs/<kind>/ (`gpn_m_tiny` -> configs/models/gpn_m_tiny.yaml)."""
+    p = Path(path)
+    if p.exists():
+        return p
+    candidate = CONFIG_ROOT / kind / f"{p.name}.yaml" if p.suffix == "" else CONFIG_ROOT / kind / p.name
+    if candidate.exists():
+        return candidate
+    raise UserError(f"{path}: no such config file (nor {candidate})")
+
+
+def model_config(source: str | Path | dict, overrides: dict | None = None, where: str | None = None):
+    """A validated model config object from a YAML path, a configs/models name, or a dict."""
+    from gpn_scale.models import MODEL_FAMILIES
+
+    if isinstance(source, dict):
+        data, where = dict(source), where or "model"
+    else:
+        path = resolve_config_path(source, "models")
+        data, where = read_yaml(path), where or str(path)
+    data = merge(data, overrides or {})
+    family = data.get("family")
+    if family not in MODEL_FAMILIES:
+        raise UserError(f"{where}: family: expected one of {', '.join(MODEL_FAMILIES)}, got {family!r}")
+    config_cls, _ = MODEL_FAMILIES[family]
+    return build_dataclass(config_cls, data, where)

@@ -1,0 +1,292 @@
+"""GPN and GPN+M, exactly as GPN_MODEL.md.
+
+Parameters keep the paper's names, shapes and `in x out` layout (`y = x @ W`), so reference
+checkpoints map one to one: top-level names are the reference's, per-layer names live under
+`layers.{i}.` where the reference writes `L{i}_` (GPN+M) or nothing (one-layer GPN).
+
+Shape of the computation (DESIGN.md, "Where the time goes", point 1): the input projection
+`u_t = rms(emb[x_t]) @ fuse_proj_k` runs for all t before the time loop, the decoder and the
+cross-entropy for all t after it (chunked, see `ops.linear_cross_entropy`); only the recurrent
+core stays in the loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from gpn_scale.models.ops import at_least_f32, l2_normalize, lecun_normal_, linear_cross_entropy, rms_norm
+
+FAMILIES = ("gpn", "gpn_m")
+
+
+@dataclass
+class GPNConfig:
+    family: str = "gpn_m"  # "gpn" (no memory) or "gpn_m" (one shared matrix memory)
+    vocab_size: int = 32000
+    d_state: int = 2496
+    d_emb: int = 768
+    d_ffn: int = 6656
+    n_layers: int = 1
+    n_heads: int = 15  # memory shape (H, d_key, d_val); ignored by "gpn"
+    d_key: int = 128
+    d_val: int = 256
+    use_decoder_bias: bool = False
+    # Execution only: none of these change the math.
+    checkpoint_every: int = 0  # recompute activations in time segments of this length (0: off)
+    bptt: int = 0  # truncate backprop through time every this many steps (0: full window)
+    ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"family: expected one of {FAMILIES}, got {self.family!r}")
+        positive = ["vocab_size", "d_state", "d_emb", "d_ffn", "n_layers", "ce_chunk"]
+        if self.memory:
+            positive += ["n_heads", "d_key", "d_val"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        for name in ("checkpoint_every", "bptt"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected >= 0 (0 disables it), got {getattr(self, name)}")
+
+    @property
+    def memory(self) -> bool:
+        return self.family == "gpn_m"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+class GPNState(NamedTuple):
+    """What is carried from one token to the next: enough to continue the stream.
+
+    s: the grounded state for the next token, s^g_{t+1} (B, d), float32.
+    prev_s: the grounded state before it, s^g_t (B, d), float32; the memory's next key comes from it.
+    M: the matrix memory (B, H, d_key, d_val), float32; None for GPN.
+    """
+
+    s: torch.Tensor
+    prev_s: torch.Tensor
+    M: torch.Tensor | None
+
+    def detach(self) -> "GPNState":
+        return GPNState(self.s.detach(), self.prev_s.detach(), None if self.M is None else self.M.detach())
+
+
+@dataclass
+class ModelOutput:
+    loss: torch.Tensor  # mean CE over all B*T positions (float32)
+    token_losses: torch.Tensor  # (B, T) float32
+    state: GPNState
+    logits: torch.Tensor | None = None  # (B, T, V), only when asked for
+
+
+def _zeros_param(*shape) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape))
+
+
+def _ones_param(*shape) -> nn.Parameter:
+    return nn.Parameter(torch.ones(*shape))
+
+
+def _gate(x, norm_w, kernel, bias):
+    return torch.sigmoid(rms_norm(x, norm_w) @ kernel + bias)
+
+
+class PredictLayer(nn.Module):
+    """One layer of Predict: `c <- Gate(c) * c + FFN(c) [+ memory read]`."""
+
+    def __init__(self, cfg: GPNConfig):
+        super().__init__()
+        d, f = cfg.d_state, cfg.d_ffn
+        self.ffn_norm_w = _ones_param(d)
+        self.ffn_w1_k = _zeros_param(d, 2 * f)
+        self.ffn_w2_k = _zeros_param(f, d)
+        self.pg_norm_w = _ones_param(d)
+        self.pg_gate_k = _zeros_param(d, d)
+        self.pg_gate_b = _zeros_param(d)
+        self.memory = cfg.memory
+        if self.memory:
+            hk, hv = cfg.n_heads * cfg.d_key, cfg.n_heads * cfg.d_val
+            self.n_heads = cfg.n_heads
+            self.read_norm_w = _ones_param(d)
+            self.read_W_q_k = _zeros_param(d, hk)
+            self.read_W_q_b = _zeros_param(hk)
+            self.read_W_gate_k = _zeros_param(d, hv)
+            self.read_out_norm_w = _ones_param(hv)
+            self.read_W_o_k = _zeros_param(hv, d)
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        for p, init in self._inits():
+            init(p)
+
+    def _inits(self):
+        ones, zeros = nn.init.ones_, nn.init.zeros_
+        yield from [(self.ffn_norm_w, ones), (self.ffn_w1_k, lecun_normal_), (self.ffn_w2_k, zeros)]
+        yield from [(self.pg_norm_w, ones), (self.pg_gate_k, zeros), (self.pg_gate_b, zeros)]
+        if self.memory:
+            yield from [(self.read_norm_w, ones), (self.read_W_q_k, lecun_normal_), (self.read_W_q_b, zeros)]
+            yield from [(self.read_W_gate_k, lecun_normal_), (self.read_out_norm_w, ones)]
+            yield self.read_W_o_k, lambda w: nn.init.normal_(w, 0.0, 0.02)
+
+    def forward(self, c: torch.Tensor, M: torch.Tensor | None) -> torch.Tensor:
+        g, u = (rms_norm(c, self.ffn_norm_w) @ self.ffn_w1_k).chunk(2, dim=-1)
+        update = (nn.functional.silu(g) * u) @ self.ffn_w2_k
+        if self.memory:
+            r = rms_norm(c, self.read_norm_w)
+            B = c.shape[0]
+            q = l2_normalize(torch.relu(r @ self.read_W_q_k + self.read_W_q_b).view(B, self.n_heads, -1))
+            o = read_memory(M, q).reshape(B, -1)
+            gate = nn.functional.silu(r @ self.read_W_gate_k)
+            update = update + (gate * rms_norm(o, self.read_out_norm_w).to(gate.dtype)) @ self.read_W_o_k
+        return _gate(c, self.pg_norm_w, self.pg_gate_k, self.pg_gate_b) * c + update
+
+
+def read_memory(M: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """o[b, h, j] = sum_i M[b, h, i, j] q[b, h, i], in float32 whatever autocast says."""
+    with torch.autocast(M.device.type, enabled=False):
+        return torch.einsum("bhkv,bhk->bhv", M, q.to(M.dtype))
+
+
+def write_memory(M, k, v, beta, gamma):
+    """Gated delta rule, per head: M <- exp(gamma) M + beta k (v - M^T k)^T, in float32."""
+    with torch.autocast(M.device.type, enabled=False):
+        k, v = k.to(M.dtype), v.to(M.dtype)
+        pred_v = torch.einsum("bhkv,bhk->bhv", M, k)
+        delta = beta.to(M.dtype)[..., None] * (v - pred_v)
+        return torch.exp(gamma)[..., None, None] * M + k[..., :, None] * delta[..., None, :]
+
+
+class GPN(nn.Module):
+    """GPN (family "gpn") and GPN+M (family "gpn_m") with any number of predict layers."""
+
+    def __init__(self, cfg: GPNConfig):
+        super().__init__()
+        self.config = cfg
+        d, E, V = cfg.d_state, cfg.d_emb, cfg.vocab_size
+        self.embedding = _zeros_param(V, E)
+        self.decode_norm_w = _ones_param(d)
+        self.decode_proj_k = _zeros_param(d, E)
+        self.decode_bias = _zeros_param(E) if cfg.use_decoder_bias else None
+        self.fuse_norm_w = _ones_param(E)
+        self.fuse_proj_k = _zeros_param(E, d)
+        self.fg_norm_w = _ones_param(d)
+        self.fg_gate_k = _zeros_param(d, d)
+        self.fg_gate_b = _zeros_param(d)
+        if cfg.memory:
+            H, hk, hv = cfg.n_heads, cfg.n_heads * cfg.d_key, cfg.n_heads * cfg.d_val
+            self.write_norm_w = _ones_param(d)
+            self.write_W_k_k = _zeros_param(d, hk)
+            self.write_W_k_b = _zeros_param(hk)
+            self.write_W_v_k = _zeros_param(d, hv)
+            self.write_W_beta_k = _zeros_param(d, H)
+            self.write_W_a_k = _zeros_param(d, H)
+            self.write_A_log = _zeros_param(H)
+            self.write_dt_bias = _zeros_param(H)
+        self.layers = nn.ModuleList(PredictLayer(cfg) for _ in range(cfg.n_layers))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """The paper's initialisers (GPN_MODEL.md section 5), drawn from torch's global RNG."""
+        nn.init.normal_(self.embedding, 0.0, 0.02)
+        nn.init.ones_(self.decode_norm_w)
+        lecun_normal_(self.decode_proj_k)
+        if self.decode_bias is not None:
+            nn.init.zeros_(self.decode_bias)
+        nn.init.ones_(self.fuse_norm_w)
+        lecun_normal_(self.fuse_proj_k)
+        nn.init.ones_(self.fg_norm_w)
+        nn.init.zeros_(self.fg_gate_k)
+        nn.init.zeros_(self.fg_gate_b)
+        if self.config.memory:
+            nn.init.ones_(self.write_norm_w)
+            for w in (self.write_W_k_k, self.write_W_v_k, self.write_W_beta_k, self.write_W_a_k):
+                lecun_normal_(w)
+            nn.init.zeros_(self.write_W_k_b)
+            a = torch.empty_like(self.write_A_log).uniform_(0.0, 16.0)
+            self.write_A_log.copy_(torch.log(a.clamp_min(1e-8)))
+            u = torch.empty_like(self.write_dt_bias).uniform_(math.log(1e-3), math.log(1e-1))
+            dt = torch.exp(u).clamp_min(1e-4)
+            self.write_dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        for layer in self.layers:
+            layer.reset_parameters()
+
+    # ---- the recurrent core ------------------------------------------------------------------
+
+    def initial_state(self, batch: int, device=None) -> GPNState:
+        cfg = self.config
+        device = device or self.embedding.device
+        dtype = torch.promote_types(self.embedding.dtype, torch.float32)  # the state is never low precision
+        zeros = torch.zeros(batch, cfg.d_state, device=device, dtype=dtype)
+        M = torch.zeros(batch, cfg.n_heads, cfg.d_key, cfg.d_val, device=device, dtype=dtype) if cfg.memory else None
+        return GPNState(zeros, zeros.clone(), M)
+
+    def _write(self, g_prev: torch.Tensor, g: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+        """One memory write: the key from the previous grounded state, the value from the current."""
+        B, H = g.shape[0], self.config.n_heads
+        a_prev, a = rms_norm(g_prev, self.write_norm_w), rms_norm(g, self.write_norm_w)
+        k = l2_normalize(torch.relu(a_prev @ self.write_W_k_k + self.write_W_k_b).view(B, H, -1))
+        v = (a @ self.write_W_v_k).view(B, H, -1)
+        beta = torch.sigmoid(a @ self.write_W_beta_k)
+        dt = nn.functional.softplus(at_least_f32(a @ self.write_W_a_k) + at_least_f32(self.write_dt_bias))
+        gamma = -torch.exp(at_least_f32(self.write_A_log)) * dt
+        return write_memory(M, k, v, beta, gamma)
+
+    def _run_steps(self, u: torch.Tensor, state: GPNState, t0: int) -> tuple[torch.Tensor, GPNState]:
+        """Steps t0 .. t0+len(u)-1 of the loop. u: (B, T, d) input projections. Returns s^p (B, T, d)."""
+        g, g_prev, M = state
+        bptt = self.config.bptt
+        predictions = []
+        for i in range(u.shape[1]):
+            if bptt and i + t0 > 0 and (i + t0) % bptt == 0:
+                g, g_prev, M = GPNState(g, g_prev, M).detach()
+            if M is not None:
+                M = self._write(g_prev, g, M)
+            c = g
+            for layer in self.layers:
+                c = layer(c, M)
+            predictions.append(c)
+            g_prev, g = g, _gate(c, self.fg_norm_w, self.fg_gate_k, self.fg_gate_b) * c + u[:, i].to(g.dtype)
+        return torch.stack(predictions, 1), GPNState(g, g_prev, M)
+
+    def _recurrence(self, u: torch.Tensor, state: GPNState) -> tuple[torch.Tensor, GPNState]:
+        seg = self.config.checkpoint_every
+        if not seg or not torch.is_grad_enabled():
+            return self._run_steps(u, state, 0)
+        outs = []
+        for t0 in range(0, u.shape[1], seg):
+            out, state = checkpoint(self._run_steps, u[:, t0 : t0 + seg], state, t0, use_reentrant=False)
+            outs.append(out)
+        return torch.cat(outs, 1), GPNState(*state)
+
+    # ---- the whole model ---------------------------------------------------------------------
+
+    def decode_hidden(self, predictions: torch.Tensor) -> torch.Tensor:
+        """rms(s^p) @ decode_proj_k [+ decode_bias]: the E-dim vector whose dot with emb gives logits."""
+        h = rms_norm(predictions, self.decode_norm_w) @ self.decode_proj_k
+        return h if self.decode_bias is None else h + self.decode_bias
+
+    def forward(self, tokens: torch.Tensor, state: GPNState | None = None, return_logits: bool = False) -> ModelOutput:
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens: expected a (batch, time) tensor, got shape {tuple(tokens.shape)}")
+        B, T = tokens.shape
+        state = self.initial_state(B, tokens.device) if state is None else GPNState(*state)
+        u = rms_norm(self.embedding[tokens], self.fuse_norm_w) @ self.fuse_proj_k
+        predictions, state = self._recurrence(u, state)
+        h = self.decode_hidden(predictions).reshape(B * T, -1)
+        token_losses = linear_cross_entropy(h, self.embedding, tokens.reshape(-1), self.config.ce_chunk)
+        logits = at_least_f32(h @ self.embedding.T).view(B, T, -1) if return_logits else None
+        token_losses = token_losses.view(B, T)
+        return ModelOutput(token_losses.mean(), token_losses, state, logits)

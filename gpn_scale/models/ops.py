@@ -1,0 +1,95 @@
+"""Small numerical building blocks shared by the models (GPN_MODEL.md section 2)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+RMS_EPS = 1e-6
+L2_EPS = 1e-12
+
+
+def at_least_f32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or float64 when it already is (float64 runs serve gradient checks)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + 1e-6) * w, computed in float32 and cast back to x's dtype."""
+    xf = at_least_f32(x)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + RMS_EPS) * weight.to(xf.dtype)
+    return y.to(x.dtype)
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + 1e-12) over the last axis, in float32."""
+    xf = at_least_f32(x)
+    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + L2_EPS)
+
+
+def lecun_normal_(w: torch.Tensor) -> torch.Tensor:
+    """Truncated normal (at +-2 std) with variance 1/fan_in, fan_in = w.shape[0] (in x out layout).
+
+    The truncation shrinks the variance by 0.8796^2; the standard deviation is scaled up to undo it,
+    as in JAX's `lecun_normal`.
+    """
+    std = math.sqrt(1.0 / w.shape[0]) / 0.87962566103423978
+    return torch.nn.init.trunc_normal_(w, 0.0, std, -2.0 * std, 2.0 * std)
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    device = t.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return t.dtype
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Per-row CE of `h @ weight.T` against `targets`, chunked over rows.
+
+    Logits for `chunk` rows exist at a time, in the forward and again (recomputed) in the
+    backward, so the (rows x vocab) matrix is never materialised. Only the log-sum-exp of each
+    row is saved. Under autocast the matmuls run in the autocast dtype; the softmax statistics
+    are float32.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk):
+        dtype = _compute_dtype(h)
+        device = h.device.type
+        losses = torch.empty(h.shape[0], dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
+        lse = torch.empty_like(losses)
+        with torch.autocast(device, enabled=False):
+            w = weight.to(dtype)
+            for s in range(0, h.shape[0], chunk):
+                logits = at_least_f32(h[s : s + chunk].to(dtype) @ w.T)
+                lse[s : s + chunk] = torch.logsumexp(logits, -1)
+                target_logit = logits.gather(1, targets[s : s + chunk, None]).squeeze(1)
+                losses[s : s + chunk] = lse[s : s + chunk] - target_logit
+        ctx.save_for_backward(h, weight, targets, lse)
+        ctx.chunk, ctx.dtype = chunk, dtype
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        h, weight, targets, lse = ctx.saved_tensors
+        dtype, chunk = ctx.dtype, ctx.chunk
+        dh = torch.empty_like(h)
+        dweight = lse.new_zeros(weight.shape)  # float32 accumulator
+        with torch.autocast(h.device.type, enabled=False):
+            w = weight.to(dtype)
+            for s in range(0, h.shape[0], chunk):
+                hc = h[s : s + chunk].to(dtype)
+                probs = torch.exp(at_least_f32(hc @ w.T) - lse[s : s + chunk, None])
+                rows = torch.arange(probs.shape[0], device=probs.device)
+                probs[rows, targets[s : s + chunk]] -= 1.0
+                dlogits = (probs * grad_losses[s : s + chunk, None]).to(dtype)
+                dh[s : s + chunk] = (dlogits @ w).to(h.dtype)
+                dweight += dlogits.T @ hc
+        return dh, dweight.to(weight.dtype), None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Per-row losses (float32) of a tied-decoder CE, never materialising all logits at once."""
+    return LinearCrossEntropy.apply(h, weight, targets, max(1, chunk))
