@@ -144,8 +144,9 @@ def _train_tokenizer(argv: list[str]) -> int:
                     if isinstance(doc.text, str) and doc.text:  # bad documents do not teach the vocabulary
                         yield doc.text
 
-    train_bpe(texts(), a.vocab_size, a.out)
-    print(f"wrote {a.out} (byte-level BPE, vocab {a.vocab_size}, EOS <|endoftext|>)")
+    reached = train_bpe(texts(), a.vocab_size, a.out)
+    short = f" (asked for {a.vocab_size}: the text has no more merges)" if reached < a.vocab_size else ""
+    print(f"wrote {a.out}: byte-level BPE, vocab {reached}{short}, EOS <|endoftext|>")
     return 0
 
 

@@ -155,11 +155,12 @@ def _aggregate(manifest: dict, units: list[dict]) -> dict:
         for u in units:
             total.update(u["splits"][split])
         splits[split] = {k: total[k] for k in ("documents", "tokens", "windows", "dropped_tail_tokens")}
-    skipped, filtered, listed = Counter(), Counter(), []
+    skipped, filtered, listed, files = Counter(), Counter(), [], list(manifest["skipped_files"])
     for u in units:
         skipped.update(u["skipped"])
         filtered.update(u["filtered"])
         listed += u["skipped_documents"]
+        files += u["skipped_files"]
     return {
         "seq_len": config["seq_len"],
         "vocab_size": tok["vocab_size"],
@@ -173,7 +174,7 @@ def _aggregate(manifest: dict, units: list[dict]) -> dict:
         "units": len(units),
         "skipped": {
             "documents": dict(sorted(skipped.items())),
-            "files": manifest["skipped_files"],
+            "files": files,
             "listed": listed[:MAX_LISTED],
         },
         "filtered": dict(sorted(filtered.items())),

@@ -8,7 +8,6 @@ own, which is what makes the output independent of how units are spread over wor
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
+import zstandard
 
 from gpn_scale.errors import UserError
 
@@ -24,6 +24,10 @@ UNIT_ROWS = 20_000  # bounds a unit's memory and the tail it drops; part of the 
 PARQUET = (".parquet",)
 JSONL = (".jsonl", ".jsonl.zst", ".jsonl.gz")
 BATCH = 512  # documents tokenized per call
+
+
+class UnreadableInput(UserError):
+    """A file (or part of one) that cannot be read at all, as opposed to one bad document."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ def _parquet_units(url: str, filters: Filters) -> list[Unit]:
             meta = pq.ParquetFile(f).metadata
             schema = meta.schema.to_arrow_schema()
     except Exception as e:  # pyarrow raises several types for truncated or foreign files
-        raise UserError(f"{url}: not a readable parquet file ({type(e).__name__}: {_first_line(e)})") from None
+        raise UnreadableInput(f"{url}: not a readable parquet file ({type(e).__name__}: {_first_line(e)})") from None
     _check_schema(url, schema, filters)
     units, first = [], 0
     for rg in range(meta.num_row_groups):
@@ -183,7 +187,7 @@ def _read_parquet(unit: Unit, filters: Filters) -> Iterator[list[Document]]:
         with fsspec.open(unit.file, "rb") as f:
             table = pq.ParquetFile(f).read_row_group(unit.row_group, columns=columns)
     except Exception as e:
-        raise UserError(f"{unit.file}: row group {unit.row_group} unreadable ({type(e).__name__}: {_first_line(e)})") from None
+        raise UnreadableInput(f"{unit.file}: row group {unit.row_group} unreadable ({type(e).__name__}: {_first_line(e)})") from None
     table = table.slice(unit.start, unit.stop - unit.start)
     for lo in range(0, table.num_rows, BATCH):
         part = table.slice(lo, BATCH)
@@ -221,27 +225,52 @@ class BadLine:
 
 def _read_jsonl(unit: Unit, filters: Filters) -> Iterator[Document]:
     try:
-        f = fsspec.open(unit.file, "rb", compression="infer").open()
-    except Exception as e:
-        raise UserError(f"{unit.file}: unreadable ({type(e).__name__}: {_first_line(e)})") from None
-    with f:
-        for line_no, raw in enumerate(io.BufferedReader(f)):
+        for line_no, raw in enumerate(_lines(unit.file)):
             if unit.stop >= 0 and line_no >= unit.stop:
                 return
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                yield Document(unit.file, line_no, raw)
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield Document(unit.file, line_no, BadLine(f"not valid JSON ({e.msg})"))
-                continue
-            if not isinstance(record, dict) or filters.text_column not in record:
-                yield Document(unit.file, line_no, BadLine(f"no field {filters.text_column!r}"))
-                continue
-            yield Document(unit.file, line_no, record[filters.text_column], record.get("int_score"), record.get("score"))
+            if not raw.strip():
+                continue  # a blank line holds no document
+            yield _jsonl_document(unit.file, line_no, raw, filters)
+    except (OSError, EOFError, ValueError, zstandard.ZstdError) as e:  # missing, truncated, corrupt
+        raise UnreadableInput(f"{unit.file}: unreadable ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def _lines(url: str) -> Iterator[bytes]:
+    if not url.endswith(".zst"):
+        with fsspec.open(url, "rb", compression="infer") as f:
+            yield from f
+        return
+    # zstandard's stream reader ends quietly on a truncated frame, which would lose documents
+    # silently; a decompressobj per frame tells a complete stream from a cut one.
+    with fsspec.open(url, "rb") as f:
+        dobj, fed, pending = zstandard.ZstdDecompressor().decompressobj(), False, b""
+        while chunk := f.read(1 << 20):
+            while chunk:
+                pending += dobj.decompress(chunk)
+                fed = True
+                chunk = b""
+                if dobj.eof:  # a frame ended; the next one (if any) starts in unused_data
+                    chunk, dobj, fed = dobj.unused_data, zstandard.ZstdDecompressor().decompressobj(), False
+            *lines, pending = pending.split(b"\n")
+            yield from (line + b"\n" for line in lines)
+        if fed:
+            raise EOFError("zstd stream ends inside a frame (truncated file?)")
+        if pending:
+            yield pending
+
+
+def _jsonl_document(file: str, line_no: int, raw: bytes, filters: Filters) -> Document:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return Document(file, line_no, raw)
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        return Document(file, line_no, BadLine(f"not valid JSON ({e.msg})"))
+    if not isinstance(record, dict) or filters.text_column not in record:
+        return Document(file, line_no, BadLine(f"no field {filters.text_column!r}"))
+    return Document(file, line_no, record[filters.text_column], record.get("int_score"), record.get("score"))
 
 
 def _first_line(e: Exception) -> str:

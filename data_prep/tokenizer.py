@@ -103,8 +103,9 @@ def _special_id(tok, name: str | None, candidates: tuple[str, ...]) -> int | Non
     return None
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out: str) -> None:
-    """Train a byte-level BPE (GPT-2 style) with `<|endoftext|>` as EOS and write tokenizer.json."""
+def train_bpe(texts: Iterable[str], vocab_size: int, out: str) -> int:
+    """Train a byte-level BPE (GPT-2 style) with `<|endoftext|>` as EOS and write tokenizer.json.
+    Returns the vocabulary size reached: less than asked when the text has too few distinct merges."""
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 256 + len(TRAINED_SPECIALS):
@@ -118,3 +119,4 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str) -> None:
     tok.train_from_iterator(texts, trainer)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     tok.save(out)
+    return tok.get_vocab_size(with_added_tokens=True)

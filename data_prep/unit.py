@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from streaming import MDSWriter
 
 from data_prep import output
 from data_prep.pack import Packer
-from data_prep.sources import BadLine, Document, Filters, Unit, read_unit
+from data_prep.sources import BadLine, Document, Filters, Unit, UnreadableInput, read_unit
 from data_prep.tokenizer import Tokenizer
 from gpn_scale.errors import UserError
 
@@ -49,9 +50,9 @@ def is_val(text_utf8: bytes, fraction: float) -> bool:
 class _Checker:
     """Sorts documents into kept, filtered (by a score flag) and bad (reported or fatal)."""
 
-    def __init__(self, settings: Settings, unit: Unit):
+    def __init__(self, settings: Settings, unit: Unit | None):
         self.settings = settings
-        self.row_word = "line" if unit.row_group < 0 else "row"
+        self.row_word = "line" if unit is not None and unit.row_group < 0 else "row"
         self.skipped: Counter[str] = Counter()
         self.filtered: Counter[str] = Counter()
         self.listed: list[dict] = []
@@ -62,6 +63,8 @@ class _Checker:
             return text.reason
         if isinstance(text, bytes):
             return "invalid UTF-8"
+        if text is None:
+            return "text is null"
         if not isinstance(text, str):
             return f"text is {type(text).__name__}, expected a string"
         if not text:
@@ -99,7 +102,23 @@ def prepare_unit(index: int, unit: Unit, settings: Settings, tokenizer: Tokenize
     output.clear_unit(out, uid)
     tmp = out / ".tmp" / uid
     tmp.mkdir(parents=True)
+    try:
+        stats, unigram = _pack(unit, settings, tokenizer, tmp)
+    except UnreadableInput as e:
+        if not settings.skip_bad:
+            raise
+        # Whatever was read before the damage is dropped with it: the file is skipped as a whole.
+        shutil.rmtree(tmp)
+        tmp.mkdir()
+        stats, unigram = _pack(None, settings, tokenizer, tmp)
+        stats["skipped_files"] = [{"file": unit.file, "reason": str(e).removeprefix(f"{unit.file}: ")}]
+    stats = {"unit": uid, "source": unit.to_json(), **stats}
+    output.commit_unit(out, uid, tmp, stats, unigram)
+    return {**stats, "seconds": time.perf_counter() - started, "pid": os.getpid()}
 
+
+def _pack(unit: Unit | None, settings: Settings, tokenizer: Tokenizer, tmp: Path) -> tuple[dict, np.ndarray]:
+    """Write the unit's windows under `tmp` (an empty output for `None`); return stats and unigram."""
     info = tokenizer.info
     columns = {"tokens": f"ndarray:{info.dtype.name}:{settings.seq_len}"}
     writers = {s: MDSWriter(out=str(tmp / s), columns=columns, compression=settings.compression,
@@ -108,7 +127,7 @@ def prepare_unit(index: int, unit: Unit, settings: Settings, tokenizer: Tokenize
     counts = {s: Counter(documents=0, tokens=0, windows=0, dropped_tail_tokens=0) for s in settings.splits}
     unigram = np.zeros(info.vocab_size, np.int64)
     checker = _Checker(settings, unit)
-    whole_file_val = unit.file in settings.val_files
+    whole_file_val = unit is not None and unit.file in settings.val_files
     prefix = [info.bos_id] if settings.add_bos else []
 
     def emit(split: str, windows: np.ndarray) -> None:
@@ -118,7 +137,7 @@ def prepare_unit(index: int, unit: Unit, settings: Settings, tokenizer: Tokenize
         for window in windows:
             writers[split].write({"tokens": window})
 
-    for batch in read_unit(unit, settings.filters):
+    for batch in read_unit(unit, settings.filters) if unit is not None else ():
         kept, routes = [], []
         for doc in batch:
             utf8 = checker.keep(doc)
@@ -139,12 +158,10 @@ def prepare_unit(index: int, unit: Unit, settings: Settings, tokenizer: Tokenize
         counts[split]["dropped_tail_tokens"] = packers[split].finish()
         writers[split].finish()
     stats = {
-        "unit": uid,
-        "source": unit.to_json(),
         "splits": {s: dict(c) for s, c in counts.items()},
         "skipped": dict(sorted(checker.skipped.items())),
         "skipped_documents": checker.listed,
+        "skipped_files": [],
         "filtered": dict(sorted(checker.filtered.items())),
     }
-    output.commit_unit(out, uid, tmp, stats, unigram)
-    return {**stats, "seconds": time.perf_counter() - started, "pid": os.getpid()}
+    return stats, unigram

@@ -1,0 +1,336 @@
+"""Data prep on real parquet/jsonl, real tokenizers and real MosaicML Streaming, in-process.
+
+The multi-process checks (workers x nodes identity, SIGKILL resume) are in test_prep_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from data_prep.embedded import SCHEMA, write_embedded_corpus
+from data_prep.pack import Packer
+from gpn_scale.cli import main as gpn_main
+
+SEQ_LEN = 64
+WORDS = "the of grounded prediction network state memory token window river stone light".split()
+
+
+# ---------------------------------------------------------------- corpus and tokenizer helpers
+
+
+def fineweb_table(texts: list, text_type=pa.string()) -> pa.Table:
+    """`texts` under the FineWeb-Edu schema (other columns filled plausibly)."""
+    n = len(texts)
+    columns = {
+        "text": pa.array(texts, text_type), "id": [f"<urn:uuid:{i:08d}>" for i in range(n)],
+        "dump": ["CC-MAIN-2024-10"] * n, "url": [f"https://example.org/{i}" for i in range(n)],
+        "date": ["2024-02-20T00:00:00Z"] * n, "file_path": ["s3://commoncrawl/x.warc.gz"] * n,
+        "language": ["en"] * n, "language_score": [0.9] * n, "token_count": [100] * n,
+        "score": [2.5 + (i % 3) * 0.5 for i in range(n)], "int_score": [2 + i % 3 for i in range(n)],
+    }
+    schema = SCHEMA if text_type == pa.string() else SCHEMA.set(0, pa.field("text", text_type))
+    return pa.table(columns, schema=schema)
+
+
+def english(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "."
+
+
+def write_corpus(root: Path, files: int = 3, docs_per_file: int = 40, row_group: int = 9, seed: int = 0) -> Path:
+    """FineWeb-Edu parquet files with Unicode, empty and very long documents, plus one jsonl.zst."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    specials = ["Ünïcödé naïve café — 東京 🚀 שלום", "", english(rng, 12_000), "e\u0301 combining", " "]
+    for k in range(files):
+        texts = [english(rng, rng.randint(1, 300)) for _ in range(docs_per_file)]
+        for j, special in enumerate(specials):
+            texts.insert((7 * j + k) % len(texts), special)
+        pq.write_table(fineweb_table(texts), root / f"part-{k:03d}.parquet", row_group_size=row_group)
+    lines = [json.dumps({"text": english(rng, rng.randint(5, 80)), "int_score": 3}) for _ in range(25)]
+    (root / "extra.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress("\n".join(lines).encode() + b"\n"))
+    return root
+
+
+def prep(*args, capsys=None) -> tuple[int, str]:
+    code = gpn_main(["prep", *map(str, args)])
+    err = capsys.readouterr().err if capsys else ""
+    return code, err
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    assert gpn_main(["prep", "train-tokenizer", str(corpus), "--vocab-size", "400", "--out", str(path)]) == 0
+    return path
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def read_split(path: Path, **kw) -> np.ndarray:
+    from streaming import StreamingDataset
+
+    ds = StreamingDataset(local=str(path), batch_size=1, shuffle=False, **kw)
+    return np.stack([ds[i]["tokens"] for i in range(len(ds))]) if len(ds) else np.empty((0, SEQ_LEN))
+
+
+def expected_stream(corpus: Path, tokenizer: Path, val_fraction: float) -> dict[str, tuple[list[int], int]]:
+    """Independently of data_prep's code paths: each unit (a parquet row group, or the jsonl file,
+    in sorted file order) packs its kept documents' tokens + EOS per split and drops its tail.
+    Returns, per split, the kept token stream and the dropped-tail total."""
+    from tokenizers import Tokenizer
+
+    from data_prep.unit import is_val
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    eos = tok.token_to_id("<|endoftext|>")
+    units = []
+    for path in sorted(corpus.iterdir(), key=lambda p: p.as_uri()):
+        if path.suffix == ".parquet":
+            f = pq.ParquetFile(path)
+            units += [f.read_row_group(i, columns=["text"]).column("text").to_pylist() for i in range(f.num_row_groups)]
+        else:
+            raw = zstandard.ZstdDecompressor().decompress(path.read_bytes()).decode()
+            units.append([json.loads(line)["text"] for line in raw.splitlines()])
+    result = {s: ([], 0) for s in ("train", "val")}
+    for texts in units:
+        per_split = {"train": [], "val": []}
+        for text in texts:
+            if text:  # empty documents are skipped (and counted)
+                split = "val" if is_val(text.encode(), val_fraction) else "train"
+                per_split[split] += tok.encode(text, add_special_tokens=False).ids + [eos]
+        for split, tokens in per_split.items():
+            cut = len(tokens) // SEQ_LEN * SEQ_LEN
+            stream, dropped = result[split]
+            result[split] = (stream + tokens[:cut], dropped + len(tokens) - cut)
+    return result
+
+
+# ---------------------------------------------------------------- packing
+
+
+def test_packer_cuts_windows_in_order_and_reports_the_tail():
+    packer = Packer(4, np.dtype(np.uint16))
+    first = packer.add([[1, 2, 3], [4, 5]])
+    second = packer.add([[6], [7, 8, 9, 10, 11]])
+    assert first.tolist() == [[1, 2, 3, 4]]
+    assert second.tolist() == [[5, 6, 7, 8]]
+    assert packer.finish() == 3  # 9, 10, 11
+    assert packer.add([[1]]).shape == (0, 4) and packer.finish() == 1
+
+
+# ---------------------------------------------------------------- the token stream, end to end
+
+
+def test_windows_reproduce_every_kept_document_in_order(corpus, tokenizer, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, err = prep(corpus, "--out", out, "--tokenizer", tokenizer, "--seq-len", SEQ_LEN, "--workers", 1,
+                     "--val-fraction", 0.2, "--on-error", "skip", capsys=capsys)
+    assert code == 0, err
+    stats = json.loads((out / "stats.json").read_text())
+    expected = expected_stream(corpus, tokenizer, 0.2)
+    for split in ("train", "val"):
+        windows = read_split(out / split)
+        assert windows.dtype == np.uint16 and windows.shape[1] == SEQ_LEN
+        stream, dropped = expected[split]
+        assert windows.ravel().tolist() == stream
+        assert stats["splits"][split]["dropped_tail_tokens"] == dropped
+        assert stats["splits"][split]["tokens"] == len(stream) + dropped
+    assert stats["skipped"]["documents"] == {"empty text": 3}  # one per parquet file
+    vocab = json.loads(tokenizer.read_text())["model"]["vocab"]
+    assert stats["seq_len"] == SEQ_LEN and stats["vocab_size"] == len(vocab) and stats["eos_id"] == 0
+    assert (out / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    unigram = np.load(out / "unigram.npy")
+    assert unigram.dtype == np.int64 and unigram.shape == (len(vocab),)
+    assert np.array_equal(unigram, np.bincount(read_split(out / "train").ravel(), minlength=len(vocab)))
+
+
+def test_streaming_reads_a_filesystem_remote_into_a_separate_cache(corpus, tokenizer, tmp_path):
+    out = tmp_path / "out"
+    assert prep(corpus, "--out", out, "--tokenizer", tokenizer, "--seq-len", SEQ_LEN, "--workers", 1,
+                "--on-error", "skip")[0] == 0
+    local = read_split(out / "train")
+    cache = tmp_path / "cache"
+    # Streaming 0.13 has no `file://` scheme: a remote on a (shared) filesystem is a plain path,
+    # downloaded shard by shard into the local cache just like s3:// would be.
+    remote = read_split(cache, remote=str(out / "train"))
+    assert np.array_equal(local, remote) and len(local) > 0
+    assert (cache / "index.json").exists() and any(cache.glob("000000/shard.*.mds"))  # unit paths resolve
+
+
+def test_a_rerun_clears_what_a_crash_left_and_matches_a_clean_run(corpus, tokenizer, tmp_path):
+    args = ["--tokenizer", tokenizer, "--seq-len", SEQ_LEN, "--workers", 1, "--on-error", "skip"]
+    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
+    assert prep(corpus, "--out", clean, *args)[0] == 0
+    shutil.copytree(clean, crashed)
+    # A crash mid-commit of unit 1: its shards moved into place, its marker not yet written;
+    # another unit caught mid-write in .tmp; the merge never ran.
+    (crashed / "units" / "000001.json").unlink()
+    (crashed / "train" / "000002" / "shard.00000.mds.zstd").write_bytes(b"half")
+    (crashed / "units" / "000002.json").unlink()
+    (crashed / ".tmp" / "000003" / "train").mkdir(parents=True)
+    for name in ("stats.json", "unigram.npy", "train/index.json"):
+        (crashed / name).unlink()
+    assert prep(corpus, "--out", crashed, *args)[0] == 0
+    assert tree_bytes(crashed) == tree_bytes(clean)
+
+
+def test_embedded_corpus_goes_through_the_real_path(tmp_path):
+    files = write_embedded_corpus(tmp_path / "corpus")
+    assert len(files) >= 3 and files == sorted(files)
+    table = pq.read_table(files[0])
+    assert table.schema.names == SCHEMA.names and table.num_rows > 10
+    assert "def" in " ".join(table.column("text").to_pylist())  # real Python documentation prose
+    tok = tmp_path / "tok.json"
+    assert gpn_main(["prep", "train-tokenizer", *map(str, files), "--vocab-size", "512", "--out", str(tok)]) == 0
+    out = tmp_path / "out"
+    assert prep(*files[:-1], "--val-files", files[-1], "--out", out, "--tokenizer", tok, "--seq-len", 128,
+                "--workers", 1)[0] == 0
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["splits"]["train"]["windows"] > 100 and stats["splits"]["val"]["windows"] > 20
+    assert stats["skipped"]["documents"] == {}
+    assert len(read_split(out / "val")) == stats["splits"]["val"]["windows"]
+
+
+def test_sentencepiece_model_filters_and_limits(corpus, tmp_path):
+    import sentencepiece as spm
+
+    text = tmp_path / "text.txt"
+    rng = random.Random(1)
+    text.write_text("\n".join(english(rng, 30) for _ in range(300)) + "\nÜnïcödé 東京 🚀\n")
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "sp"), vocab_size=400,
+                                   model_type="bpe", byte_fallback=True, minloglevel=2)
+    model = tmp_path / "sp.model"
+    out = tmp_path / "out"
+    parquet = sorted(corpus.glob("*.parquet"))
+    assert prep(*parquet, "--out", out, "--tokenizer", model, "--seq-len", 32, "--workers", 1, "--bos",
+                "--min-int-score", 3, "--max-docs", 60, "--on-error", "skip")[0] == 0
+    stats = json.loads((out / "stats.json").read_text())
+    assert (out / "tokenizer.model").read_bytes() == model.read_bytes()
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    assert (stats["vocab_size"], stats["eos_id"], stats["bos_id"], stats["add_bos"]) == (400, sp.eos_id(), sp.bos_id(), True)
+    # --max-docs: the first 60 rows in input order, across the file boundary (45 rows per file)
+    rows = pa.concat_tables(pq.read_table(p) for p in parquet).slice(0, 60).to_pylist()
+    keep = [r["text"] for r in rows if r["int_score"] >= 3 and r["text"]]
+    tokens = sum(len(sp.encode(t)) + 2 for t in keep)
+    assert stats["splits"]["train"]["documents"] == len(keep)
+    assert stats["splits"]["train"]["tokens"] == tokens
+    assert sum(stats["filtered"].values()) + sum(stats["skipped"]["documents"].values()) + len(keep) == 60
+    first = read_split(out / "train")[0]
+    assert first[0] == sp.bos_id()
+
+
+def test_max_tokens_stops_at_a_unit_boundary(corpus, tokenizer, tmp_path):
+    out = tmp_path / "out"
+    assert prep(corpus, "--out", out, "--tokenizer", tokenizer, "--seq-len", SEQ_LEN, "--workers", 1,
+                "--on-error", "skip", "--max-tokens", 5000)[0] == 0
+    stats = json.loads((out / "stats.json").read_text())
+    units = [json.loads(p.read_text()) for p in sorted((out / "units").glob("*.json"))]
+    windows = [u["splits"]["train"]["windows"] for u in units]
+    assert len(units) == stats["units"] < len(json.loads((out / "prep.json").read_text())["units"])
+    assert sum(windows) * SEQ_LEN >= 5000 > sum(windows[:-1]) * SEQ_LEN
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _bad_inputs(root: Path, good: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (file, what the one-line error must say)"""
+    root.mkdir()
+    ok = ["A fine document.", "Another one."]
+    cases = {}
+
+    def parquet(name, table):
+        pq.write_table(table, root / name)
+        return root / name
+
+    truncated = root / "truncated.parquet"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    cases["corrupt parquet"] = (truncated, "not a readable parquet file")
+    cases["missing text column"] = (parquet("notext.parquet", pa.table({"content": ok})), "no column 'text'")
+    cases["non-string column"] = (parquet("ints.parquet", pa.table({"text": [1, 2]})), "has type int64, expected string")
+    cases["null text"] = (parquet("null.parquet", fineweb_table(ok + [None])), "row 2: text is null")
+    cases["empty text"] = (parquet("empty.parquet", fineweb_table([ok[0], "", ok[1]])), "row 1: empty text")
+    cases["invalid UTF-8 (parquet)"] = (parquet("binary.parquet", fineweb_table([b"ok", b"\xff\xfebad"], pa.binary())),
+                                        "row 1: invalid UTF-8")
+    jsonl = root / "bad-utf8.jsonl"
+    jsonl.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    cases["invalid UTF-8 (jsonl)"] = (jsonl, "line 1: invalid UTF-8")
+    numbers = root / "numbers.jsonl"
+    numbers.write_text('{"text": "fine"}\n{"text": 42}\n{"title": "x"}\nnot json\n')
+    cases["non-string text (jsonl)"] = (numbers, "line 1: text is int, expected a string")
+    cut = root / "cut.jsonl.zst"
+    whole = zstandard.ZstdCompressor().compress("".join(f'{{"text": "doc {i}"}}\n' for i in range(5000)).encode())
+    cut.write_bytes(whole[: len(whole) // 2])
+    cases["truncated zstd"] = (cut, "zstd stream ends inside a frame")
+    return cases
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(corpus, tmp_path_factory):
+    return _bad_inputs(tmp_path_factory.mktemp("bad") / "in", corpus / "part-000.parquet")
+
+
+@pytest.mark.parametrize("case", ["corrupt parquet", "missing text column", "non-string column", "null text",
+                                  "empty text", "invalid UTF-8 (parquet)", "invalid UTF-8 (jsonl)",
+                                  "non-string text (jsonl)", "truncated zstd"])
+def test_bad_input_is_one_line_naming_file_and_problem(case, bad_inputs, tokenizer, tmp_path, capsys):
+    path, message = bad_inputs[case]
+    code, err = prep(path, "--out", tmp_path / "out", "--tokenizer", tokenizer, "--seq-len", SEQ_LEN,
+                     "--workers", 1, capsys=capsys)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert str(path.name) in lines[0] and message in lines[0], lines[0]
+
+
+def test_skip_counts_and_lists_every_bad_file_and_document(bad_inputs, corpus, tokenizer, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, err = prep(*[p for p, _ in bad_inputs.values()], corpus / "part-000.parquet", "--out", out,
+                     "--tokenizer", tokenizer, "--seq-len", 16, "--workers", 1, "--on-error", "skip", capsys=capsys)
+    assert code == 0, err
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["skipped"]["documents"] == {
+        "empty text": 2,  # empty.parquet and the one in part-000
+        "invalid UTF-8": 2,
+        "no field 'text'": 1,
+        "not valid JSON (Expecting value)": 1,
+        "text is int, expected a string": 1,
+        "text is null": 1,
+    }
+    files = {Path(f["file"]).name: f["reason"] for f in stats["skipped"]["files"]}
+    assert set(files) == {"truncated.parquet", "notext.parquet", "ints.parquet", "cut.jsonl.zst"}
+    assert "not a readable parquet file" in files["truncated.parquet"]
+    assert {(Path(d["file"]).name, d["reason"]) for d in stats["skipped"]["listed"]} >= {
+        ("binary.parquet", "invalid UTF-8"), ("numbers.jsonl", "text is int, expected a string")}
+    good_docs = 2 + 2 + 1 + 1 + 1 + (45 - 1)  # null, empty, binary, bad-utf8, numbers, part-000 (45 rows, 1 empty)
+    assert stats["splits"]["train"]["documents"] == good_docs
+
+
+def test_a_different_tokenizer_on_an_existing_output_is_refused(corpus, tokenizer, tmp_path, capsys):
+    out = tmp_path / "out"
+    part = corpus / "part-000.parquet"
+    assert prep(part, "--out", out, "--tokenizer", tokenizer, "--seq-len", SEQ_LEN, "--workers", 1,
+                "--on-error", "skip")[0] == 0
+    other = tmp_path / "other.json"
+    assert gpn_main(["prep", "train-tokenizer", str(part), "--vocab-size", "300", "--out", str(other)]) == 0
+    capsys.readouterr()
+    code, err = prep(part, "--out", out, "--tokenizer", other, "--seq-len", SEQ_LEN, "--workers", 1,
+                     "--on-error", "skip", capsys=capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "prep.json" in err and "another tokenizer" in err and "vocab 300" in err
