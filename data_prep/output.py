@@ -14,9 +14,11 @@ a crash) sees a file either complete or not at all.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -32,8 +34,11 @@ def unit_id(index: int) -> str:
     return f"{index:06d}"
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+def write_atomic(out: Path, path: Path, data: bytes) -> None:
+    """Write via a uniquely named file in OUT/.tmp (nodes may race to write the same file; a crash
+    leaves the litter there, where the merge removes it)."""
+    tmp = out / ".tmp" / f"{path.name}.{uuid.uuid4().hex}"
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     tmp.write_bytes(data)
     os.replace(tmp, path)
 
@@ -69,7 +74,7 @@ def commit_unit(out: Path, uid: str, tmp: Path, stats: dict, unigram: np.ndarray
     with open(tmp / "unigram.npy", "wb") as f:
         np.save(f, unigram)
     os.replace(tmp / "unigram.npy", out / "units" / f"{uid}.npy")
-    write_atomic(marker(out, uid), dump_json(stats))
+    write_atomic(out, marker(out, uid), dump_json(stats))
     tmp.rmdir()
 
 
@@ -78,7 +83,7 @@ def check_manifest(out: Path, manifest: dict) -> None:
     path = out / "prep.json"
     if not path.exists():
         out.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, dump_json(manifest))
+        write_atomic(out, path, dump_json(manifest))
         return
     old = json.loads(path.read_text())
     old_tok, new_tok = old["tokenizer"], manifest["tokenizer"]
@@ -88,11 +93,14 @@ def check_manifest(out: Path, manifest: dict) -> None:
             f"{path}: existing output was prepared with another tokenizer ({old_tok['path']}, vocab "
             f"{old_tok['vocab_size']}, sha256 {old_tok['sha256'][:12]}); this run's is {new_tok['path']}, vocab "
             f"{new_tok['vocab_size']}, sha256 {new_tok['sha256'][:12]}. Use a new --out or the same tokenizer")
-    for key in manifest:
-        if key != "tokenizer" and old.get(key) != manifest[key]:
-            what = "input files or their contents" if key in ("units", "inputs") else repr(manifest[key])
-            raise UserError(f"{path}: existing output has different {key!r} (this run: {what}); "
-                            f"use a new --out or the same settings")
+    for key, value in manifest["config"].items():
+        if old["config"].get(key) != value:
+            raise UserError(f"{path}: existing output was prepared with {key}={old['config'].get(key)!r}, "
+                            f"this run has {value!r}; use a new --out or the same settings")
+    for key in ("inputs", "units", "skipped_files"):
+        if old[key] != manifest[key]:
+            raise UserError(f"{path}: existing output was prepared from other input files (or they changed "
+                            f"since: {key} differ); use a new --out or the same inputs")
 
 
 def read_manifest(out: Path) -> dict:
@@ -131,18 +139,17 @@ def merge(out: Path) -> dict:
                     if shard.get(key):
                         shard[key]["basename"] = f"{uid}/{shard[key]['basename']}"
                 shards.append(shard)
-        write_atomic(out / split / "index.json", dump_json({"shards": shards, "version": 2}))
+        write_atomic(out, out / split / "index.json", dump_json({"shards": shards, "version": 2}))
 
     unigram = np.zeros(manifest["tokenizer"]["vocab_size"], np.int64)
     for uid, _ in kept:
         unigram += np.load(out / "units" / f"{uid}.npy")
-    tmp = out / ".unigram.npy.tmp"
-    with open(tmp, "wb") as f:
+    with io.BytesIO() as f:
         np.save(f, unigram)
-    os.replace(tmp, out / "unigram.npy")
+        write_atomic(out, out / "unigram.npy", f.getvalue())
 
     stats = _aggregate(manifest, [s for _, s in kept])
-    write_atomic(out / "stats.json", dump_json(stats))
+    write_atomic(out, out / "stats.json", dump_json(stats))
     shutil.rmtree(out / ".tmp", ignore_errors=True)
     return stats
 

@@ -7,6 +7,8 @@ worker or node prepared which unit.
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 
 
@@ -19,7 +21,7 @@ class Packer:
 
     def add(self, docs: list[list[int]]) -> np.ndarray:
         """Append documents (already carrying BOS/EOS); return the windows completed, (n, seq_len)."""
-        flat = np.fromiter((t for doc in docs for t in doc), dtype=self.dtype)
+        flat = np.fromiter(chain.from_iterable(docs), dtype=self.dtype, count=sum(map(len, docs)))
         self._pending.append(flat)
         self._pending_len += len(flat)
         n = self._pending_len // self.seq_len

@@ -7,7 +7,6 @@ so which process prepared a unit never shows in its bytes.
 from __future__ import annotations
 
 import multiprocessing
-import shutil
 import sys
 import time
 from collections import deque
@@ -101,10 +100,8 @@ def _manifest(settings: Settings, tokenizer: Tokenizer, files, units, skipped_fi
 
 def _copy_tokenizer(out: Path, tokenizer: Tokenizer) -> None:
     dest = out / tokenizer.info.filename
-    if not dest.exists():
-        tmp = dest.with_name(f".{dest.name}.tmp")
-        shutil.copyfile(tokenizer.path, tmp)
-        tmp.replace(dest)
+    if not dest.exists():  # same bytes whenever it exists: check_manifest compared the sha256
+        output.write_atomic(out, dest, Path(tokenizer.path).read_bytes())
 
 
 class _Progress:
@@ -125,8 +122,9 @@ class _Progress:
         else:
             self.resumed += 1
         wall = max(time.perf_counter() - self.started, 1e-9)
-        self.bar.set_postfix_str(f"{self.docs / wall:,.0f} docs/s {self.tokens / wall:,.0f} tok/s "
-                                 f"({self.tokens / max(self.busy, 1e-9):,.0f} tok/s/worker)", refresh=False)
+        busy = max(self.busy, 1e-9)
+        self.bar.set_postfix_str(f"{self.docs / wall:,.0f} docs/s {self.tokens / wall:,.0f} tok/s; per worker "
+                                 f"{self.docs / busy:,.0f} docs/s {self.tokens / busy:,.0f} tok/s", refresh=False)
         self.bar.update()
 
     def close(self) -> None:

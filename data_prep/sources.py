@@ -77,15 +77,18 @@ def expand_inputs(patterns: list[str]) -> list[str]:
     """Files named by `patterns` (file, directory or glob; any fsspec URL), sorted, deduplicated."""
     found = set()
     for pattern in patterns:
-        fs, path = fsspec.core.url_to_fs(pattern)
-        if _has_glob(path):
-            paths = fs.glob(path)
-        elif fs.isdir(path):
-            paths = [p for p in fs.find(path) if _kind(p)]
-        elif fs.exists(path):
-            paths = [path]
-        else:
-            raise UserError(f"{pattern}: no such file or directory")
+        try:
+            fs, path = fsspec.core.url_to_fs(pattern)
+            if _has_glob(path):
+                paths = fs.glob(path)
+            elif fs.isdir(path):
+                paths = [p for p in fs.find(path) if _kind(p)]
+            elif fs.exists(path):
+                paths = [path]
+            else:
+                raise UserError(f"{pattern}: no such file or directory")
+        except (ImportError, ValueError, OSError) as e:  # unknown scheme, missing backend, credentials
+            raise UserError(f"{pattern}: cannot list ({type(e).__name__}: {_first_line(e)})") from None
         matched = [fs.unstrip_protocol(p) for p in paths if _kind(p)]
         if not matched:
             raise UserError(f"{pattern}: matched no .parquet, .jsonl or .jsonl.zst files")
