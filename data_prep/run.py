@@ -10,6 +10,7 @@ import multiprocessing
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
@@ -45,27 +46,15 @@ def prepare(inputs: list[str], settings: Settings, *, val_inputs: list[str], max
     _copy_tokenizer(out, tokenizer)
 
     mine = [i for i in range(len(units)) if i % num_nodes == node_rank]
-    # With one node the cap is known here, so units past it are never started.
-    cap = max_tokens if num_nodes == 1 else None
     started = time.perf_counter()
     with multiprocessing.get_context("fork").Pool(workers, _init_worker, (settings,)) as pool:
         progress = _Progress(len(mine), workers)
-        pending: deque = deque()
-        queue = iter(mine)
-        done_tokens = 0
-        while True:
-            while len(pending) < 2 * workers and (cap is None or done_tokens < cap):
-                index = next(queue, None)
-                if index is None:
-                    break
-                committed = output.read_unit_stats(out, output.unit_id(index))
-                pending.append(committed or pool.apply_async(_work, (index, units[index], settings)))
-            if not pending:
-                break
-            head = pending.popleft()
-            stats = head if isinstance(head, dict) else head.get()
-            progress.update(stats, fresh=not isinstance(head, dict))
-            done_tokens += sum(s["windows"] for s in stats["splits"].values()) * settings.seq_len
+        # With one node the cap is known here, so units past it are never started.
+        cap = max_tokens if num_nodes == 1 else None
+        packed = 0
+        for stats, fresh in _in_order(pool, mine, units, settings, workers, lambda: cap is None or packed < cap):
+            progress.update(stats, fresh)
+            packed += sum(s["windows"] for s in stats["splits"].values()) * settings.seq_len
         progress.close()
     elapsed = time.perf_counter() - started
 
@@ -76,6 +65,21 @@ def prepare(inputs: list[str], settings: Settings, *, val_inputs: list[str], max
     stats = output.merge(out)
     print(_final_summary(out, stats), file=sys.stderr)
     return stats
+
+
+def _in_order(pool, indexes: list[int], units, settings: Settings, workers: int, more) -> Iterator[tuple[dict, bool]]:
+    """(stats, prepared now) of each unit in order: committed ones read back, the others prepared
+    with at most two per worker in flight; no new unit starts once `more()` is false."""
+    pending: deque = deque()
+    todo = iter(indexes)
+    while True:
+        while len(pending) < 2 * workers and more() and (index := next(todo, None)) is not None:
+            committed = output.read_unit_stats(Path(settings.out), output.unit_id(index))
+            pending.append(committed or pool.apply_async(_work, (index, units[index], settings)))
+        if not pending:
+            return
+        head = pending.popleft()
+        yield (head, False) if isinstance(head, dict) else (head.get(), True)
 
 
 def _manifest(settings: Settings, tokenizer: Tokenizer, files, units, skipped_files, max_docs, max_tokens) -> dict:

@@ -77,7 +77,7 @@ class _Checker:
         if reason is None:
             try:
                 utf8 = doc.text.encode("utf-8")
-            except UnicodeEncodeError:  # lone surrogates, e.g. from a JSON "\\ud800" escape
+            except UnicodeEncodeError:  # lone surrogates, e.g. from a JSON "\ud800" escape
                 reason = "invalid UTF-8 (lone surrogate)"
         if reason is not None:
             if not self.settings.skip_bad:
@@ -89,8 +89,13 @@ class _Checker:
             return None
         f = self.settings.filters
         for name, value, floor in (("int_score", doc.int_score, f.min_int_score), ("score", doc.score, f.min_score)):
-            if floor is not None and (value is None or value < floor):
-                self.filtered[f"{name} below {floor}" if value is not None else f"no {name}"] += 1
+            if floor is None:
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                self.filtered[f"no numeric {name}"] += 1
+                return None
+            if value < floor:
+                self.filtered[f"{name} below {floor}"] += 1
                 return None
         return utf8
 

@@ -272,7 +272,7 @@ def _bad_inputs(root: Path, good: Path) -> dict[str, tuple[Path, str]]:
     jsonl.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
     cases["invalid UTF-8 (jsonl)"] = (jsonl, "line 1: invalid UTF-8")
     numbers = root / "numbers.jsonl"
-    numbers.write_text('{"text": "fine"}\n{"text": 42}\n{"title": "x"}\nnot json\n')
+    numbers.write_text('{"text": "fine"}\n{"text": 42}\n{"title": "x"}\nnot json\n{"text": "\\ud800"}\n')
     cases["non-string text (jsonl)"] = (numbers, "line 1: text is int, expected a string")
     cut = root / "cut.jsonl.zst"
     whole = zstandard.ZstdCompressor().compress("".join(f'{{"text": "doc {i}"}}\n' for i in range(5000)).encode())
@@ -308,6 +308,7 @@ def test_skip_counts_and_lists_every_bad_file_and_document(bad_inputs, corpus, t
     assert stats["skipped"]["documents"] == {
         "empty text": 2,  # empty.parquet and the one in part-000
         "invalid UTF-8": 2,
+        "invalid UTF-8 (lone surrogate)": 1,
         "no field 'text'": 1,
         "not valid JSON (Expecting value)": 1,
         "text is int, expected a string": 1,
