@@ -20,9 +20,11 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from gpn_scale.models.core import fused_recurrence
 from gpn_scale.models.ops import at_least_f32, l2_normalize, lecun_normal_, linear_cross_entropy, rms_norm
 
 FAMILIES = ("gpn", "gpn_m")
+CORES = ("fused", "naive")
 
 
 @dataclass
@@ -38,14 +40,18 @@ class GPNConfig:
     d_val: int = 256
     use_decoder_bias: bool = False
     # Execution only: none of these change the math.
-    checkpoint_every: int = 0  # recompute activations in time segments of this length (0: off)
+    core: str = "fused"  # the time loop: "fused" (custom backward, see core.py) or "naive" (autograd)
+    core_chunk: int = 64  # fused core: M is kept every this many steps and rebuilt in between
+    checkpoint_every: int = 0  # naive core: recompute activations in time segments of this length (0: off)
     bptt: int = 0  # truncate backprop through time every this many steps (0: full window)
     ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once
 
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"family: expected one of {FAMILIES}, got {self.family!r}")
-        positive = ["vocab_size", "d_state", "d_emb", "d_ffn", "n_layers", "ce_chunk"]
+        if self.core not in CORES:
+            raise ValueError(f"core: expected one of {CORES}, got {self.core!r}")
+        positive = ["vocab_size", "d_state", "d_emb", "d_ffn", "n_layers", "ce_chunk", "core_chunk"]
         if self.memory:
             positive += ["n_heads", "d_key", "d_val"]
         for name in positive:
@@ -83,8 +89,10 @@ class GPNState(NamedTuple):
         return GPNState(self.s.detach(), self.prev_s.detach(), None if self.M is None else self.M.detach())
 
 
-@dataclass
-class ModelOutput:
+class ModelOutput(NamedTuple):
+    """A NamedTuple, not a dataclass: DeepSpeed ZeRO-3 hooks the tensors of tuple outputs to gather
+    the parameters again for the backward."""
+
     loss: torch.Tensor  # mean CE over all B*T positions (float32)
     token_losses: torch.Tensor  # (B, T) float32
     state: GPNState
@@ -261,7 +269,10 @@ class GPN(nn.Module):
             g_prev, g = g, _gate(c, self.fg_norm_w, self.fg_gate_k, self.fg_gate_b) * c + u[:, i].to(g.dtype)
         return torch.stack(predictions, 1), GPNState(g, g_prev, M)
 
-    def _recurrence(self, u: torch.Tensor, state: GPNState) -> tuple[torch.Tensor, GPNState]:
+    def _recurrence(self, u: torch.Tensor, state: GPNState, core: str) -> tuple[torch.Tensor, GPNState]:
+        if core == "fused":
+            predictions, state = fused_recurrence(self, u, state)
+            return predictions, GPNState(*state)
         seg = self.config.checkpoint_every
         if not seg or not torch.is_grad_enabled():
             return self._run_steps(u, state, 0)
@@ -278,13 +289,19 @@ class GPN(nn.Module):
         h = rms_norm(predictions, self.decode_norm_w) @ self.decode_proj_k
         return h if self.decode_bias is None else h + self.decode_bias
 
-    def forward(self, tokens: torch.Tensor, state: GPNState | None = None, return_logits: bool = False) -> ModelOutput:
+    def forward(
+        self, tokens: torch.Tensor, state: GPNState | None = None, return_logits: bool = False, core: str | None = None
+    ) -> ModelOutput:
+        """Loss (and state, logits) of a window. `core` overrides `config.core` for this call."""
+        core = core or self.config.core
+        if core not in CORES:
+            raise ValueError(f"core: expected one of {CORES}, got {core!r}")
         if tokens.dim() != 2:
             raise ValueError(f"tokens: expected a (batch, time) tensor, got shape {tuple(tokens.shape)}")
         B, T = tokens.shape
         state = self.initial_state(B, tokens.device) if state is None else GPNState(*state)
         u = rms_norm(self.embedding[tokens], self.fuse_norm_w) @ self.fuse_proj_k
-        predictions, state = self._recurrence(u, state)
+        predictions, state = self._recurrence(u, state, core)
         h = self.decode_hidden(predictions).reshape(B * T, -1)
         token_losses = linear_cross_entropy(h, self.embedding, tokens.reshape(-1), self.config.ce_chunk)
         logits = at_least_f32(h @ self.embedding.T).view(B, T, -1) if return_logits else None

@@ -1,0 +1,129 @@
+"""The memory step of GPN+M, forward and backward, in plain PyTorch.
+
+One step of the shared matrix memory (GPN_MODEL.md section 4): the gated delta write, then a
+read whose output is RMS-normalised and gated. This is the contract a fused kernel keeps (same
+signatures, same outputs): the fused core calls `memory_step` for the write and layer 0's read
+(the only read whose query is known when the write happens), `memory_read` for the reads of
+later layers, and the `*_backward` twins in its reverse sweep.
+
+Shapes, per sequence b and head h: M (B, H, dk, dv) float32, contiguous; k, q (B, H, dk),
+l2-normalised; v, e (B, H, dv); beta, decay (B, H) (decay = exp(gamma) in (0, 1]); gate
+(B, H*dv) pre-activation. A read returns the raw read o = M^T q (B, H*dv), which the backward
+needs, and y = silu(gate) * o / rms(o). The read's norm weight is not applied here: the caller
+folds it into the out-projection, `(y * w) @ W_o = y @ (diag(w) W_o)`.
+
+The `out_*` arguments name buffers the results are written into (the fused core's saved
+per-step vectors): in a time loop of tiny ops, every copy counts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from gpn_scale.models.ops import RMS_EPS
+
+
+def rms(x: torch.Tensor, out=None) -> torch.Tensor:
+    """sqrt(mean(x^2) + 1e-6) over the last axis, keepdim.
+
+    As hypot(|x| / sqrt(n), sqrt(1e-6)) with tensor constants: three ops, where the obvious
+    x.pow(2).mean().add(eps).sqrt() is five, and in-place ops with Python scalars cost hidden
+    copies on CPU.
+    """
+    inv_sqrt_n, sqrt_eps = _constants(x, 1.0 / math.sqrt(x.shape[-1]), math.sqrt(RMS_EPS))
+    return torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True) * inv_sqrt_n, sqrt_eps, out=out)
+
+
+_CONSTANTS: dict = {}
+
+
+def _constants(like: torch.Tensor, *values: float) -> tuple[torch.Tensor, ...]:
+    """0-dim tensors of `values` with like's dtype and device, made once."""
+    key = (like.dtype, like.device, values)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = tuple(torch.tensor(v, dtype=like.dtype, device=like.device) for v in values)
+    return _CONSTANTS[key]
+
+
+def decay_and_write(M, k, delta, decay):
+    """decay M + k delta^T per head, delta = beta (v - M^T k).
+
+    The reverse sweep rebuilds M inside a chunk with this same function from the saved k, delta
+    and decay, so the rebuilt M is bit-identical to the forward's.
+    """
+    B, H, n_k, n_v = M.shape
+    decayed = (M * decay[..., None, None]).view(B * H, n_k, n_v)
+    return torch.baddbmm(decayed, k.reshape(B * H, n_k, 1), delta.reshape(B * H, 1, n_v)).view(B, H, n_k, n_v)
+
+
+def memory_read(M, q, gate, *, out_o=None, out_y=None):
+    """Read M with q: returns (o, y)."""
+    B, H, n_k, n_v = M.shape
+    o = torch.bmm(q.reshape(B * H, 1, n_k), M.view(B * H, n_k, n_v), out=None if out_o is None else out_o.view(B * H, 1, n_v))
+    o = o.view(B, H * n_v)
+    return o, torch.mul(F.silu(gate), torch.div(o, rms(o)), out=out_y)
+
+
+def memory_step(M, k, v, beta, decay, q, gate, *, out_e=None, out_o=None, out_y=None):
+    """Write (k, v) into M, then read the new M with q. Returns (M_t, e, o, y), e = v - M^T k."""
+    B, H, n_k, n_v = M.shape
+    e = torch.sub(v, torch.bmm(k.reshape(B * H, 1, n_k), M.view(B * H, n_k, n_v)).view(B, H, n_v), out=out_e)
+    M = decay_and_write(M, k, beta.unsqueeze(-1) * e, decay)
+    o, y = memory_read(M, q, gate, out_o=out_o, out_y=out_y)
+    return M, e, o, y
+
+
+class ReadFactors(NamedTuple):
+    """The parts of a read's derivative that do not depend on the incoming gradient.
+
+    They are elementwise in (o, gate), so the core computes them for all steps at once.
+    """
+
+    rms: torch.Tensor  # rms(o), (..., 1)
+    o_hat: torch.Tensor  # o / rms(o)
+    silu_gate: torch.Tensor  # dL/d(o_hat) = dy * silu(gate)
+    to_gate: torch.Tensor  # dL/d(gate) = dy * o_hat * silu'(gate)
+
+
+def read_factors(o, gate) -> ReadFactors:
+    r = rms(o)
+    o_hat = o / r
+    sg = torch.sigmoid(gate)
+    return ReadFactors(r, o_hat, gate * sg, o_hat * sg * (1 + gate * (1 - sg)))
+
+
+def memory_read_backward(M, q, f: ReadFactors, dy, dM, *, out_dq=None, out_dgate=None):
+    """Gradients of `memory_read` given dy. Returns (dq, dgate, dM + the read's share of dL/dM)."""
+    B, H, n_k, n_v = M.shape
+    dhat = dy * f.silu_gate
+    dot = torch.linalg.vecdot(dhat, f.o_hat).unsqueeze(-1)
+    do = torch.addcmul(dhat, f.o_hat, dot, value=-1.0 / dhat.shape[-1]).div_(f.rms).view(B * H, 1, n_v)
+    dq = torch.bmm(M.view(B * H, n_k, n_v), do.transpose(1, 2), out=None if out_dq is None else out_dq.view(B * H, n_k, 1))
+    dM = torch.baddbmm(dM.reshape(B * H, n_k, n_v), q.reshape(B * H, n_k, 1), do).view(B, H, n_k, n_v)
+    return dq.view(B, H, n_k), torch.mul(dy, f.to_gate, out=out_dgate), dM
+
+
+def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors, dM, dy, *,
+                         out_dk=None, out_dq=None, out_dbeta=None, out_ddecay=None, out_dgate=None):
+    """Gradients of `memory_step` given dM (w.r.t. M_t, from later steps) and dy.
+
+    M_prev and M are the memory before and after the write, delta = beta e. Returns
+    (dM_prev, dk, dv, dbeta, ddecay, dq, dgate).
+    """
+    dq, dgate, dM = memory_read_backward(M, q, f, dy, dM, out_dq=out_dq, out_dgate=out_dgate)
+    # M = decay M_prev + k delta^T, delta = beta (v - M_prev^T k)
+    B, H, n_k, n_v = M.shape
+    dMf, M_prevf, kf = dM.view(B * H, n_k, n_v), M_prev.view(B * H, n_k, n_v), k.reshape(B * H, 1, n_k)
+    d_delta = torch.bmm(kf, dMf).view(B, H, n_v)
+    dbeta = torch.linalg.vecdot(d_delta, e, out=out_dbeta)
+    dv = d_delta.mul_(beta.unsqueeze(-1))
+    dvf = dv.view(B * H, 1, n_v)
+    dk = torch.bmm(dMf, delta.reshape(B * H, n_v, 1))
+    dk = torch.baddbmm(dk, M_prevf, dvf.transpose(1, 2), alpha=-1.0, out=None if out_dk is None else out_dk.view(B * H, n_k, 1))
+    ddecay = torch.linalg.vecdot(dM.view(B, H, -1), M_prev.view(B, H, -1), out=out_ddecay)
+    dM_prev = torch.baddbmm(dMf * decay.reshape(B * H, 1, 1), kf.transpose(1, 2), dvf, alpha=-1.0)
+    return dM_prev.view(B, H, n_k, n_v), dk.view(B, H, n_k), dv, dbeta, ddecay, dq, dgate
