@@ -43,3 +43,14 @@ def load_native(path: str | Path, device: str | torch.device = "cpu") -> torch.n
         first = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
         raise UserError(f"{path / WEIGHTS}: weights do not match {CONFIG}: {first}") from None
     return model
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """Any model the system writes: a native checkpoint (model.safetensors + model.yaml), a training
+    checkpoint directory, or a run directory (its newest complete checkpoint)."""
+    path = Path(path)
+    if (path / WEIGHTS).is_file():
+        return load_native(path, device)
+    from gpn_scale.train.checkpoint import load_trained_model
+
+    return load_trained_model(path, device)

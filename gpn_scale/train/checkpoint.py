@@ -1,0 +1,209 @@
+"""Sharded checkpoints that are either complete or ignored.
+
+Layout, under `run.dir/checkpoints/`:
+
+    step_00000500/            DeepSpeed's sharded save (model, optimiser and scheduler states)
+        trainer_state.json    step, tokens, loader position, world size, ZeRO stage
+        rng_rank{r}.pt        Python / NumPy / torch RNG states of each rank
+        manifest.json         every file above with its size and sha256: written last
+    latest                    the newest complete tag: moved only after its manifest exists
+
+A directory without a manifest (a crash mid-save, on any rank) or whose files no longer match
+it (truncated, corrupted) is skipped by `--resume auto` with a one-line warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpn_scale.errors import UserError
+
+MANIFEST, LATEST, TRAINER_STATE = "manifest.json", "latest", "trainer_state.json"
+UNIVERSAL = "universal"  # sub-directory with the world-size-independent form of a checkpoint
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(tag: str) -> int:
+    return int(tag.split("_")[-1])
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    with open(tmp) as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(tag_dir: Path) -> None:
+    files = sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {str(p.relative_to(tag_dir)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    _atomic_write(tag_dir / MANIFEST, json.dumps({"files": entries}, indent=1))
+
+
+def verify(tag_dir: Path) -> str | None:
+    """None when the checkpoint is complete and intact, else what is wrong with it."""
+    manifest = tag_dir / MANIFEST
+    if not manifest.is_file():
+        return "incomplete (no manifest: the save did not finish)"
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (json.JSONDecodeError, KeyError):
+        return "manifest.json is unreadable"
+    for rel, want in entries.items():
+        path = tag_dir / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{rel} has {path.stat().st_size} bytes, the manifest says {want['bytes']}"
+        if _sha256(path) != want["sha256"]:
+            return f"{rel} does not match its sha256 (corrupted)"
+    return None
+
+
+def tags(root: Path) -> list[str]:
+    """Checkpoint tags under root, newest first."""
+    if not root.is_dir():
+        return []
+    found = [p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()]
+    return sorted(found, key=step_of, reverse=True)
+
+
+def newest_complete(root: Path, warn=print) -> str | None:
+    """The newest tag that verifies; each one skipped on the way is reported in one line."""
+    for tag in tags(root):
+        problem = verify(root / tag)
+        if problem is None:
+            return tag
+        warn(f"warning: checkpoint {root / tag} skipped: {problem}")
+    return None
+
+
+def commit(root: Path, tag: str, keep_last: int) -> None:
+    """Rank 0, after every rank finished writing `tag`: manifest, then `latest`, then pruning."""
+    write_manifest(root / tag)
+    _atomic_write(root / LATEST, tag)
+    complete = [t for t in tags(root) if (root / t / MANIFEST).is_file()]
+    for old in complete[keep_last:]:
+        shutil.rmtree(root / old, ignore_errors=True)
+    for partial in tags(root):  # older leftovers of crashed saves
+        if step_of(partial) < step_of(tag) and not (root / partial / MANIFEST).is_file():
+            shutil.rmtree(root / partial, ignore_errors=True)
+
+
+def read_trainer_state(tag_dir: Path) -> dict:
+    return json.loads((tag_dir / TRAINER_STATE).read_text())
+
+
+def write_trainer_state(tag_dir: Path, state: dict) -> None:
+    _atomic_write(tag_dir / TRAINER_STATE, json.dumps(state, indent=1))
+
+
+def save_rng(tag_dir: Path, rank: int) -> None:
+    torch.save(
+        {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        tag_dir / f"rng_rank{rank}.pt",
+    )
+
+
+def load_rng(tag_dir: Path, rank: int) -> bool:
+    """Restore this rank's RNG states; False when the checkpoint has none for this rank."""
+    path = tag_dir / f"rng_rank{rank}.pt"
+    if not path.is_file():
+        return False
+    state = torch.load(path, weights_only=False)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    return True
+
+
+def to_universal(tag_dir: Path, workers: int = 1) -> Path:
+    """Convert a DeepSpeed ZeRO checkpoint to its world-size-independent (universal) form."""
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    out = tag_dir / UNIVERSAL
+    if (out / MANIFEST).is_file():
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    args = argparse.Namespace(
+        input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=workers, num_merge_workers=workers,
+        keep_temp_folder=False, strict=True, inject_missing_state=True,  # plain models carry no version tag
+    )
+    ds_to_universal(args)
+    write_manifest(out)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="gpn-scale ckpt", description="Checkpoint tools.")
+    sub = ap.add_subparsers(dest="verb", required=True)
+    conv = sub.add_parser("to-universal", help="convert a checkpoint so it loads at any world size")
+    conv.add_argument("checkpoint", help="a checkpoint directory (run.dir/checkpoints/step_...)")
+    ver = sub.add_parser("verify", help="check a checkpoint (or all under a run's checkpoints/) against manifests")
+    ver.add_argument("path")
+    args = ap.parse_args(argv)
+    path = Path(args.checkpoint if args.verb == "to-universal" else args.path)
+    if args.verb == "to-universal":
+        problem = verify(path)
+        if problem:
+            raise UserError(f"{path}: {problem}")
+        print(f"wrote {to_universal(path)}")
+        return 0
+    targets = [path] if (path / MANIFEST).exists() or path.name.startswith("step_") else [path / t for t in tags(path)]
+    if not targets:
+        raise UserError(f"{path}: no checkpoints there")
+    bad = 0
+    for t in targets:
+        problem = verify(t)
+        bad += problem is not None
+        print(f"{t}: {problem or 'ok'}")
+    return 1 if bad else 0
+
+
+def load_trained_model(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The model of a training checkpoint (`.../checkpoints/step_N`) or of a run directory's newest
+    complete checkpoint, in float32, whatever ZeRO stage wrote it."""
+    from gpn_scale.config import model_config
+    from gpn_scale.models import build_model
+
+    path = Path(path)
+    if not (path / TRAINER_STATE).is_file():
+        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        tag = newest_complete(root)
+        if tag is None:
+            raise UserError(f"{path}: no complete training checkpoint there")
+        path = root / tag
+    problem = verify(path)
+    if problem:
+        raise UserError(f"{path}: {problem}")
+    state = read_trainer_state(path)
+    model = build_model(model_config(state["config"]["model"], where=f"{path / TRAINER_STATE}: model"))
+    if state["zero_stage"] == 3:  # parameters are sharded across the ranks' files
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+    else:
+        weights = torch.load(path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    model.load_state_dict({k: v.float() for k, v in weights.items()})
+    return model.to(device)

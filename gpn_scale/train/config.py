@@ -1,0 +1,148 @@
+"""The training run's config: one YAML file, validated, with dotted command-line overrides.
+
+Every key has a default except `model`, `data.train` and `run.dir`; unknown keys and wrong types
+are one-line errors naming the key. The resolved config (with the model config inlined) is saved
+as `run.dir/config.yaml`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpn_scale.config import build_dataclass, merge, model_config, parse_overrides, read_yaml, resolve_config_path
+from gpn_scale.errors import UserError
+
+
+@dataclass
+class RunSection:
+    dir: str = ""  # where checkpoints, metrics.jsonl, config.yaml and wandb go
+    name: str = ""  # for wandb; default: the directory's name
+
+
+@dataclass
+class DataSection:
+    train: str = ""  # MDS directory (the prep's OUT/train) or a remote URL (then `cache` is the local copy)
+    val: str | None = None
+    cache: str | None = None  # local cache root for remote datasets
+    shuffle: bool = True
+    num_canonical_nodes: int = 1  # fixes the global sample order whatever the world size
+    log_sample_ids: bool = False  # write samples.jsonl: the global sample ids of every optimiser step
+
+
+@dataclass
+class TrainSection:
+    total_steps: int = 10_000  # optimiser steps; the LR schedule follows this
+    stop_at_step: int | None = None  # end early (with a checkpoint) exactly as a preemption would
+    micro_batch: int = 8  # windows per rank per forward
+    grad_accum: int | None = None  # micro-batches per optimiser step and rank
+    global_batch: int | None = None  # or: windows per optimiser step; grad_accum follows the world size
+    save_every: int = 500
+    keep_last: int = 3  # complete checkpoints kept
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * this
+    warmup_steps: int = 100
+    weight_decay: float = 0.1  # matrices only (ndim >= 2)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        for name in ("total_steps", "micro_batch", "save_every", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        if self.grad_accum is not None and self.global_batch is not None:
+            raise ValueError("grad_accum: give grad_accum or global_batch, not both")
+        if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.total_steps:
+            raise ValueError(f"stop_at_step: expected in [1, total_steps={self.total_steps}], got {self.stop_at_step}")
+
+
+@dataclass
+class ZeroSection:
+    stage: int = 2
+
+    def __post_init__(self):
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage: expected 0, 1, 2 or 3, got {self.stage}")
+
+
+@dataclass
+class EvalSection:
+    every: int = 0  # validation every this many steps (0: only at the end)
+    batches: int = 16  # micro-batches of the val split per evaluation
+
+
+@dataclass
+class LoggingSection:
+    wandb: str = "disabled"  # disabled | offline | online
+    project: str = "gpn-scale"
+    peak_tflops: float | None = None  # per device, for MFU; default: known GPUs, none on CPU
+
+    def __post_init__(self):
+        if self.wandb not in ("disabled", "offline", "online"):
+            raise ValueError(f"wandb: expected disabled, offline or online, got {self.wandb!r}")
+
+
+@dataclass
+class TrainConfig:
+    model: dict = field(default_factory=dict)  # resolved model config (a path in the YAML is inlined)
+    run: RunSection = field(default_factory=RunSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    zero: ZeroSection = field(default_factory=ZeroSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    precision: str = "bf16"  # fp32 | bf16 (autocast; state, M and master weights stay float32)
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {"run": RunSection, "data": DataSection, "train": TrainSection, "zero": ZeroSection,
+             "eval": EvalSection, "logging": LoggingSection}
+_TOP_LEVEL = {"model", "precision", "seed", *_SECTIONS}
+
+
+def load_train_config(source: str | Path | dict, overrides: list[str] | dict | None = None) -> TrainConfig:
+    """Validated config from a YAML path (or dict) plus `dotted.key=value` overrides."""
+    if isinstance(source, dict):
+        data, where, base_dir = dict(source), "config", Path.cwd()
+    else:
+        path = resolve_config_path(source, "train")
+        data, where, base_dir = read_yaml(path), str(path), path.parent
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    overrides = dict(overrides or {})
+    model_overrides = overrides.pop("model") if isinstance(overrides.get("model"), dict) else {}
+    data = merge(data, overrides)
+    unknown = sorted(set(data) - _TOP_LEVEL)
+    if unknown:
+        raise UserError(f"{where}: {unknown[0]}: unknown key; expected one of: {', '.join(sorted(_TOP_LEVEL))}")
+
+    model = data.get("model")
+    if model is None:
+        raise UserError(f"{where}: model: missing (a model YAML path, a configs/models name, or a mapping)")
+    if isinstance(model, str):  # relative to the config file, or a configs/models name
+        model_path = Path(model) if Path(model).is_absolute() or Path(model).exists() else base_dir / model
+        model_cfg = model_config(model_path if model_path.exists() else model, model_overrides)
+    elif isinstance(model, dict):
+        model_cfg = model_config(merge(model, model_overrides), where=f"{where}: model")
+    else:
+        raise UserError(f"{where}: model: expected a path or a mapping, got {type(model).__name__}")
+
+    sections = {}
+    for name, section_cls in _SECTIONS.items():
+        value = data.get(name, {})
+        if not isinstance(value, dict):
+            raise UserError(f"{where}: {name}: expected a mapping, got {type(value).__name__}")
+        sections[name] = build_dataclass(section_cls, value, where, prefix=f"{name}.")
+    top = {k: data[k] for k in ("precision", "seed") if k in data}
+    cfg = build_dataclass(TrainConfig, dict(top, model=model_cfg.to_dict(), **sections), where)
+    if cfg.precision not in ("fp32", "bf16"):
+        raise UserError(f"{where}: precision: expected fp32 or bf16, got {cfg.precision!r}")
+    for key, value in (("run.dir", cfg.run.dir), ("data.train", cfg.data.train)):
+        if not value:
+            raise UserError(f"{where}: {key}: missing")
+    return cfg

@@ -1,0 +1,110 @@
+"""Training batches from the prep's MDS output through MosaicML Streaming.
+
+The global sample order is fixed by (shuffle seed, `num_canonical_nodes`, global batch) and does
+not depend on the world size: streaming partitions each global batch across whichever ranks
+exist. The loader's position is (epoch, samples consumed in the epoch, counted over all ranks);
+it is saved with every checkpoint and given back to streaming on resume, also at another world
+size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from gpn_scale.errors import UserError
+
+TOKENS = "tokens"  # the MDS column written by the prep
+
+
+def resolve_location(location: str, cache: str | None, split_name: str) -> tuple[str, str | None]:
+    """(local, remote) for StreamingDataset: local dirs are read in place, URLs through a cache."""
+    if "://" not in location:
+        path = Path(location)
+        if not (path / "index.json").is_file():
+            raise UserError(f"data.{split_name}: {location}: no MDS index.json there (expected the prep's OUT/{split_name})")
+        return str(path), None
+    if not cache:
+        raise UserError(f"data.{split_name}: {location} is remote: set data.cache to a local directory for its shards")
+    digest = hashlib.sha256(location.encode()).hexdigest()[:12]
+    # streaming takes a shared filesystem as a plain-path remote, and rejects file:// URLs
+    remote = location[len("file://"):] if location.startswith("file://") else location
+    return str(Path(cache) / f"{split_name}-{digest}"), remote
+
+
+def _streaming_dataset_class():
+    from streaming import StreamingDataset
+
+    class IndexedStream(StreamingDataset):
+        """Yields the sample's global index with its tokens, for the data-order audit log."""
+
+        def get_item(self, idx: int):
+            sample = super().get_item(idx)
+            if TOKENS not in sample:
+                raise UserError(f"MDS sample {idx} has no '{TOKENS}' column (columns: {', '.join(sample)})")
+            return {TOKENS: torch.from_numpy(sample[TOKENS].astype(np.int64)), "sample_id": idx}
+
+    return IndexedStream
+
+
+class TrainStream:
+    """An endless iterator of micro-batches whose position can be saved and restored."""
+
+    def __init__(self, location: str, cache: str | None, micro_batch: int, world_size: int, *,
+                 shuffle: bool, seed: int, num_canonical_nodes: int, split_name: str = "train"):
+        local, remote = resolve_location(location, cache, split_name)
+        self.dataset = _streaming_dataset_class()(
+            local=local, remote=remote, shuffle=shuffle, shuffle_seed=seed,
+            num_canonical_nodes=num_canonical_nodes, batch_size=micro_batch,
+        )
+        self.micro_batch, self.world_size = micro_batch, world_size
+        self.seed, self.num_canonical_nodes = seed, num_canonical_nodes
+        # Streaming derives its shuffle blocks from the node count of the first run: keep it.
+        self.initial_nodes = max(1, world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        self.epoch, self.sample_in_epoch = 0, 0
+        self._iter = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "sample_in_epoch": self.sample_in_epoch, "initial_nodes": self.initial_nodes}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.sample_in_epoch = state["epoch"], state["sample_in_epoch"]
+        self.initial_nodes = state["initial_nodes"]
+        self._iter = None
+
+    def _start_epoch(self):
+        # Written in streaming's own resume format (never read back from its shared memory, which
+        # other ranks may be writing at the same moment).
+        self.dataset.load_state_dict({
+            "epoch": self.epoch, "sample_in_epoch": self.sample_in_epoch, "shuffle_seed": self.seed,
+            "num_canonical_nodes": self.num_canonical_nodes, "initial_physical_nodes": self.initial_nodes,
+        })
+        loader = DataLoader(self.dataset, batch_size=self.micro_batch, num_workers=0, drop_last=True)
+        self._iter = iter(loader)
+
+    def __next__(self) -> dict:
+        if self._iter is None:
+            self._start_epoch()
+        try:
+            batch = next(self._iter)
+        except StopIteration:  # epoch over: the next one reshuffles with the epoch number
+            self.epoch, self.sample_in_epoch = self.epoch + 1, 0
+            self._start_epoch()
+            batch = next(self._iter)
+        self.sample_in_epoch += self.micro_batch * self.world_size
+        return batch
+
+
+def val_batches(location: str, cache: str | None, micro_batch: int):
+    """A deterministic, unshuffled stream over the val split, restartable for each evaluation."""
+    local, remote = resolve_location(location, cache, "val")
+    dataset = _streaming_dataset_class()(local=local, remote=remote, shuffle=False, batch_size=micro_batch)
+    return lambda: DataLoader(dataset, batch_size=micro_batch, num_workers=0, drop_last=False)

@@ -1,0 +1,82 @@
+"""Process-group setup and the collectively agreed stop flag.
+
+Works as one plain process (no launcher), under torchrun / srun / deepspeed's launcher (they set
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), on GPUs with NCCL and on CPUs with gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+import torch
+import torch.distributed as dist
+
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank); initialises the default process group through DeepSpeed."""
+    import deepspeed
+
+    env = os.environ
+    if "RANK" not in env:  # a plain single process
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", str(_free_port()))
+    env.setdefault("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))  # streaming reads it
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    return dist.get_rank(), dist.get_world_size(), local_rank
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class StopFlag:
+    """Set by SIGTERM / SIGUSR1 on any rank; every rank learns of it at the same step boundary."""
+
+    def __init__(self):
+        self.signum = 0
+        self.signal_name = None  # of the signal agreed on, on every rank
+        for sig in PREEMPT_SIGNALS:
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signum = signum
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([self.signum], dtype=torch.int64, device=device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            self.signal_name = signal.Signals(flag.item()).name
+        return bool(flag.item())
+
+
+def all_mean(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device())
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def broadcast_object(obj, src: int = 0):
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_objects(obj) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

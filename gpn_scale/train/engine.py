@@ -1,0 +1,342 @@
+"""`gpn-scale train CONFIG [key=value ...] [--resume auto|none|DIR]`: DeepSpeed ZeRO training.
+
+One step = `grad_accum` micro-batches per rank, then one AdamW update (DeepSpeed, ZeRO stage 0-3).
+Precision `bf16` runs the forward and backward under torch autocast while the master weights,
+the optimiser, the recurrent state and the memory stay float32.
+
+Exit status: 0 when the run reached `train.total_steps` or `train.stop_at_step`;
+75 (EX_TEMPFAIL) when SIGTERM or SIGUSR1 made it checkpoint and stop early: launchers requeue
+on it and resume with `--resume auto`; 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from gpn_scale.errors import UserError
+from gpn_scale.train import checkpoint as ckpt
+from gpn_scale.train import distributed as dist_utils
+from gpn_scale.train.config import TrainConfig, load_train_config
+from gpn_scale.train.metrics import MetricsLog, flops_per_token, peak_flops, truncate_jsonl
+
+EXIT_PREEMPTED = 75
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine to `min_ratio` at `total` (the paper's schedule)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only; never on norms, biases, A_log or dt_bias (all 1-D)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def grad_accum_for(cfg: TrainConfig, world_size: int) -> int:
+    t = cfg.train
+    if t.global_batch is None:
+        return t.grad_accum or 1
+    per_step = t.micro_batch * world_size
+    if t.global_batch % per_step:
+        raise UserError(
+            f"train.global_batch: {t.global_batch} is not a multiple of micro_batch x world size "
+            f"({t.micro_batch} x {world_size})"
+        )
+    return t.global_batch // per_step
+
+
+def deepspeed_config(cfg: TrainConfig, grad_accum: int, universal: bool) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": cfg.train.micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": cfg.train.grad_clip,
+        "zero_optimization": {"stage": cfg.zero.stage},
+        "zero_allow_untested_optimizer": True,  # torch's AdamW: the same update on every device type
+        "checkpoint": {"load_universal": universal},
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+    }
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, resume: str):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.rank, self.world, _ = dist_utils.init()
+        self.is_main = self.rank == 0
+        self.device = dist_utils.device()
+        self.stop_flag = dist_utils.StopFlag()
+        self.resume_tag = self._choose_resume(resume)
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    def _say(self, message: str) -> None:
+        if self.is_main:
+            print(message, file=sys.stderr, flush=True)
+
+    def _choose_resume(self, resume: str) -> str | None:
+        """The checkpoint tag to resume from (agreed by all ranks), or None for a fresh start."""
+        choice = None
+        if self.is_main:
+            if resume == "none":
+                complete = [t for t in ckpt.tags(self.ckpt_root) if (self.ckpt_root / t / ckpt.MANIFEST).is_file()]
+                if complete:
+                    choice = UserError(
+                        f"run.dir {self.run_dir} already has checkpoints ({complete[0]}); pass --resume auto "
+                        "to continue it, or choose another run.dir"
+                    )
+            elif resume == "auto":
+                choice = ckpt.newest_complete(self.ckpt_root, warn=self._say)
+                if choice is None and ckpt.tags(self.ckpt_root):
+                    self._say(f"warning: no complete checkpoint in {self.ckpt_root}: starting from step 0")
+            else:
+                path = Path(resume)
+                problem = ckpt.verify(path)
+                if problem:
+                    choice = UserError(f"--resume {resume}: {problem}")
+                elif path.parent.resolve() != self.ckpt_root.resolve():
+                    choice = UserError(f"--resume {resume}: not a checkpoint of run.dir {self.run_dir}")
+                else:
+                    choice = path.name
+        choice = dist_utils.broadcast_object(choice)
+        if isinstance(choice, UserError):
+            raise choice
+        return choice
+
+    def _build(self):
+        import deepspeed
+
+        from gpn_scale.config import model_config
+        from gpn_scale.models import build_model
+        from gpn_scale.train.data import TrainStream
+
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        self.model = build_model(model_config(cfg.model, where="config: model")).to(self.device)
+        self.grad_accum = grad_accum_for(cfg, self.world)
+        self.global_batch = cfg.train.micro_batch * self.grad_accum * self.world
+
+        saved = ckpt.read_trainer_state(self.ckpt_root / self.resume_tag) if self.resume_tag else None
+        universal = saved is not None and saved["world_size"] != self.world and saved["zero_stage"] > 0
+        if saved is not None and saved["global_batch"] != self.global_batch:
+            raise UserError(
+                f"train: the checkpoint was trained with a global batch of {saved['global_batch']}, this run has "
+                f"{self.global_batch}; set train.global_batch={saved['global_batch']} to keep the data order"
+            )
+
+        optimizer = torch.optim.AdamW(
+            param_groups(self.model, cfg.train.weight_decay), lr=cfg.train.lr,
+            betas=(cfg.train.beta1, cfg.train.beta2), eps=1e-8,
+        )
+        t = cfg.train
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(s, t.warmup_steps, t.total_steps, t.min_lr_ratio)
+        )
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
+            config=deepspeed_config(cfg, self.grad_accum, universal),
+        )
+        if cfg.zero.stage == 3:
+            # The fused recurrent core reads every layer's weights inside the model's own forward,
+            # not through the layers' forward: ZeRO-3 must gather them with the top-level module.
+            from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+            for module in self.model.modules():
+                if module is not self.model:
+                    for p in module.parameters(recurse=False):
+                        register_external_parameter(self.model, p)
+        self.data = TrainStream(
+            cfg.data.train, cfg.data.cache, t.micro_batch, self.world, shuffle=cfg.data.shuffle,
+            seed=cfg.seed, num_canonical_nodes=cfg.data.num_canonical_nodes,
+        )
+        self.step, self.tokens = 0, 0
+        if saved is not None:
+            self._load(saved, universal)
+
+    def _load(self, saved: dict, universal: bool) -> None:
+        tag_dir = self.ckpt_root / self.resume_tag
+        if universal:
+            if self.is_main:
+                self._say(f"world size {saved['world_size']} -> {self.world}: converting {tag_dir} to universal form")
+                ckpt.to_universal(tag_dir)
+            torch.distributed.barrier()
+            load_dir, tag = tag_dir, ckpt.UNIVERSAL
+        else:
+            load_dir, tag = self.ckpt_root, self.resume_tag
+        path, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_lr_scheduler_states=True)
+        if path is None:
+            raise UserError(f"{tag_dir}: DeepSpeed could not load this checkpoint")
+        self.step, self.tokens = saved["step"], saved["tokens"]
+        self.data.load_state_dict(saved["loader"])
+        if not ckpt.load_rng(tag_dir, self.rank):
+            torch.manual_seed(self.cfg.seed + self.rank + 1000 * self.step)  # a new rank: fresh, reproducible
+        self._say(f"resumed from {tag_dir} at step {self.step} ({self.tokens:,} tokens)")
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def _autocast(self):
+        if self.cfg.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _grad_norm(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:  # ZeRO stage 0 does not record it
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else None
+        return None if norm is None else float(norm)
+
+    def _train_step(self) -> tuple[float, float | None, list[int], int]:
+        """One optimiser step: (mean loss over ranks, grad norm, this rank's sample ids, tokens of the step)."""
+        losses, sample_ids = [], []
+        grad_norm = None
+        for micro in range(self.grad_accum):
+            batch = next(self.data)
+            tokens = batch["tokens"].to(self.device, non_blocking=True)
+            with self._autocast():
+                loss = self.engine(tokens).loss
+            self.engine.backward(loss)
+            if micro == self.grad_accum - 1 and self.cfg.zero.stage == 0:
+                grad_norm = self._grad_norm()  # before step() clears the gradients
+            self.engine.step()
+            losses.append(loss.item())
+            sample_ids += batch["sample_id"].tolist()
+        if self.cfg.zero.stage > 0:
+            grad_norm = self._grad_norm()
+        step_tokens = self.global_batch * tokens.shape[1]
+        return dist_utils.all_mean(sum(losses) / len(losses)), grad_norm, sample_ids, step_tokens
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        if not self.cfg.data.val:
+            return {}
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for i, batch in enumerate(self._val_loader()):
+            if i >= self.cfg.eval.batches:
+                break
+            with self._autocast():
+                out = self.engine(batch["tokens"].to(self.device))
+            total += torch.tensor([out.token_losses.double().sum().item(), out.token_losses.numel()],
+                                  dtype=torch.float64, device=self.device)
+        self.model.train()
+        torch.distributed.all_reduce(total)
+        loss = (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+        return {"val_loss": loss, "val_ppl": math.exp(loss) if loss < 50 else float("inf"), "val_tokens": int(total[1])}
+
+    def _val_loader(self):
+        if not hasattr(self, "_val"):
+            from gpn_scale.train.data import val_batches
+
+            self._val = val_batches(self.cfg.data.val, self.cfg.data.cache, self.cfg.train.micro_batch)
+        return self._val()
+
+    def save(self) -> Path:
+        tag = ckpt.tag_for(self.step)
+        tag_dir = self.ckpt_root / tag
+        if self.is_main and tag_dir.exists():  # a leftover of a crashed save of the same step
+            shutil.rmtree(tag_dir)
+        torch.distributed.barrier()
+        self.engine.save_checkpoint(str(self.ckpt_root), tag=tag, save_latest=False)
+        ckpt.save_rng(tag_dir, self.rank)
+        if self.is_main:
+            ckpt.write_trainer_state(tag_dir, {
+                "step": self.step, "tokens": self.tokens, "loader": self.data.state_dict(),
+                "world_size": self.world, "zero_stage": self.cfg.zero.stage, "global_batch": self.global_batch,
+                "config": self.cfg.to_dict(),
+            })
+        torch.distributed.barrier()  # every rank's files are on disk before the manifest
+        if self.is_main:
+            ckpt.commit(self.ckpt_root, tag, self.cfg.train.keep_last)
+        torch.distributed.barrier()
+        return tag_dir
+
+    def run(self) -> int:
+        cfg = self.cfg
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        self._build()
+        t = cfg.train
+        stop_at = t.stop_at_step or t.total_steps
+        if self.is_main and cfg.data.log_sample_ids:
+            truncate_jsonl(self.run_dir / "samples.jsonl", self.step)
+        log = MetricsLog(self.run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.project,
+                         cfg.run.name or self.run_dir.name, self.step, t.total_steps, self.is_main)
+        flops_token, peak = flops_per_token(self.model), peak_flops(cfg.logging.peak_tflops)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        self._say(
+            f"training {cfg.model['family']} ({n_params:,} parameters) on {self.world} rank(s), ZeRO-{cfg.zero.stage}, "
+            f"{cfg.precision}; global batch {self.global_batch} = {t.micro_batch} x {self.grad_accum} x {self.world}; "
+            f"steps {self.step} -> {stop_at} of {t.total_steps}"
+        )
+        preempted = False
+        samples_file = open(self.run_dir / "samples.jsonl", "a") if self.is_main and cfg.data.log_sample_ids else None
+        while self.step < stop_at:
+            began = time.perf_counter()
+            lr = self.scheduler.get_last_lr()[0]
+            loss, grad_norm, sample_ids, step_tokens = self._train_step()
+            self.step += 1
+            self.tokens += step_tokens
+            if cfg.data.log_sample_ids:
+                every_rank = dist_utils.gather_objects(sample_ids)
+                if samples_file:
+                    samples_file.write(f'{{"step": {self.step}, "samples": {sorted(sum(every_rank, []))}}}\n')
+                    samples_file.flush()
+            tokens_per_s = step_tokens / (time.perf_counter() - began)
+            mfu = tokens_per_s * flops_token / (peak * self.world) if peak else None
+            log.log({"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
+                     "tokens_per_s": tokens_per_s, "mfu": mfu})
+            log.progress(self.step, loss, tokens_per_s)
+            if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < t.total_steps:
+                log.log({"step": self.step, **self.evaluate()})
+            if self.stop_flag.agreed():
+                preempted = True
+                break
+            if self.step % t.save_every == 0 and self.step < stop_at:
+                self.save()
+        if self.step >= t.total_steps:
+            log.log({"step": self.step, **self.evaluate()})
+        tag_dir = self.save()
+        if samples_file:
+            samples_file.close()
+        log.close()
+        if preempted:
+            self._say(f"{self.stop_flag.signal_name} received: checkpointed at step {self.step} "
+                      f"in {tag_dir}; exiting with {EXIT_PREEMPTED} (resume with --resume auto)")
+            return EXIT_PREEMPTED
+        self._say(f"done at step {self.step}: checkpoint {tag_dir}, metrics {self.run_dir / 'metrics.jsonl'}")
+        return 0
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="gpn-scale train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", help="training YAML (or a name in configs/train/)")
+    ap.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.total_steps=100 zero.stage=3")
+    ap.add_argument("--resume", default="none",
+                    help="auto: the newest complete checkpoint of run.dir; none: start fresh; or a checkpoint dir")
+    args = ap.parse_args(argv)
+    cfg = load_train_config(args.config, args.overrides)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    trainer = Trainer(cfg, args.resume)
+    try:
+        return trainer.run()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

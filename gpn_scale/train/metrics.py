@@ -1,0 +1,95 @@
+"""Where a run's numbers go: `metrics.jsonl`, wandb, and a progress bar (all on rank 0)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+
+import torch
+
+# Dense bf16 peak per device, for MFU when `logging.peak_tflops` is not set.
+_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+
+
+def peak_flops(configured_tflops: float | None) -> float | None:
+    if configured_tflops:
+        return configured_tflops * 1e12
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, tflops in _PEAK_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12
+    return None  # unknown (e.g. CPU): MFU is not reported
+
+
+def flops_per_token(model: torch.nn.Module) -> float:
+    """Training FLOPs per token: 6 per parameter (the tied embedding counts once, as the decoder's
+    matmul), plus the matrix memory's write and reads (about 2 FLOPs per cell each way, x3 for the
+    backward)."""
+    n = sum(p.numel() for p in model.parameters())
+    cfg = model.config
+    memory = 0
+    if getattr(cfg, "memory", False):
+        cells = cfg.n_heads * cfg.d_key * cfg.d_val
+        memory = 3 * (4 + 2 * cfg.n_layers) * cells
+    return 6.0 * n + memory
+
+
+def truncate_jsonl(path: Path, after_step: int) -> None:
+    """Drop lines of steps after `after_step`: a resumed run rewrites them."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= after_step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path, config: dict, wandb_mode: str, project: str, name: str,
+                 start_step: int, total_steps: int, enabled: bool):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.wandb = None
+        self.bar = None
+        if not enabled:
+            return
+        truncate_jsonl(self.path, start_step)
+        self.file = open(self.path, "a")
+        if wandb_mode != "disabled":
+            import wandb
+
+            id_file = run_dir / "wandb_id"
+            run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)
+            id_file.write_text(run_id)
+            self.wandb = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(run_dir),
+                                    mode=wandb_mode, config=config)
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, mininterval=1.0)
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
+
+    def progress(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self.bar.refresh()
+
+    def write(self, message: str) -> None:
+        if self.enabled:
+            (self.bar.write if self.bar is not None else print)(message)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()

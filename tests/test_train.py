@@ -1,0 +1,204 @@
+"""`gpn-scale train`: real DeepSpeed (CPU accelerator, gloo), real MDS streams, real processes."""
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpn_scale.errors import UserError
+from gpn_scale.train.config import load_train_config
+from gpn_scale.train.engine import EXIT_PREEMPTED, lr_factor
+from mds_fixture import write_windows
+from wandb_records import history
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "train" / "gpn_m_tiny.yaml"
+TOTAL = 12
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    write_windows(root / "train", 300, 32, 512)
+    write_windows(root / "val", 16, 32, 512, seed=1)
+    return root
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_cmd(data, run_dir, nproc, *overrides, resume=None):
+    launcher = [sys.executable, "-m", "gpn_scale"]
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                    "--master_port", str(_port()), "-m", "gpn_scale"]
+    cmd = launcher + ["train", str(CONFIG), f"run.dir={run_dir}", f"data.train={data / 'train'}",
+                      f"data.val={data / 'val'}", "data.log_sample_ids=true", f"train.total_steps={TOTAL}",
+                      "train.save_every=3", *overrides]
+    return cmd + (["--resume", resume] if resume else [])
+
+
+def env():
+    return dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+
+
+def train(data, run_dir, nproc, *overrides, resume=None, expect=0):
+    proc = subprocess.run(train_cmd(data, run_dir, nproc, *overrides, resume=resume), env=env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == expect, proc.stderr[-8000:]
+    return proc
+
+
+def losses(run_dir) -> dict[int, float]:
+    rows = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def samples(run_dir) -> list[list[int]]:
+    return [json.loads(l)["samples"] for l in (Path(run_dir) / "samples.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference_runs(data, tmp_path_factory):
+    """Uninterrupted 2-process runs, one per ZeRO stage under test."""
+    root = tmp_path_factory.mktemp("ref")
+    for stage in (2, 3):
+        train(data, root / f"zero{stage}", 2, f"zero.stage={stage}")
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stop_and_resume_is_bitwise_identical(data, reference_runs, tmp_path, stage):
+    ref = reference_runs / f"zero{stage}"
+    assert len(losses(ref)) == TOTAL
+    run = tmp_path / "run"
+    train(data, run, 2, f"zero.stage={stage}", f"train.stop_at_step={TOTAL // 2}")
+    assert sorted(losses(run)) == list(range(1, TOTAL // 2 + 1))
+    train(data, run, 2, f"zero.stage={stage}", resume="auto")
+    assert losses(run) == losses(ref)  # bitwise: exact float equality at every step
+    assert samples(run) == samples(ref)
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_rank_checkpoints_and_resumes_exactly(data, reference_runs, tmp_path):
+    import psutil
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(data, run, 2, "zero.stage=2"), env=env(), stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.time() < deadline, "run ended before it could be signalled"
+        time.sleep(0.05)
+    ranks = psutil.Process(proc.pid).children()
+    assert len(ranks) == 2
+    ranks[1].send_signal(signal.SIGTERM)  # one rank only: the other learns at the step boundary
+    _, stderr = proc.communicate(timeout=300)
+    assert f"exitcode  : {EXIT_PREEMPTED}" in stderr or proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert "SIGTERM received: checkpointed at step" in stderr
+    stopped_at = max(losses(run))
+    assert 2 <= stopped_at < TOTAL
+    assert (run / "checkpoints" / f"step_{stopped_at:08d}" / "manifest.json").is_file()
+
+    train(data, run, 2, "zero.stage=2", resume="auto")
+    ref = reference_runs / "zero2"
+    assert losses(run) == losses(ref)
+    assert samples(run) == samples(ref)
+
+
+@pytest.mark.slow
+def test_two_process_checkpoint_resumes_on_one_process(data, reference_runs, tmp_path):
+    run = tmp_path / "run"
+    train(data, run, 2, "zero.stage=2", "train.stop_at_step=6")
+    # The global batch (8) is kept: one process accumulates twice as many micro-batches.
+    proc = train(data, run, 1, "zero.stage=2", "train.grad_accum=null", "train.global_batch=8", resume="auto")
+    assert "converting" in proc.stderr and "universal" in proc.stderr
+    ref = reference_runs / "zero2"
+    assert samples(run) == samples(ref)  # every sample once, in the same order
+    flat = sum(samples(run), [])
+    assert len(flat) == len(set(flat)) == TOTAL * 8
+    for step, loss in losses(ref).items():  # the same run, up to float reduction order
+        assert abs(losses(run)[step] - loss) < 1e-5 * abs(loss), step
+
+
+def test_corrupted_newest_checkpoint_falls_back_to_the_previous(data, tmp_path):
+    run = tmp_path / "run"
+    train(data, run, 1, "zero.stage=1", "train.stop_at_step=6")
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_00000006"
+    victim = next((ckpts / "step_00000006").glob("*optim_states.pt"))
+    data_bytes = bytearray(victim.read_bytes())
+    data_bytes[len(data_bytes) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data_bytes))
+    (ckpts / "step_00000009").mkdir()  # a crash mid-save: no manifest
+    (ckpts / "step_00000009" / "mp_rank_00_model_states.pt").write_bytes(b"partial")
+
+    proc = train(data, run, 1, "zero.stage=1", "train.stop_at_step=7", resume="auto")
+    warnings = [l for l in proc.stderr.splitlines() if l.startswith("warning: checkpoint")]
+    assert len(warnings) == 2
+    assert "step_00000009 skipped: incomplete" in warnings[0]
+    assert "step_00000006 skipped:" in warnings[1] and "sha256" in warnings[1]
+    assert f"resumed from {ckpts / 'step_00000003'} at step 3" in proc.stderr
+    assert sorted(losses(run)) == list(range(1, 8))
+
+
+def test_fresh_start_refuses_a_run_dir_with_checkpoints(data, tmp_path):
+    run = tmp_path / "run"
+    train(data, run, 1, "train.stop_at_step=3")
+    proc = train(data, run, 1, "train.stop_at_step=3", expect=2)
+    assert "already has checkpoints" in proc.stderr and "--resume auto" in proc.stderr
+
+
+def test_wandb_offline_logs_the_metrics_into_the_run_dir(data, tmp_path):
+    run = tmp_path / "run"
+    train(data, run, 1, "logging.wandb=offline", "train.total_steps=4")
+    files = glob.glob(str(run / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(files) == 1
+    rows = history(files[0])
+    logged = {r["_step"]: r["loss"] for r in rows if "loss" in r}
+    assert logged == losses(run)
+    assert any("val_loss" in r for r in rows)
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu"} <= set(record)
+
+
+def test_lr_schedule_is_warmup_then_cosine_to_ten_percent():
+    assert lr_factor(0, 100, 10_000, 0.1) == pytest.approx(0.01)
+    assert lr_factor(99, 100, 10_000, 0.1) == pytest.approx(1.0)
+    assert lr_factor(10_000, 100, 10_000, 0.1) == pytest.approx(0.1)
+    mid = lr_factor(5050, 100, 10_000, 0.1)
+    assert mid == pytest.approx(0.55)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.totl_steps=5", "train.totl_steps: unknown key"),
+        ("train.total_steps=ten", "train.total_steps: expected int, got str"),
+        ("zero.stage=4", "zero.stage: expected 0, 1, 2 or 3"),
+        ("precision=fp16", "precision: expected fp32 or bf16"),
+        ("optimizer.lr=1", "optimizer: unknown key"),
+        ("model.d_state=wide", "gpn_m_tiny.yaml: d_state: expected int"),
+    ],
+)
+def test_config_validator_names_the_key(override, message):
+    with pytest.raises(UserError, match=message) as e:
+        load_train_config(CONFIG, [override])
+    assert "\n" not in str(e.value)
+
+
+def test_resolved_config_inlines_the_model():
+    cfg = load_train_config(CONFIG, ["train.global_batch=16", "train.grad_accum=null"])
+    assert cfg.model["family"] == "gpn_m" and cfg.model["d_state"] == 64
+    assert cfg.train.global_batch == 16
