@@ -415,9 +415,9 @@ class FusedCore(torch.autograd.Function):
     def backward(ctx, dP, dg, dg_prev, dM):
         A_log, fg_W, fg_b, *flat = ctx.saved_tensors
         layers = [LayerWeights(*flat[j : j + 3]) for j in range(0, len(flat), 3)]
-        du, dg0, dg_prev0, dM0, dA_log, grads, dfg_W, dfg_b = run_backward(
-            ctx.spec, ctx.S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM)
-        ctx.S = None  # the saved activations go now, not when the graph does
+        with torch.autocast(fg_W.device.type, enabled=False):  # the compute dtype is the spec's
+            du, dg0, dg_prev0, dM0, dA_log, grads, dfg_W, dfg_b = run_backward(
+                ctx.spec, ctx.S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM)
         return (None, du.to(ctx.u_dtype), dg0, dg_prev0, dM0, dA_log, dfg_W, dfg_b, *(x for l in grads for x in l))
 
 

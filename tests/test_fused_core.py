@@ -1,0 +1,226 @@
+"""The fused recurrent core against the naive autograd loop, finite differences and its own pieces."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from gpn_scale.models import GPN, GPNConfig, GPNState
+from gpn_scale.models.memory_step import memory_read, memory_read_backward, memory_step, memory_step_backward, read_factors
+
+# Odd sizes everywhere; T = 21 is not a multiple of any chunk length used below.
+ODD = GPNConfig(vocab_size=53, d_state=22, d_emb=9, d_ffn=15, n_heads=3, d_key=5, d_val=7, core_chunk=8)
+CASES = {
+    "gpn_1l": dict(family="gpn", n_layers=1),
+    "gpn_2l": dict(family="gpn", n_layers=2),
+    "gpn_m_1l": dict(n_layers=1),
+    "gpn_m_1l_bias": dict(n_layers=1, use_decoder_bias=True),
+    "gpn_m_2l": dict(n_layers=2),
+    "gpn_m_2l_bias": dict(n_layers=2, use_decoder_bias=True),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tensors this small gain nothing from threads; on a busy 2-core machine they cost 50x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make(dtype=torch.float32, seed=0, **changes):
+    torch.manual_seed(seed)
+    model = GPN(dataclasses.replace(ODD, **changes)).to(dtype)
+    with torch.no_grad():  # move the zero-initialised gates and FFN out-projection: every path live
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def loss_and_grads(model, tokens, core, state=None):
+    model.zero_grad()
+    out = model(tokens, state=state, core=core)
+    # Weight the positions unevenly and use the carried state, so every output's gradient matters.
+    w = torch.linspace(0.5, 1.5, tokens.shape[1], dtype=out.token_losses.dtype)
+    total = (out.token_losses * w).mean() + out.state.s.square().mean() + 0.5 * out.state.prev_s.square().mean()
+    if out.state.M is not None:
+        total = total + out.state.M.square().mean()
+    total.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def assert_same_grads(grads, ref, tol):
+    assert grads.keys() == ref.keys()
+    errors = {n: rel_err(grads[n], ref[n]) for n in ref}
+    assert max(errors.values()) < tol, {n: e for n, e in errors.items() if e >= tol}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fused_matches_naive_in_float32(case):
+    """On these inputs float32 keeps both cores within 1e-5 of float64.
+
+    Not on all: where a read o = M^T q is tiny, rms(o; w) amplifies rounding ~1/sqrt(eps), and
+    both cores drift apart from float64 (and each other) by up to 1e-3, the fused one less. The
+    float64 tests below show the math is the same to rounding.
+    """
+    model = make(**CASES[case])
+    tokens = torch.randint(0, ODD.vocab_size, (3, 21))
+    grads = {}
+    for core, m in [("fused", model), ("naive", model), ("float64", copy.deepcopy(model).double())]:
+        m.zero_grad()
+        out = m(tokens, core="naive" if core == "float64" else core)
+        out.loss.backward()
+        grads[core] = {n: p.grad.double() for n, p in m.named_parameters()}
+        if core == "fused":
+            fused = out
+        elif core == "naive":
+            naive = out
+    assert rel_err(fused.loss, naive.loss) < 1e-6
+    for a, b in zip(fused.state, naive.state):
+        if b is not None:
+            assert rel_err(a, b) < 1e-5
+    assert_same_grads(grads["fused"], grads["naive"], 1e-5)
+    for name, truth in grads["float64"].items():  # and it is as accurate as the naive core
+        assert rel_err(grads["fused"][name], truth) <= max(2 * rel_err(grads["naive"][name], truth), 1e-5), name
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(core_chunk=1), dict(core_chunk=5), dict(core_chunk=21), dict(core_chunk=64),
+                                     dict(bptt=4), dict(bptt=5, core_chunk=3), dict(bptt=1)])
+@pytest.mark.parametrize("case", ["gpn_2l", "gpn_m_1l", "gpn_m_2l_bias"])
+def test_fused_matches_naive_exactly_in_float64(case, changes):
+    """In float64 the two cores agree to rounding: the math is the same, chunking and truncation included."""
+    tokens = torch.randint(0, ODD.vocab_size, (2, 21))
+    model = make(torch.float64, **CASES[case], **changes)
+    fused, grads = loss_and_grads(model, tokens, "fused")
+    naive, ref = loss_and_grads(model, tokens, "naive")
+    assert rel_err(fused.loss, naive.loss) < 1e-12
+    assert_same_grads(grads, ref, 1e-10)
+
+
+@pytest.mark.parametrize("case", ["gpn_1l", "gpn_m_2l"])
+def test_incoming_state_gets_the_same_gradients(case):
+    model = make(torch.float64, **CASES[case])
+    tokens = torch.randint(0, ODD.vocab_size, (2, 9))
+    with torch.no_grad():
+        carried = model(tokens, core="naive").state
+    grads = {}
+    for core in ("fused", "naive"):
+        state = GPNState(*(None if x is None else x.clone().requires_grad_() for x in carried))
+        _, grads[core] = loss_and_grads(model, torch.randint(0, ODD.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1)), core, state)
+        for name, x in zip(("s", "prev_s", "M"), state):
+            if x is not None and x.grad is not None:  # GPN has no M and never reads prev_s
+                grads[core][name] = x.grad
+    assert_same_grads(grads["fused"], grads["naive"], 1e-10)
+    if case == "gpn_m_2l":  # the memory's first key reads the incoming previous state
+        assert grads["fused"]["prev_s"].abs().max() > 0
+
+
+def test_gradients_match_finite_differences_in_float64():
+    cfg = dict(vocab_size=7, d_state=6, d_emb=4, d_ffn=5, n_heads=2, d_key=3, d_val=2, n_layers=2, use_decoder_bias=True, core_chunk=3)
+    model = make(torch.float64, **cfg)
+    tokens = torch.randint(0, 7, (2, 7))
+    names = [n for n, _ in model.named_parameters()]
+    with torch.no_grad():
+        state = model(tokens[:, :3], core="naive").state
+    state = [x.clone().requires_grad_() for x in state]
+
+    def loss(*inputs):
+        params = dict(zip(names, inputs[: len(names)]))
+        out = torch.func.functional_call(model, params, (tokens,), dict(state=GPNState(*inputs[len(names) :]), core="fused"))
+        return out.loss + out.state.M.square().sum() + out.state.s.sum() + out.state.prev_s.square().sum()
+
+    inputs = [p.detach().clone().requires_grad_() for p in model.parameters()] + state
+    assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_autocast_keeps_state_in_float32_and_is_as_accurate_as_naive():
+    model = make(**CASES["gpn_m_2l"])
+    tokens = torch.randint(0, ODD.vocab_size, (4, 21))
+    _, exact = loss_and_grads(model, tokens, "fused")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused, grads = loss_and_grads(model, tokens, "fused")
+        naive, ref = loss_and_grads(model, tokens, "naive")
+    assert fused.state.s.dtype == fused.state.prev_s.dtype == fused.state.M.dtype == torch.float32
+    assert rel_err(fused.loss, naive.loss) < 0.01
+    for name in ref:  # bf16 GEMMs round differently in the two cores: compare their errors
+        assert torch.isfinite(grads[name]).all()
+        err, naive_err = (grads[name] - exact[name]).norm(), (ref[name] - exact[name]).norm()
+        assert err <= 2 * naive_err + 0.01 * exact[name].norm(), name
+
+
+def test_inference_path_saves_nothing_and_gives_the_same_outputs():
+    model = make(**CASES["gpn_m_2l"])
+    tokens = torch.randint(0, ODD.vocab_size, (2, 21))
+    with_grad = model(tokens)
+    with torch.no_grad():
+        no_grad = model(tokens)
+    torch.testing.assert_close(no_grad.token_losses, with_grad.token_losses.detach(), rtol=0, atol=0)
+    for a, b in zip(no_grad.state, with_grad.state):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+
+
+def test_core_is_validated():
+    with pytest.raises(ValueError, match="core: expected one of"):
+        GPNConfig(core="fast")
+    with pytest.raises(ValueError, match="core: expected one of"):
+        make()(torch.zeros(1, 2, dtype=torch.long), core="fast")
+    with pytest.raises(ValueError, match="core_chunk: expected a positive integer"):
+        GPNConfig(core_chunk=0)
+
+
+# ---- the memory step's torch implementation: the contract a kernel keeps ----------------------
+
+
+def _memory_inputs(B=2, H=3, dk=4, dv=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    unit = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
+    return dict(M=r(B, H, dk, dv), k=unit(r(B, H, dk)), v=r(B, H, dv), beta=torch.sigmoid(r(B, H)),
+                decay=torch.exp(-torch.rand(B, H, generator=g, dtype=torch.float64)), q=unit(r(B, H, dk)), gate=r(B, H * dv))
+
+
+def test_memory_step_matches_the_spec():
+    x = _memory_inputs()
+    M, e, o, y = memory_step(**x)
+    k, v, beta, decay = x["k"], x["v"], x["beta"], x["decay"]
+    pred = torch.einsum("bhkv,bhk->bhv", x["M"], k)
+    M_ref = decay[..., None, None] * x["M"] + beta[..., None, None] * torch.einsum("bhk,bhv->bhkv", k, v - pred)
+    o_ref = torch.einsum("bhkv,bhk->bhv", M_ref, x["q"]).flatten(1)
+    y_ref = torch.nn.functional.silu(x["gate"]) * o_ref * torch.rsqrt(o_ref.square().mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(M, M_ref)
+    torch.testing.assert_close(e, v - pred)
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close(y, y_ref)
+
+
+def test_memory_step_backward_matches_autograd():
+    x = {n: t.requires_grad_() for n, t in _memory_inputs().items()}
+    M, e, o, y = memory_step(**x)
+    dM, dy = torch.randn_like(M), torch.randn_like(y)
+    names = ["M", "k", "v", "beta", "decay", "q", "gate"]
+    ref = torch.autograd.grad((M * dM).sum() + (y * dy).sum(), [x[n] for n in names])
+    with torch.no_grad():
+        f = read_factors(o, x["gate"])
+        got = memory_step_backward(x["M"], M, x["k"], x["beta"], x["decay"], e, x["beta"][..., None] * e, x["q"], f, dM, dy)
+    dM_prev, dk, dv, dbeta, ddecay, dq, dgate = got
+    for name, a in zip(names, [dM_prev, dk, dv, dbeta, ddecay, dq, dgate]):
+        torch.testing.assert_close(a, ref[names.index(name)], msg=name)
+
+
+def test_memory_read_backward_matches_autograd():
+    x = _memory_inputs(seed=1)
+    M, q, gate = (x[n].requires_grad_() for n in ("M", "q", "gate"))
+    o, y = memory_read(M, q, gate)
+    dy, dM_in = torch.randn_like(y), torch.randn_like(M)
+    ref = torch.autograd.grad((y * dy).sum(), [q, gate, M])
+    with torch.no_grad():
+        dq, dgate, dM = memory_read_backward(M, q, read_factors(o, gate), dy, dM_in)
+    torch.testing.assert_close(dq, ref[0])
+    torch.testing.assert_close(dgate, ref[1])
+    torch.testing.assert_close(dM, dM_in + ref[2])
