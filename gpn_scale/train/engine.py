@@ -277,8 +277,6 @@ class Trainer:
         stop_at = t.stop_at_step or t.total_steps
         if self.is_main and cfg.data.log_sample_ids:
             truncate_jsonl(self.run_dir / "samples.jsonl", self.step)
-        log = MetricsLog(self.run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.project,
-                         cfg.run.name or self.run_dir.name, self.step, t.total_steps, self.is_main)
         flops_token, peak = flops_per_token(self.model), peak_flops(cfg.logging.peak_tflops)
         n_params = sum(p.numel() for p in self.model.parameters())
         self._say(
@@ -286,7 +284,9 @@ class Trainer:
             f"{cfg.precision}; global batch {self.global_batch} = {t.micro_batch} x {self.grad_accum} x {self.world}; "
             f"steps {self.step} -> {stop_at} of {t.total_steps}"
         )
-        preempted = False
+        log = MetricsLog(self.run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.project,
+                         cfg.run.name or self.run_dir.name, self.step, t.total_steps, self.is_main)
+        preempted, start_step = False, self.step
         samples_file = open(self.run_dir / "samples.jsonl", "a") if self.is_main and cfg.data.log_sample_ids else None
         while self.step < stop_at:
             began = time.perf_counter()
@@ -311,9 +311,12 @@ class Trainer:
                 break
             if self.step % t.save_every == 0 and self.step < stop_at:
                 self.save()
-        if self.step >= t.total_steps:
-            log.log({"step": self.step, **self.evaluate()})
-        tag_dir = self.save()
+        if self.step == start_step:  # resumed at its last step: nothing new to evaluate or save
+            tag_dir = self.ckpt_root / ckpt.tag_for(self.step)
+        else:
+            if self.step >= t.total_steps:
+                log.log({"step": self.step, **self.evaluate()})
+            tag_dir = self.save()
         if samples_file:
             samples_file.close()
         log.close()
@@ -334,9 +337,8 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     cfg = load_train_config(args.config, args.overrides)
     os.environ.setdefault("WANDB_SILENT", "true")
-    trainer = Trainer(cfg, args.resume)
     try:
-        return trainer.run()
+        return Trainer(cfg, args.resume).run()
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -1,0 +1,28 @@
+"""The README's main job, end to end, exactly as a user runs it (minus the venv)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_demo_learns_well_below_the_unigram_entropy(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "demo", "--out", str(out)], capture_output=True,
+                          text=True, timeout=1500, env=dict(os.environ, WANDB_MODE="disabled"))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert f"report: {out / 'report.md'}" in proc.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["train"]["steps"] == 300
+    assert report["heldout"]["loss"] < report["unigram_entropy"] - 1.0, report["heldout"]
+    assert report["heldout"]["tokens"] == report["data"]["splits"]["val"]["windows"] * 128  # every held-out position
+    assert (out / "report.md").read_text().count("held-out loss") == 1
+
+    # Running it again resumes every stage instead of redoing or failing.
+    again = subprocess.run([sys.executable, "-m", "gpn_scale", "demo", "--out", str(out)], capture_output=True,
+                           text=True, timeout=600, env=dict(os.environ, WANDB_MODE="disabled"))
+    assert again.returncode == 0, again.stderr[-5000:]
+    assert "already prepared" in again.stdout and "resumed from" in again.stderr
