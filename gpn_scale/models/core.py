@@ -179,11 +179,14 @@ def _buffers(spec: Spec, layers, T, B, like):
     """The per-step vectors the backward needs, time-major: (T, B, ...) each."""
     d, H, dk, dv = spec.d, spec.H, spec.dk, spec.dv
     new = lambda *shape: like.new_empty((T, B) + shape)  # noqa: E731
+    ring = lambda *shape: like.new_empty((2, B) + shape)  # noqa: E731
     S = SimpleNamespace(
         X=[new(d) for _ in layers],  # normalised layer inputs
         R=[new(1) for _ in layers],  # their rms
-        Y=[new(L.W.shape[1]) for L in layers],  # fused projection outputs
-        Z=[new(L.W2o.shape[0]) for L in layers],  # second GEMM inputs [silu(h1) * h2 | read output]
+        # The projections and second GEMM inputs are the widest per-step vectors; the backward
+        # recomputes them per chunk with one GEMM, so the loop keeps only the current step's.
+        Y=[ring(L.W.shape[1]) for L in layers],  # fused projection outputs
+        Z=[ring(L.W2o.shape[0]) for L in layers],  # second GEMM inputs [silu(h1) * h2 | read output]
         XP=new(d), RP=new(1), FG=new(d),  # normalised predictions, their rms, fuse gates
     )
     if spec.memory:
@@ -199,7 +202,7 @@ def _buffers(spec: Spec, layers, T, B, like):
 
 
 def _layer_steps(spec: Spec, S, i, col):
-    """Per-step views of layer i's buffers and of the blocks of its projection."""
+    """Per-step views of layer i's buffers and of the blocks of its projection (in the work ring)."""
     Y, Fd, H, dk = S.Y[i], spec.F, spec.H, spec.dk
     v = dict(x=_steps(S.X[i]), r=_steps(S.R[i]), y=_steps(Y), z=_steps(S.Z[i]), pg=_steps(Y[..., col["pg"]]),
              h1=_steps(Y[..., col["ffn"]][..., :Fd]), h2=_steps(Y[..., col["ffn"]][..., Fd:]),
@@ -239,25 +242,25 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
         S.k0, S.k0n = _l2n_relu(kpre.view(B, H, dk))
         k = S.k0
     for t in range(T):
-        s = t if save else t % 2
+        s, w = (t if save else t % 2), t % 2  # saved and work-ring slots
         if save and spec.memory and t % spec.chunk == 0:
             S.M.append(M)
         c = g
         for i, (L, v) in enumerate(zip(layers, V)):
             x, _ = _rms_hat(c, v["x"][s], v["r"][s])
-            _mm(x, L.W, v["y"][s], L.b)
-            torch.mul(F.silu(v["h1"][s]), v["h2"][s], out=v["z_ffn"][s])
+            _mm(x, L.W, v["y"][w], L.b)
+            torch.mul(F.silu(v["h1"][w]), v["h2"][w], out=v["z_ffn"][w])
             if spec.memory:
-                _l2n_relu(v["heads"][s], v["nq"][s], v["nn"][s])
+                _l2n_relu(v["heads"][w], v["nq"][s], v["nn"][s])
                 if i == 0:
-                    beta = torch.sigmoid(v["beta"][s], out=BETA[s])
-                    decay = torch.exp(torch.mul(F.softplus(v["a"][s]), A, out=GAMMA[s]), out=DECAY[s])
-                    M, *_ = memory_step(M, k, v["v"][s], beta, decay, v["q"][s], v["gate"][s],
-                                        out_e=E[s], out_o=v["o"][s], out_y=v["z_read"][s])
+                    beta = torch.sigmoid(v["beta"][w], out=BETA[s])
+                    decay = torch.exp(torch.mul(F.softplus(v["a"][w]), A, out=GAMMA[s]), out=DECAY[s])
+                    M, *_ = memory_step(M, k, v["v"][w], beta, decay, v["q"][s], v["gate"][w],
+                                        out_e=E[s], out_o=v["o"][s], out_y=v["z_read"][w])
                     k = v["next_key"][s]
                 else:
-                    memory_read(M, v["q"][s], v["gate"][s], out_o=v["o"][s], out_y=v["z_read"][s])
-            c = torch.addcmul(_mm(v["z"][s], L.W2o), torch.sigmoid(v["pg"][s]), c, out=Ps[t] if i == nl - 1 else None)
+                    memory_read(M, v["q"][s], v["gate"][w], out_o=v["o"][s], out_y=v["z_read"][w])
+            c = torch.addcmul(_mm(v["z"][w], L.W2o), torch.sigmoid(v["pg"][w]), c, out=Ps[t] if i == nl - 1 else None)
         xp, _ = _rms_hat(c, XP[s], RP[s])
         fg = torch.sigmoid(_mm(xp, fg_W, FG[s], fg_b), out=FG[s])
         g_prev, g = g, torch.addcmul(us[t], fg, c)
@@ -267,113 +270,134 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
 # ---- backward --------------------------------------------------------------------------------
 
 
+def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, A):
+    """Per-step views of one chunk's gradient buffers and of its derivative factors.
+
+    The factors are the parts of the elementwise derivatives that do not depend on the incoming
+    gradient, computed for the chunk's steps at once: the sweep is left with products, dots and
+    GEMMs. Buffers live for one chunk, so the backward's working memory is a chunk's, not T's.
+    """
+    L, B, d = S.XP[sl].shape
+    H, dk, Fd = spec.H, spec.dk, spec.F
+    empty = lambda *shape: S.XP.new_empty(shape)  # noqa: E731
+    C = []
+    for i, (W, col) in enumerate(zip(layers, cols)):
+        x_hat, r = S.X[i][sl], S.R[i][sl]
+        Y = _mm(x_hat.reshape(L * B, d), W.W, bias=W.b).view(L, B, -1)  # as the forward's, one GEMM
+        Z = empty(L, B, W.W2o.shape[0])
+        dY, dZ = empty(L, B, W.W.shape[1]), empty(L, B, W.W2o.shape[0])  # every row is written
+        pg = torch.sigmoid(Y[..., col["pg"]])
+        pg_fac = (x_hat * r).mul_(pg).mul_(1 - pg)
+        h1, h2 = Y[..., col["ffn"]].chunk(2, -1)
+        ffn_fac = empty(L, B, 2, Fd)  # (dL/dh1, dL/dh2) = dL/d(silu(h1) h2) * ffn_fac
+        s1 = torch.sigmoid(h1)
+        silu = torch.mul(h1, s1, out=ffn_fac[:, :, 1])
+        torch.mul(torch.addcmul(s1 + silu, silu, s1, value=-1.0), h2, out=ffn_fac[:, :, 0])  # silu'(h1) h2
+        torch.mul(silu, h2, out=Z[..., :Fd])
+        if spec.memory:
+            O, gate = S.O[i][sl], Y[..., col["gate"]]
+            torch.mul(F.silu(gate), O / rms(O), out=Z[..., Fd:])
+        c = dict(Y=Y, Z_full=Z, dY_full=dY, dZ_full=dZ, dU_full=empty(L, B, d), pg_gate=_steps(pg), pg_fac=_steps(pg_fac),
+                 ffn_fac=_steps(ffn_fac), dY=_steps(dY), dZ=_steps(dZ), dffn=_steps(dY[..., col["ffn"]], 2, Fd),
+                 dpg=_steps(dY[..., col["pg"]]), dz_ffn=_steps(dZ[..., None, :Fd]), dz_read=_steps(dZ[..., Fd:]))
+        c["dU"] = _steps(c["dU_full"])
+        if spec.memory:
+            rf = read_factors(S.O[i][sl], Y[..., col["gate"]])
+            nh = S.NQ[i].shape[1]
+            c.update(rf=[ReadFactors(*f) for f in zip(*map(_steps, rf))],
+                     nq_mask=_steps(((S.NQ[i][sl] > 0) / S.NN[i][sl]).transpose(1, 2)),
+                     dgate=_steps(dY[..., col["gate"]]), dheads=_steps(dY[..., col["heads"]], nh, H, dk))
+        C.append(c)
+    dYfg = empty(L, B, d)
+    G = dict(dYfg_full=dYfg, dYfg=_steps(dYfg), fg_fac=_steps((S.XP[sl] * S.RP[sl]).mul_(S.FG[sl]).mul_(1 - S.FG[sl])))
+    if spec.memory:
+        col0, dY0 = cols[0], C[0]["dY_full"]
+        # dL/d(beta, a pre-activations) = (dL/dbeta, dL/ddecay) * gate_fac
+        da_fac = A * torch.sigmoid(C[0]["Y"][..., col0["a"]]) * S.DECAY[sl]
+        dBD = empty(L, 2, B, H)  # (dL/dbeta, dL/ddecay)
+        dKQ = empty(L, 2, B, H, dk)  # dL/d(normalised [next key | query]) of layer 0
+        G.update(gate_fac=_steps(torch.stack([S.BETA[sl] * (1 - S.BETA[sl]), da_fac], 2)),
+                 delta=_steps(S.BETA[sl].unsqueeze(-1) * S.E[sl]), dBD_full=dBD, dBD=_steps(dBD.transpose(1, 2)),
+                 dbeta=_steps(dBD[:, 0]), ddecay=_steps(dBD[:, 1]), dgates=_steps(dY0[..., col0["beta"].start : col0["a"].stop], 2, H),
+                 dv=_steps(dY0[..., col0["v"]], H, spec.dv), dkn=_steps(dY0[..., col0["k"]]), dKQ_full=dKQ,
+                 dKQ=_steps(dKQ.transpose(1, 2)), dk_out=_steps(dKQ[:, 0]), dq_out=_steps(dKQ[:, 1]))
+    return C, G
+
+
 def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
-    """The reverse sweep, then the weight GEMMs.
+    """The reverse sweep, chunk by chunk, with each chunk's weight gradients as GEMMs over its rows.
 
     dP (T, B, d), dg, dg_prev, dM: gradients w.r.t. the outputs (None where unused). Returns
     (du (T, B, d), dg0, dg_prev0, dM0, dA_log, [per layer (dW, db, dW2o)], dfg_W, dfg_b).
     """
     T, B, d = S.XP.shape
-    H, dk, Fd, nl = spec.H, spec.dk, spec.F, len(layers)
+    H, dk, nl, sd, cd = spec.H, spec.dk, len(layers), S.XP.dtype, spec.compute_dtype
     layers, fg_W, fg_b = _cast(spec, layers, fg_W, fg_b)
     cols = [columns(spec, i == 0) for i in range(nl)]
-    zeros = lambda *shape: S.XP.new_zeros(shape)  # noqa: E731
     WT, W2oT, fg_WT = [L.W.T for L in layers], [L.W2o.T for L in layers], fg_W.T
-
-    # Gradient buffers: w.r.t. each GEMM's output, kept for the weight GEMMs after the sweep.
-    # The sweep writes every row of these.
-    empty = lambda *shape: S.XP.new_empty(shape)  # noqa: E731
-    dY = [empty(T, B, L.W.shape[1]) for L in layers]
-    dZ = [empty(T, B, L.W2o.shape[0]) for L in layers]
-    dU = [empty(T, B, d) for _ in layers]  # dL/d(layer output) = dL/d(second GEMM output)
-    dYfg, du = empty(T, B, d), empty(T, B, d)
-
-    # The parts of the elementwise derivatives that do not depend on the incoming gradient are
-    # computed for all steps at once: the sweep is left with products, dots and GEMMs.
     V = [_layer_steps(spec, S, i, cols[i]) for i in range(nl)]
-    for i, v in enumerate(V):
-        Y, col = S.Y[i], cols[i]
-        pg = torch.sigmoid(Y[..., col["pg"]])
-        pg_fac = (S.X[i] * S.R[i]).mul_(pg).mul_(1 - pg)
-        h1, h2 = Y[..., col["ffn"]].chunk(2, -1)
-        ffn_fac = S.XP.new_empty((T, B, 2, Fd))  # (dL/dh1, dL/dh2) = dL/d(silu(h1) h2) * ffn_fac
-        s1 = torch.sigmoid(h1)
-        silu = torch.mul(h1, s1, out=ffn_fac[:, :, 1])
-        torch.mul(torch.addcmul(s1 + silu, silu, s1, value=-1.0), h2, out=ffn_fac[:, :, 0])  # silu'(h1) h2
-        v.update(pg_gate=_steps(pg), pg_fac=_steps(pg_fac), ffn_fac=_steps(ffn_fac),
-                 dY=_steps(dY[i]), dZ=_steps(dZ[i]), dU=_steps(dU[i]), dffn=_steps(dY[i][..., col["ffn"]], 2, Fd),
-                 dpg=_steps(dY[i][..., col["pg"]]), dz_ffn=_steps(dZ[i][..., None, :Fd]),
-                 dz_read=_steps(dZ[i][..., Fd:]))
-        if spec.memory:
-            rf = read_factors(S.O[i], Y[..., col["gate"]])
-            nh = S.NQ[i].shape[1]
-            v.update(rf=[ReadFactors(*f) for f in zip(*map(_steps, rf))],
-                     nq_mask=_steps(((S.NQ[i] > 0) / S.NN[i]).transpose(1, 2)),
-                     dgate=_steps(dY[i][..., col["gate"]]), dheads=_steps(dY[i][..., col["heads"]], nh, H, dk))
     XP, RP, FG = _steps(S.XP), _steps(S.RP), _steps(S.FG)
-    fg_fac = _steps((S.XP * S.RP).mul_(S.FG).mul_(1 - S.FG))
-    dYfgs, dus = _steps(dYfg), _steps(du)
-    dPs = _steps(dP) if dP is not None else None
+    du = S.XP.new_empty((T, B, d))
+    dus, dPs = _steps(du), (_steps(dP) if dP is not None else None)
+    dg = S.XP.new_zeros((B, d)) if dg is None else dg
+
+    def gemm(X, G):  # X^T G over all rows, in the compute dtype, the result in the state dtype
+        return (X.reshape(-1, X.shape[-1]).to(cd).T @ G.reshape(-1, G.shape[-1]).to(cd)).to(sd)
+
+    grads = [[torch.zeros_like(L.W, dtype=sd), torch.zeros_like(L.b, dtype=sd), torch.zeros_like(L.W2o, dtype=sd)] for L in layers]
+    dfg_W, dfg_b = torch.zeros_like(fg_W, dtype=sd), torch.zeros_like(fg_b, dtype=sd)
+    A = None
     if spec.memory:
-        col0, v0 = cols[0], V[0]
-        A = -torch.exp(A_log.to(S.XP.dtype))
-        # dL/d(beta, a pre-activations) = (dL/dbeta, dL/ddecay) * gate_fac
-        da_fac = A * torch.sigmoid(S.Y[0][..., col0["a"]]) * S.DECAY
-        gate_fac = _steps(torch.stack([S.BETA * (1 - S.BETA), da_fac], 2))  # (T, B, 2, H)
-        delta = _steps(S.BETA.unsqueeze(-1) * S.E)
+        col0 = cols[0]
+        A = -torch.exp(A_log.to(sd))
         E, BETA, DECAY = _steps(S.E), _steps(S.BETA), _steps(S.DECAY)
-        keys = (S.k0,) + v0["next_key"][:-1]  # the key each step writes with
-        dBD = S.XP.new_empty((T, 2, B, H))  # (dL/dbeta, dL/ddecay)
-        dBDs, dBeta, dDecay = _steps(dBD.transpose(1, 2)), _steps(dBD[:, 0]), _steps(dBD[:, 1])
-        dgates = _steps(dY[0][..., col0["beta"].start : col0["a"].stop], 2, H)
-        dv, dkn = _steps(dY[0][..., col0["v"]], H, spec.dv), _steps(dY[0][..., col0["k"]])
-        # dL/d(normalised [next key | query]) of layer 0: the key's part comes from the next step.
-        dKQ = S.XP.new_empty((T, 2, B, H, dk))
-        dKQ[-1, 0] = 0
-        dKQs, dk_out, dq_out = _steps(dKQ.transpose(1, 2)), _steps(dKQ[:, 0]), _steps(dKQ[:, 1])
-        dk0 = torch.empty_like(S.k0)
-        dM = zeros(B, H, dk, spec.dv) if dM is None else dM
+        keys = (S.k0,) + V[0]["next_key"][:-1]  # the key each step writes with
+        dM = S.XP.new_zeros((B, H, dk, spec.dv)) if dM is None else dM
+        dk_next = S.XP.new_zeros((B, H, dk))  # dL/d(normalised key) of the step after the chunk
         kn_flows = True
         W_kT = layers[0].W[:, col0["k"]].T
-    dg = zeros(B, d) if dg is None else dg
+        dA_log = torch.zeros_like(A)
 
     for c0 in reversed(range(0, T, spec.chunk)):
         c1 = min(c0 + spec.chunk, T)
+        C, G = _chunk_buffers(spec, S, slice(c0, c1), layers, cols, A)
         if spec.memory:  # Ms[j] = M before step c0 + j, rebuilt from the chunk's start
             Ms = [S.M[c0 // spec.chunk]]
-            for t in range(c0, c1):
-                Ms.append(decay_and_write(Ms[-1], keys[t], delta[t], DECAY[t]))
+            for j, t in enumerate(range(c0, c1)):
+                Ms.append(decay_and_write(Ms[-1], keys[t], G["delta"][j], DECAY[t]))
+            G["dKQ_full"][-1, 0] = dk_next
+            dk_next = torch.empty_like(dk_next)
         for t in reversed(range(c0, c1)):
             j = t - c0
             dus[t].copy_(dg)
-            dc = _rms_hat_backward(XP[t], RP[t], _mm(torch.mul(dg, fg_fac[t], out=dYfgs[t]), fg_WT))
+            dc = _rms_hat_backward(XP[t], RP[t], _mm(torch.mul(dg, G["fg_fac"][j], out=G["dYfg"][j]), fg_WT))
             if dPs is not None:
                 dc += dPs[t]
-            dc = torch.addcmul(dc, dg, FG[t], out=V[-1]["dU"][t])
+            dc = torch.addcmul(dc, dg, FG[t], out=C[-1]["dU"][j])
             for i in reversed(range(nl)):
-                v = V[i]
-                dz = _mm(dc, W2oT[i], v["dZ"][t])
-                torch.mul(v["dz_ffn"][t], v["ffn_fac"][t], out=v["dffn"][t])
-                torch.mul(dc, v["pg_fac"][t], out=v["dpg"][t])
+                v, c = V[i], C[i]
+                dz = _mm(dc, W2oT[i], c["dZ"][j])
+                torch.mul(c["dz_ffn"][j], c["ffn_fac"][j], out=c["dffn"][j])
+                torch.mul(dc, c["pg_fac"][j], out=c["dpg"][j])
                 if spec.memory:
                     if i == 0:
-                        dM, _, dv_t, *_ = memory_step_backward(
-                            Ms[j], Ms[j + 1], keys[t], BETA[t], DECAY[t], E[t], delta[t], v["q"][t], v["rf"][t], dM,
-                            v["dz_read"][t], out_dk=dk_out[t - 1] if t > 0 else dk0, out_dq=dq_out[t],
-                            out_dbeta=dBeta[t], out_ddecay=dDecay[t], out_dgate=v["dgate"][t])
-                        dv[t].copy_(dv_t)
-                        torch.mul(dBDs[t], gate_fac[t], out=dgates[t])
-                        dq = dKQs[t]
+                        dM, _, dv, *_ = memory_step_backward(
+                            Ms[j], Ms[j + 1], keys[t], BETA[t], DECAY[t], E[t], G["delta"][j], v["q"][t], c["rf"][j], dM,
+                            c["dz_read"][j], out_dk=G["dk_out"][j - 1] if j > 0 else dk_next, out_dq=G["dq_out"][j],
+                            out_dbeta=G["dbeta"][j], out_ddecay=G["ddecay"][j], out_dgate=c["dgate"][j])
+                        G["dv"][j].copy_(dv)
+                        torch.mul(G["dBD"][j], G["gate_fac"][j], out=G["dgates"][j])
+                        dq = G["dKQ"][j]
                     else:
-                        dq, _, dM = memory_read_backward(Ms[j + 1], v["q"][t], v["rf"][t], v["dz_read"][t], dM,
-                                                         out_dgate=v["dgate"][t])
+                        dq, _, dM = memory_read_backward(Ms[j + 1], v["q"][t], c["rf"][j], c["dz_read"][j], dM,
+                                                         out_dgate=c["dgate"][j])
                         dq = dq.unsqueeze(1)
-                    _l2n_relu_backward(v["nq"][t], v["nq_mask"][t], dq, out=v["dheads"][t])
-                dx = _mm(v["dY"][t], WT[i])
+                    _l2n_relu_backward(v["nq"][t], c["nq_mask"][j], dq, out=c["dheads"][j])
+                dx = _mm(c["dY"][j], WT[i])
                 if i == 0 and spec.memory and not kn_flows:  # the next key's gradient reaches the weights only
-                    dx -= _mm(dkn[t], W_kT)
-                dc = torch.addcmul(_rms_hat_backward(v["x"][t], v["r"][t], dx), dc, v["pg_gate"][t],
-                                   out=V[i - 1]["dU"][t] if i > 0 else None)
+                    dx -= _mm(G["dkn"][j], W_kT)
+                dc = torch.addcmul(_rms_hat_backward(v["x"][t], v["r"][t], dx), dc, c["pg_gate"][j],
+                                   out=C[i - 1]["dU"][j] if i > 0 else None)
             dg = dc if (t < T - 1 or dg_prev is None) else dc + dg_prev
             if spec.bptt and t > 0 and t % spec.bptt == 0:  # where the naive core detaches the state
                 dg = torch.zeros_like(dg)
@@ -382,21 +406,26 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
                     kn_flows = False
             elif spec.memory:
                 kn_flows = True
+        sl = slice(c0, c1)
+        for i, c in enumerate(C):
+            grads[i][0] += gemm(S.X[i][sl], c["dY_full"])
+            grads[i][1] += c["dY_full"].sum((0, 1))
+            grads[i][2] += gemm(c["Z_full"], c["dU_full"])
+        dfg_W += gemm(S.XP[sl], G["dYfg_full"])
+        dfg_b += G["dYfg_full"].sum((0, 1))
+        if spec.memory:
+            dA_log += (G["dBD_full"][:, 1] * S.DECAY[sl] * S.GAMMA[sl]).sum((0, 1))
+            del Ms
+        del C, G  # before the next chunk's buffers exist, not after
 
-    def gemm(X, G):  # X^T G over all rows, in the compute dtype, the result in the state dtype
-        cd = spec.compute_dtype
-        return (X.reshape(-1, X.shape[-1]).to(cd).T @ G.reshape(-1, G.shape[-1]).to(cd)).to(S.XP.dtype)
-
-    grads = [(gemm(S.X[i], dY[i]), dY[i].sum((0, 1)), gemm(S.Z[i], dU[i])) for i in range(nl)]
     if not spec.memory:
-        return du, dg, None, None, None, grads, gemm(S.XP, dYfg), dYfg.sum((0, 1))
+        return du, dg, None, None, None, grads, dfg_W, dfg_b
     # The first key comes from the incoming previous state.
-    dk0 = _l2n_relu_backward(S.k0, (S.k0 > 0) / S.k0n, dk0).flatten(1)
+    dk0 = _l2n_relu_backward(S.k0, (S.k0 > 0) / S.k0n, dk_next).flatten(1)
     grads[0][0][:, col0["k"]] += gemm(S.x_prev, dk0)
     grads[0][1][col0["k"]] += dk0.sum(0)
     dg_prev0 = _rms_hat_backward(S.x_prev, S.r_prev, _mm(dk0, W_kT))
-    dA_log = (dBD[:, 1] * S.DECAY * S.GAMMA).sum((0, 1))
-    return du, dg, dg_prev0, dM, dA_log, grads, gemm(S.XP, dYfg), dYfg.sum((0, 1))
+    return du, dg, dg_prev0, dM, dA_log, grads, dfg_W, dfg_b
 
 
 class FusedCore(torch.autograd.Function):

@@ -41,7 +41,7 @@ class GPNConfig:
     use_decoder_bias: bool = False
     # Execution only: none of these change the math.
     core: str = "fused"  # the time loop: "fused" (custom backward, see core.py) or "naive" (autograd)
-    core_chunk: int = 64  # fused core: M is kept every this many steps and rebuilt in between
+    core_chunk: int = 32  # fused core: M is kept every this many steps and rebuilt in between
     checkpoint_every: int = 0  # naive core: recompute activations in time segments of this length (0: off)
     bptt: int = 0  # truncate backprop through time every this many steps (0: full window)
     ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once

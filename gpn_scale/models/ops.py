@@ -81,10 +81,11 @@ class LinearCrossEntropy(torch.autograd.Function):
             w = weight.to(dtype)
             for s in range(0, h.shape[0], chunk):
                 hc = h[s : s + chunk].to(dtype)
-                probs = torch.exp(at_least_f32(hc @ w.T) - lse[s : s + chunk, None])
+                # In place: one (chunk x vocab) buffer at a time, the largest transient of a step.
+                probs = at_least_f32(hc @ w.T).sub_(lse[s : s + chunk, None]).exp_()
                 rows = torch.arange(probs.shape[0], device=probs.device)
                 probs[rows, targets[s : s + chunk]] -= 1.0
-                dlogits = (probs * grad_losses[s : s + chunk, None]).to(dtype)
+                dlogits = probs.mul_(grad_losses[s : s + chunk, None]).to(dtype)
                 dh[s : s + chunk] = (dlogits @ w).to(h.dtype)
                 dweight += dlogits.T @ hc
         return dh, dweight.to(weight.dtype), None, None

@@ -1,0 +1,177 @@
+"""One training step (forward + backward) of GPN / GPN+M: the naive autograd loop against the fused core.
+
+    PYTHONPATH=. python bench/train_step.py                       # the small GPN+M, CPU, < 3 min
+    PYTHONPATH=. python bench/train_step.py --config 130m-1l --batch 1 --seq-len 2048 --cores fused
+    PYTHONPATH=. python bench/train_step.py --config configs/models/gpn_m_130m_1l.yaml --device cuda --dtype bf16 --batch 32 --seq-len 2048
+    PYTHONPATH=. python bench/train_step.py d_state=512 n_layers=2  # key=value overrides the config
+
+Each core runs in a fresh process, so that one core's allocations cannot hide or inflate the
+other's peak. Time: the fastest of `--steps` timed steps, after one untimed first step. Peak
+memory: on CUDA, torch.cuda.max_memory_allocated above what was allocated before the first
+step; on CPU (where torch's allocator keeps no statistics and tracemalloc cannot see it), the
+process's peak resident set (ru_maxrss) above its resident set before the first step.
+
+Imports only torch (and the model package, which imports only torch and numpy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+from gpn_scale.models import GPN, GPNConfig
+
+PRESETS = {
+    # The small GPN+M of the fused core's issue: d 256, F 512, H 4, dk 32, dv 64, V 1024, E 128.
+    "small": dict(family="gpn_m", vocab_size=1024, d_state=256, d_emb=128, d_ffn=512, n_layers=1, n_heads=4, d_key=32, d_val=64),
+    # configs/models/gpn_m_130m_1l.yaml
+    "130m-1l": dict(family="gpn_m", vocab_size=32000, d_state=2496, d_emb=768, d_ffn=6656, n_layers=1, n_heads=15, d_key=128,
+                    d_val=256, checkpoint_every=128),
+}
+
+
+def _scalar(text: str):
+    text = text.strip()
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text.strip("'\"")
+
+
+def load_config(name: str, overrides: list[str]) -> GPNConfig:
+    """A preset name or a flat YAML file (configs/models/*.yaml), then key=value overrides."""
+    if name in PRESETS:
+        fields = dict(PRESETS[name])
+    else:
+        try:
+            import yaml
+
+            with open(name) as f:
+                fields = yaml.safe_load(f)
+        except ImportError:  # the model configs are flat `key: value  # comment` lines
+            fields = {}
+            with open(name) as f:
+                for line in f:
+                    line = line.split("#", 1)[0].strip()
+                    if line:
+                        key, _, value = line.partition(":")
+                        fields[key.strip()] = _scalar(value)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"error: override {item!r}: expected key=value")
+        fields[key] = _scalar(value)
+    known = set(GPNConfig.field_names())
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise SystemExit(f"error: {name}: unknown config keys {unknown}")
+    return GPNConfig(**fields)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_core(args, cfg: GPNConfig) -> dict:
+    """Time and measure one core in this process."""
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    model = GPN(dataclasses.replace(cfg, core=args.core)).to(device)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len), device=device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with autocast:
+            loss = model(tokens).loss
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+        return loss.item()
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        before = _rss_bytes()
+    t0 = time.perf_counter()
+    loss = step()
+    first = time.perf_counter() - t0
+    peak = (torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - before
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return dict(core=args.core, loss=loss, first_s=first, step_s=min(times) if times else first, peak_bytes=peak)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    parser.add_argument("--config", default="small", help=f"a preset ({', '.join(PRESETS)}) or a model YAML file")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast, state and M stay float32")
+    parser.add_argument("--cores", default="naive,fused", help="comma-separated cores to compare")
+    parser.add_argument("--steps", type=int, default=1, help="timed steps after the first (0: time the first)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads (0: torch's default); the loop's ops are too small to gain from threads")
+    parser.add_argument("--core", help=argparse.SUPPRESS)  # set in the worker processes
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = load_config(args.config, args.overrides)
+
+    if args.core:  # a worker: one core, one process, one JSON line
+        print(json.dumps(run_core(args, cfg)))
+        return 0
+
+    results = []
+    for core in args.cores.split(","):
+        cmd = [sys.executable, __file__, "--core", core] + [a for a in (argv if argv is not None else sys.argv[1:])]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            oom = "out of memory" in proc.stderr.lower() or proc.returncode in (-9, 137)
+            results.append(dict(core=core, error="out of memory" if oom else tail))
+            continue
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+    threads = args.threads or torch.get_num_threads()
+    print(f"config: {args.config} {cfg.family} d={cfg.d_state} F={cfg.d_ffn} layers={cfg.n_layers}"
+          + (f" H={cfg.n_heads} dk={cfg.d_key} dv={cfg.d_val}" if cfg.memory else "")
+          + f" V={cfg.vocab_size} E={cfg.d_emb}; batch {args.batch}, T {args.seq_len}; {args.device} {args.dtype}"
+          + (f", {threads} thread(s)" if args.device == "cpu" else ""))
+    memory = "max_memory_allocated" if args.device.startswith("cuda") else "peak RSS growth"
+    print(f"{'core':6s} {'step (s)':>9s} {'first (s)':>9s} {'peak MB':>9s}  loss   [{memory}, one process per core]")
+    for r in results:
+        if "error" in r:
+            print(f"{r['core']:6s} failed: {r['error']}")
+        else:
+            print(f"{r['core']:6s} {r['step_s']:9.3f} {r['first_s']:9.3f} {r['peak_bytes'] / 2**20:9.1f}  {r['loss']:.4f}")
+    done = {r["core"]: r for r in results if "error" not in r}
+    if "naive" in done and "fused" in done:
+        n, f = done["naive"], done["fused"]
+        print(f"naive / fused: time {n['step_s'] / f['step_s']:.2f}x, peak memory {n['peak_bytes'] / max(f['peak_bytes'], 1):.2f}x")
+    return 0 if len(done) == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
