@@ -12,13 +12,15 @@ needs (DESIGN.md, "Where the time goes", points 2-4):
   third. `fuse_weights` builds the fused matrices from the parameters with ordinary autograd
   ops, so the parameters keep the paper's layout and the norm weights get their gradients from
   the chain rule of one elementwise product.
-- Small saved state. The forward saves per-step vectors (normalised layer inputs, projection
-  outputs, second-GEMM inputs, keys, queries, reads, the write's prediction errors) and M only
-  at the start of every `chunk` steps.
-- Reverse sweep for the input-gradient chain only. Step by step, back through the fuse gate,
-  the layers and the memory, carrying dL/dg and dL/dM; M is rebuilt inside each chunk from the
-  chunk's saved start. The gradients w.r.t. each GEMM's output are kept (dY rows), and every
-  weight gradient is one GEMM over all B*T rows after the sweep (dW = X^T dY).
+- Small saved state. The forward saves the narrow per-step vectors (normalised layer inputs,
+  keys, queries, raw reads, the write's prediction errors and gates, fuse gates) and M at the
+  start of every `chunk` steps. The wide ones (projection outputs, second-GEMM inputs) are
+  recomputed per chunk in the backward, with one GEMM over the chunk's rows.
+- Reverse sweep for the input-gradient chain only, chunk by chunk from the end. Step by step,
+  back through the fuse gate, the layers and the memory, carrying dL/dg and dL/dM; M is rebuilt
+  inside each chunk from the chunk's saved start. The gradients w.r.t. each GEMM's output are
+  kept for the chunk (dY rows), and the weight gradients are GEMMs over the chunk's B*chunk rows
+  (dW += X^T dY), so the backward's working memory is a chunk's, not the window's.
 
 Under autocast the GEMMs run in the autocast dtype; the state, M and all elementwise math stay
 float32 (float64 inputs stay float64, for gradient checks). Truncated BPTT (`bptt`) cuts the
@@ -44,7 +46,7 @@ from gpn_scale.models.memory_step import (
     memory_step_backward,
     read_factors,
     rms,
-    _constants,
+    scalar_tensors,
 )
 from gpn_scale.models.ops import L2_EPS
 
@@ -140,7 +142,7 @@ def _rms_hat_backward(x_hat, r, dx_hat):
 def _l2n_relu(z, out=None, norm_out=None):
     """(l2n(relu(z)), sqrt(|relu(z)|^2 + eps)) over the last axis."""
     z = torch.relu(z)
-    (sqrt_eps,) = _constants(z, math.sqrt(L2_EPS))
+    (sqrt_eps,) = scalar_tensors(z, math.sqrt(L2_EPS))
     n = torch.hypot(torch.linalg.vector_norm(z, dim=-1, keepdim=True), sqrt_eps, out=norm_out)
     return torch.div(z, n, out=out), n
 
@@ -187,7 +189,8 @@ def _buffers(spec: Spec, layers, T, B, like):
         # recomputes them per chunk with one GEMM, so the loop keeps only the current step's.
         Y=[ring(L.W.shape[1]) for L in layers],  # fused projection outputs
         Z=[ring(L.W2o.shape[0]) for L in layers],  # second GEMM inputs [silu(h1) * h2 | read output]
-        XP=new(d), RP=new(1), FG=new(d),  # normalised predictions, their rms, fuse gates
+        XP=new(d), RP=new(1),  # normalised predictions, their rms
+        FG=ring(d),  # fuse gates (recomputed per chunk too)
     )
     if spec.memory:
         # Normalised [next key | query] of layer 0, [query] of later layers, and their norms;
@@ -262,7 +265,7 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
                     memory_read(M, v["q"][s], v["gate"][w], out_o=v["o"][s], out_y=v["z_read"][w])
             c = torch.addcmul(_mm(v["z"][w], L.W2o), torch.sigmoid(v["pg"][w]), c, out=Ps[t] if i == nl - 1 else None)
         xp, _ = _rms_hat(c, XP[s], RP[s])
-        fg = torch.sigmoid(_mm(xp, fg_W, FG[s], fg_b), out=FG[s])
+        fg = torch.sigmoid(_mm(xp, fg_W, FG[w], fg_b), out=FG[w])
         g_prev, g = g, torch.addcmul(us[t], fg, c)
     return P, g, g_prev, M, (S if save else None)
 
@@ -270,7 +273,7 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
 # ---- backward --------------------------------------------------------------------------------
 
 
-def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, A):
+def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A):
     """Per-step views of one chunk's gradient buffers and of its derivative factors.
 
     The factors are the parts of the elementwise derivatives that do not depend on the incoming
@@ -309,7 +312,8 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, A):
                      dgate=_steps(dY[..., col["gate"]]), dheads=_steps(dY[..., col["heads"]], nh, H, dk))
         C.append(c)
     dYfg = empty(L, B, d)
-    G = dict(dYfg_full=dYfg, dYfg=_steps(dYfg), fg_fac=_steps((S.XP[sl] * S.RP[sl]).mul_(S.FG[sl]).mul_(1 - S.FG[sl])))
+    fg = torch.sigmoid(_mm(S.XP[sl].reshape(L * B, d), fg_W, bias=fg_b)).view(L, B, d)
+    G = dict(dYfg_full=dYfg, dYfg=_steps(dYfg), fg=_steps(fg), fg_fac=_steps((S.XP[sl] * S.RP[sl]).mul_(fg).mul_(1 - fg)))
     if spec.memory:
         col0, dY0 = cols[0], C[0]["dY_full"]
         # dL/d(beta, a pre-activations) = (dL/dbeta, dL/ddecay) * gate_fac
@@ -336,7 +340,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
     cols = [columns(spec, i == 0) for i in range(nl)]
     WT, W2oT, fg_WT = [L.W.T for L in layers], [L.W2o.T for L in layers], fg_W.T
     V = [_layer_steps(spec, S, i, cols[i]) for i in range(nl)]
-    XP, RP, FG = _steps(S.XP), _steps(S.RP), _steps(S.FG)
+    XP, RP = _steps(S.XP), _steps(S.RP)
     du = S.XP.new_empty((T, B, d))
     dus, dPs = _steps(du), (_steps(dP) if dP is not None else None)
     dg = S.XP.new_zeros((B, d)) if dg is None else dg
@@ -360,7 +364,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
 
     for c0 in reversed(range(0, T, spec.chunk)):
         c1 = min(c0 + spec.chunk, T)
-        C, G = _chunk_buffers(spec, S, slice(c0, c1), layers, cols, A)
+        C, G = _chunk_buffers(spec, S, slice(c0, c1), layers, cols, fg_W, fg_b, A)
         if spec.memory:  # Ms[j] = M before step c0 + j, rebuilt from the chunk's start
             Ms = [S.M[c0 // spec.chunk]]
             for j, t in enumerate(range(c0, c1)):
@@ -373,7 +377,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
             dc = _rms_hat_backward(XP[t], RP[t], _mm(torch.mul(dg, G["fg_fac"][j], out=G["dYfg"][j]), fg_WT))
             if dPs is not None:
                 dc += dPs[t]
-            dc = torch.addcmul(dc, dg, FG[t], out=C[-1]["dU"][j])
+            dc = torch.addcmul(dc, dg, G["fg"][j], out=C[-1]["dU"][j])
             for i in reversed(range(nl)):
                 v, c = V[i], C[i]
                 dz = _mm(dc, W2oT[i], c["dZ"][j])

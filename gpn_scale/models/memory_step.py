@@ -34,19 +34,19 @@ def rms(x: torch.Tensor, out=None) -> torch.Tensor:
     x.pow(2).mean().add(eps).sqrt() is five, and in-place ops with Python scalars cost hidden
     copies on CPU.
     """
-    inv_sqrt_n, sqrt_eps = _constants(x, 1.0 / math.sqrt(x.shape[-1]), math.sqrt(RMS_EPS))
+    inv_sqrt_n, sqrt_eps = scalar_tensors(x, 1.0 / math.sqrt(x.shape[-1]), math.sqrt(RMS_EPS))
     return torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True) * inv_sqrt_n, sqrt_eps, out=out)
 
 
-_CONSTANTS: dict = {}
+_SCALAR_TENSORS: dict = {}
 
 
-def _constants(like: torch.Tensor, *values: float) -> tuple[torch.Tensor, ...]:
+def scalar_tensors(like: torch.Tensor, *values: float) -> tuple[torch.Tensor, ...]:
     """0-dim tensors of `values` with like's dtype and device, made once."""
     key = (like.dtype, like.device, values)
-    if key not in _CONSTANTS:
-        _CONSTANTS[key] = tuple(torch.tensor(v, dtype=like.dtype, device=like.device) for v in values)
-    return _CONSTANTS[key]
+    if key not in _SCALAR_TENSORS:
+        _SCALAR_TENSORS[key] = tuple(torch.tensor(v, dtype=like.dtype, device=like.device) for v in values)
+    return _SCALAR_TENSORS[key]
 
 
 def decay_and_write(M, k, delta, decay):
