@@ -136,5 +136,5 @@ Median training throughput: {t['median_tokens_per_s']:,.0f} tokens/s. Total time
 Files: data and its `stats.json` in `{data}`, the run (checkpoints, `metrics.jsonl`, `config.yaml`) in
 `{run_dir}`.
 """)
-    print(f"report: {out / 'report.md'} (and report.json)")
+    print(f"report: {(out / 'report.md').resolve()} (and report.json)")
     return 0
