@@ -380,7 +380,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
             dc = torch.addcmul(dc, dg, G["fg"][j], out=C[-1]["dU"][j])
             for i in reversed(range(nl)):
                 v, c = V[i], C[i]
-                dz = _mm(dc, W2oT[i], c["dZ"][j])
+                _mm(dc, W2oT[i], c["dZ"][j])  # into the dZ rows of the chunk
                 torch.mul(c["dz_ffn"][j], c["ffn_fac"][j], out=c["dffn"][j])
                 torch.mul(dc, c["pg_fac"][j], out=c["dpg"][j])
                 if spec.memory:
