@@ -97,7 +97,9 @@ def resolve_config_path(path: str | Path, kind: str) -> Path:
     p = Path(path)
     if p.exists():
         return p
-    candidate = CONFIG_ROOT / kind / f"{p.name}.yaml" if p.suffix == "" else CONFIG_ROOT / kind / p.name
+    if p.parent != Path("."):  # a path with directories means that file, not a bundled one
+        raise UserError(f"{path}: no such config file")
+    candidate = CONFIG_ROOT / kind / (p.name if p.suffix else f"{p.name}.yaml")
     if candidate.exists():
         return candidate
     raise UserError(f"{path}: no such config file (nor {candidate})")

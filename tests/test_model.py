@@ -199,3 +199,9 @@ def test_cli_reports_bad_input_in_one_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: no_such_model: no such config file") and err.count("\n") == 1
     assert cli(["frobnicate"]) == 2
+
+
+def test_a_missing_path_is_not_mistaken_for_a_bundled_config(tmp_path):
+    with pytest.raises(UserError, match="no such config file$"):
+        model_config(tmp_path / "gpn_m_tiny.yaml")
+    assert model_config("gpn_m_tiny.yaml").d_state == model_config("gpn_m_tiny").d_state
