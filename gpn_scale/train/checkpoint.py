@@ -89,6 +89,11 @@ def tags(root: Path) -> list[str]:
     return sorted(found, key=step_of, reverse=True)
 
 
+def committed(root: Path) -> list[str]:
+    """Tags whose save finished (a manifest exists), newest first; not verified against it."""
+    return [t for t in tags(root) if (root / t / MANIFEST).is_file()]
+
+
 def newest_complete(root: Path, warn=print) -> str | None:
     """The newest tag that verifies; each one skipped on the way is reported in one line."""
     for tag in tags(root):
@@ -103,8 +108,7 @@ def commit(root: Path, tag: str, keep_last: int) -> None:
     """Rank 0, after every rank finished writing `tag`: manifest, then `latest`, then pruning."""
     write_manifest(root / tag)
     _atomic_write(root / LATEST, tag)
-    complete = [t for t in tags(root) if (root / t / MANIFEST).is_file()]
-    for old in complete[keep_last:]:
+    for old in committed(root)[keep_last:]:
         shutil.rmtree(root / old, ignore_errors=True)
     for partial in tags(root):  # older leftovers of crashed saves
         if step_of(partial) < step_of(tag) and not (root / partial / MANIFEST).is_file():

@@ -95,7 +95,7 @@ class Trainer:
         choice = None
         if self.is_main:
             if resume == "none":
-                complete = [t for t in ckpt.tags(self.ckpt_root) if (self.ckpt_root / t / ckpt.MANIFEST).is_file()]
+                complete = ckpt.committed(self.ckpt_root)
                 if complete:
                     choice = UserError(
                         f"run.dir {self.run_dir} already has checkpoints ({complete[0]}); pass --resume auto "
