@@ -17,6 +17,7 @@ COMMANDS = {
     "convert": ("gpn_scale.convert:main", "convert a reference (paper) checkpoint to a native one"),
     "prep": ("data_prep.cli:main", "tokenize and pack text into MDS shards"),
     "train": ("gpn_scale.train.engine:main", "train with DeepSpeed ZeRO from MDS shards (resumable)"),
+    "launch": ("gpn_scale.launch:main", "print and run the torchrun command for a training run"),
     "ckpt": ("gpn_scale.train.checkpoint:main", "checkpoint tools: verify, to-universal"),
     "demo": ("gpn_scale.demo:main", "the README's main job on the embedded corpus"),
 }

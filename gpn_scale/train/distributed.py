@@ -13,6 +13,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from gpn_scale.errors import UserError
+
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -31,13 +33,30 @@ def init() -> tuple[int, int, int]:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         env.setdefault("MASTER_PORT", str(_free_port()))
-    env.setdefault("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))  # streaming reads it
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    env["LOCAL_WORLD_SIZE"] = str(_ranks_per_host())
     local_rank = int(env.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     return dist.get_rank(), dist.get_world_size(), local_rank
+
+
+def _ranks_per_host() -> int:
+    """The ranks sharing this machine, for streaming, whose shared memory is per machine.
+
+    A launcher's LOCAL_WORLD_SIZE counts the ranks of one agent; several agents may share a host
+    (elastic runs, tests of multi-node setups), and streaming must then see them as one node.
+    """
+    host = socket.gethostname()
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, host)
+    per_host = hosts.count(host)
+    regular = all(hosts[i] == hosts[i - i % per_host] for i in range(len(hosts))) and len(hosts) % per_host == 0
+    if not regular or any(hosts.count(h) != per_host for h in hosts):
+        raise UserError(f"ranks are spread unevenly over hosts ({hosts}): the data loader needs the same "
+                           "number of consecutive ranks on every host")
+    return per_host
 
 
 def device() -> torch.device:
@@ -55,6 +74,13 @@ class StopFlag:
 
     def _handler(self, signum, frame):
         self.signum = signum
+
+    def close(self) -> None:
+        """Ignore further stop signals: launchers may repeat them, and one arriving while the
+        interpreter shuts down (Python resets handlers to the default then, not ignored signals)
+        would kill a run that already stopped cleanly."""
+        for sig in PREEMPT_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
     def agreed(self) -> bool:
         flag = torch.tensor([self.signum], dtype=torch.int64, device=device())

@@ -6,13 +6,16 @@ the optimiser, the recurrent state and the memory stay float32.
 
 Exit status: 0 when the run reached `train.total_steps` or `train.stop_at_step`;
 75 (EX_TEMPFAIL) when SIGTERM or SIGUSR1 made it checkpoint and stop early: launchers requeue
-on it and resume with `--resume auto`; 2 for bad input.
+on it and resume with `--resume auto`; 2 for bad input. The same outcome is written to
+`run.dir/status.json` (`running`, `preempted` or `finished`, with the step), for launchers that
+cannot see the trainer's exit status (torchrun reports any non-zero worker exit as 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -267,12 +270,19 @@ class Trainer:
         torch.distributed.barrier()
         return tag_dir
 
+    def _write_status(self, status: str) -> None:
+        if self.is_main:
+            tmp = self.run_dir / "status.json.tmp"
+            tmp.write_text(json.dumps({"status": status, "step": self.step, "world_size": self.world}) + "\n")
+            tmp.replace(self.run_dir / "status.json")
+
     def run(self) -> int:
         cfg = self.cfg
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         self._build()
+        self._write_status("running")
         t = cfg.train
         stop_at = t.stop_at_step or t.total_steps
         if self.is_main and cfg.data.log_sample_ids:
@@ -320,6 +330,8 @@ class Trainer:
         if samples_file:
             samples_file.close()
         log.close()
+        self.stop_flag.close()
+        self._write_status("preempted" if preempted else "finished")
         if preempted:
             self._say(f"{self.stop_flag.signal_name} received: checkpointed at step {self.step} "
                       f"in {tag_dir}; exiting with {EXIT_PREEMPTED} (resume with --resume auto)")

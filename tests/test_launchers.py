@@ -1,0 +1,214 @@
+"""Launchers as users run them: `gpn-scale launch`, torchrun elastic membership, SLURM requeue.
+
+Real torchrun agents with a c10d rendezvous, real DeepSpeed, and a real SLURM controller and
+node daemon started by the test (Debian's slurm-wlm + munge).
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import slurm_cluster
+from gpn_scale.train import checkpoint as ckpt
+from mds_fixture import write_windows
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "train" / "gpn_m_tiny.yaml"
+VENV_BIN = str(Path(sys.executable).parent)
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra) -> dict:
+    # torchrun, sbatch's job and the trainers must all find this interpreter's environment.
+    return {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **extra}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    write_windows(root / "train", 400, 32, 512)
+    write_windows(root / "val", 16, 32, 512, seed=1)
+    return root
+
+
+def overrides(data, run_dir, steps, save_every=3):
+    # global_batch (not grad_accum) keeps the batch, and so the sample order, fixed when the world shrinks.
+    return [f"run.dir={run_dir}", f"data.train={data / 'train'}", f"data.val={data / 'val'}",
+            "data.log_sample_ids=true", f"train.total_steps={steps}", f"train.save_every={save_every}",
+            "train.grad_accum=null", "train.global_batch=4"]
+
+
+def reference(data, run_dir, steps):
+    """An uninterrupted 2-process run on this node, through `gpn-scale launch`."""
+    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "launch", str(CONFIG), *overrides(data, run_dir, steps),
+                           "--nproc", "2"], env=env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.stdout.startswith("+ ") and "torch.distributed.run --standalone" in proc.stdout
+    return run_dir
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (torchrun puts its workers in their own sessions)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def rows(run_dir, key) -> dict[int, object]:
+    name = "samples.jsonl" if key == "samples" else "metrics.jsonl"
+    out = {}
+    for line in (Path(run_dir) / name).read_text().splitlines():
+        row = json.loads(line)
+        if key in row:
+            out[row["step"]] = row[key]
+    return out
+
+
+def test_launch_prints_the_torchrun_command_and_rejects_bad_input(tmp_path):
+    dry = subprocess.run([sys.executable, "-m", "gpn_scale", "launch", "gpn_m_tiny", f"run.dir={tmp_path}",
+                          "--nproc", "3", "--nnodes", "2:4", "--rdzv-endpoint", "head:29400", "--max-restarts", "2",
+                          "--dry-run"], env=env(), capture_output=True, text=True, cwd=ROOT)
+    assert dry.returncode == 0, dry.stderr
+    cmd = dry.stdout.strip()
+    for part in ("--nnodes 2:4", "--max-restarts 2", "--rdzv-backend c10d", "--rdzv-endpoint head:29400",
+                 "--nproc-per-node 3", "-m gpn_scale train gpn_m_tiny", f"run.dir={tmp_path}", "--resume auto"):
+        assert part in cmd
+    bad = subprocess.run([sys.executable, "-m", "gpn_scale", "launch", "gpn_m_tiny", "train.nope=1", "--dry-run"],
+                         env=env(), capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "nope" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_elastic_survivor_finishes_from_the_last_checkpoint(data, tmp_path):
+    steps = 12
+    ref = reference(data, tmp_path / "ref", steps)
+    run_dir = tmp_path / "elastic"
+    agent_env = env(RDZV_ENDPOINT=f"127.0.0.1:{_port()}", RDZV_ID="elastic-test", MIN_NODES="1", MAX_NODES="2",
+                    MAX_RESTARTS="3", RDZV_CONF="last_call_timeout=5,join_timeout=120")
+    cmd = [str(ROOT / "launchers" / "elastic.sh"), str(CONFIG), *overrides(data, run_dir, steps)]
+    logs = [open(tmp_path / f"agent{i}.log", "w") for i in range(2)]
+    survivor = subprocess.Popen(cmd, env=agent_env, stdout=logs[0], stderr=subprocess.STDOUT, cwd=ROOT)
+    time.sleep(1)  # the survivor hosts the rendezvous store; losing that node would end the run
+    victim = subprocess.Popen(cmd, env=agent_env, stdout=logs[1], stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        deadline = time.time() + 600
+        while not ckpt.committed(run_dir / "checkpoints"):
+            assert time.time() < deadline and survivor.poll() is None and victim.poll() is None, \
+                (tmp_path / "agent0.log").read_text()[-4000:]
+            time.sleep(0.2)
+        kill_tree(victim.pid)  # the node is gone: its agent and its worker
+        killed_at = len(rows(run_dir, "samples"))
+        assert survivor.wait(timeout=600) == 0, (tmp_path / "agent0.log").read_text()[-6000:]
+    finally:
+        for proc in (survivor, victim):
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+        for log in logs:
+            log.close()
+    assert killed_at < steps, "the run finished before a member was lost: nothing was tested"
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status == {"status": "finished", "step": steps, "world_size": 1}
+    # The survivor alone replays from the checkpoint the same global sample order, step by step.
+    assert rows(run_dir, "samples") == rows(ref, "samples")
+    ref_loss, loss = rows(ref, "loss"), rows(run_dir, "loss")
+    assert sorted(loss) == list(range(1, steps + 1))
+    assert loss[steps] == pytest.approx(ref_loss[steps], rel=1e-3)  # world 2 -> 1 changes only the summation order
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if not slurm_cluster.available():
+        pytest.skip("needs slurm-wlm and munge (scripts/test.sh installs them)")
+    cluster = slurm_cluster.Cluster(tmp_path_factory.mktemp("slurm")).start()
+    yield cluster
+    cluster.stop()
+
+
+def wait_for(cluster, job_id: str, timeout: float = 900) -> dict:
+    """Poll until the job ends; release requeued jobs at once instead of after SLURM's back-off."""
+    deadline, state = time.time() + timeout, {}
+    while time.time() < deadline:
+        state = cluster.job(job_id)
+        if state["JobState"] in ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return state
+        if state["JobState"] == "PENDING" and state.get("Reason") == "BeginTime":
+            cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        time.sleep(2)
+    return state
+
+
+@pytest.mark.slow
+def test_slurm_job_checkpoints_at_the_time_limit_signal_requeues_and_finishes(data, cluster, tmp_path):
+    steps = 30  # long enough that the forwarded signal lands mid-run (the script polls every 2 s)
+    ref = reference(data, tmp_path / "ref", steps)  # also builds DeepSpeed's CPU ops before the timed job
+    run_dir, log = tmp_path / "run", tmp_path / "job.log"
+    # A 2-minute limit with USR1 115 s before it: the warning comes at once, before the trainers
+    # are even up; the batch script keeps forwarding it until they checkpoint.
+    submit = cluster.run(
+        "sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--time=2", "--signal=B:USR1@115",
+        f"--output={log}", str(ROOT / "launchers" / "slurm" / "train.sbatch"), str(CONFIG),
+        *overrides(data, run_dir, steps), env=env(RDZV_PORT=str(_port())))
+    state = wait_for(cluster, submit.stdout.strip().split(";")[0])
+    text = log.read_text()
+    assert state.get("JobState") == "COMPLETED", text[-6000:]
+    assert int(state["Restarts"]) >= 1, text[-4000:]
+    assert "[sbatch] USR1 received" in text and "USR1 received: checkpointed at step" in text
+    assert "requeueing job" in text
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+    # Interrupted, requeued and resumed: the same losses, bit for bit, as the uninterrupted run.
+    assert rows(run_dir, "loss") == rows(ref, "loss")
+    assert rows(run_dir, "samples") == rows(ref, "samples")
+
+
+@pytest.mark.slow
+def test_slurm_prep_array_and_merge_write_what_one_process_writes(cluster, tmp_path):
+    from test_prep import SEQ_LEN, prep, tree_bytes, write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", files=3, docs_per_file=40, row_group=11)
+    tokenizer = tmp_path / "tok.json"
+    assert subprocess.run([sys.executable, "-m", "gpn_scale", "prep", "train-tokenizer", str(corpus),
+                           "--vocab-size", "300", "--out", str(tokenizer)], env=env(), cwd=ROOT).returncode == 0
+    common = ["--tokenizer", str(tokenizer), "--seq-len", str(SEQ_LEN), "--val-fraction", "0.2", "--on-error", "skip"]
+    assert prep(corpus, "--out", tmp_path / "single", "--workers", 1, *common)[0] == 0
+
+    out = tmp_path / "array"
+    submitted = subprocess.run([str(ROOT / "launchers" / "slurm" / "prep.sh"), "2", str(corpus), "--out", str(out),
+                                *common], env=env(SBATCH_ARGS=f"--output={tmp_path}/%x-%j.out", SLURM_CONF=str(cluster.conf)),
+                               capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    array_id, merge_id = (word for word in submitted.stdout.split() if word.isdigit())
+    merged = wait_for(cluster, merge_id, timeout=600)
+    logs = "\n".join(p.read_text() for p in tmp_path.glob("*.out"))
+    assert merged["JobState"] == "COMPLETED", logs[-6000:]
+    assert "array task 0 of 2" in logs and "array task 1 of 2" in logs
+    assert tree_bytes(out) == tree_bytes(tmp_path / "single")
