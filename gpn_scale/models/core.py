@@ -37,18 +37,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from gpn_scale.models.memory_step import (
-    ReadFactors,
-    decay_and_write,
-    memory_read,
-    memory_read_backward,
-    memory_step,
-    memory_step_backward,
-    read_factors,
-    rms,
-    scalar_tensors,
-)
+from gpn_scale.models.memory_step import ReadFactors, read_factors, rms, scalar_tensors
 from gpn_scale.models.ops import L2_EPS
+from kernels import memory_ops, resolve
 
 
 class LayerWeights(NamedTuple):
@@ -67,6 +58,7 @@ class Spec(NamedTuple):
     chunk: int
     bptt: int
     compute_dtype: torch.dtype
+    kernel: str  # the memory step's implementation: "triton" or "torch" (kernels.memory_ops)
 
 
 def columns(spec: Spec, first: bool) -> dict[str, slice]:
@@ -236,6 +228,7 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
     P = g.new_empty((T, B, d))
     Ps, us = _steps(P), _steps(u.to(g.dtype))
     if spec.memory:
+        mem = memory_ops(spec.kernel)
         A = -torch.exp(A_log.to(g.dtype))
         M = M.contiguous()
         E, BETA, GAMMA, DECAY = _steps(S.E), _steps(S.BETA), _steps(S.GAMMA), _steps(S.DECAY)
@@ -258,11 +251,11 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
                 if i == 0:
                     beta = torch.sigmoid(v["beta"][w], out=BETA[s])
                     decay = torch.exp(torch.mul(F.softplus(v["a"][w]), A, out=GAMMA[s]), out=DECAY[s])
-                    M, *_ = memory_step(M, k, v["v"][w], beta, decay, v["q"][s], v["gate"][w],
+                    M, *_ = mem.memory_step(M, k, v["v"][w], beta, decay, v["q"][s], v["gate"][w],
                                         out_e=E[s], out_o=v["o"][s], out_y=v["z_read"][w])
                     k = v["next_key"][s]
                 else:
-                    memory_read(M, v["q"][s], v["gate"][w], out_o=v["o"][s], out_y=v["z_read"][w])
+                    mem.memory_read(M, v["q"][s], v["gate"][w], out_o=v["o"][s], out_y=v["z_read"][w])
             c = torch.addcmul(_mm(v["z"][w], L.W2o), torch.sigmoid(v["pg"][w]), c, out=Ps[t] if i == nl - 1 else None)
         xp, _ = _rms_hat(c, XP[s], RP[s])
         fg = torch.sigmoid(_mm(xp, fg_W, FG[w], fg_b), out=FG[w])
@@ -352,6 +345,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
     dfg_W, dfg_b = torch.zeros_like(fg_W, dtype=sd), torch.zeros_like(fg_b, dtype=sd)
     A = None
     if spec.memory:
+        mem = memory_ops(spec.kernel)
         col0 = cols[0]
         A = -torch.exp(A_log.to(sd))
         E, BETA, DECAY = _steps(S.E), _steps(S.BETA), _steps(S.DECAY)
@@ -368,7 +362,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
         if spec.memory:  # Ms[j] = M before step c0 + j, rebuilt from the chunk's start
             Ms = [S.M[c0 // spec.chunk]]
             for j, t in enumerate(range(c0, c1)):
-                Ms.append(decay_and_write(Ms[-1], keys[t], G["delta"][j], DECAY[t]))
+                Ms.append(mem.decay_and_write(Ms[-1], keys[t], G["delta"][j], DECAY[t]))
             G["dKQ_full"][-1, 0] = dk_next
             dk_next = torch.empty_like(dk_next)
         for t in reversed(range(c0, c1)):
@@ -385,7 +379,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
                 torch.mul(dc, c["pg_fac"][j], out=c["dpg"][j])
                 if spec.memory:
                     if i == 0:
-                        dM, _, dv, *_ = memory_step_backward(
+                        dM, _, dv, *_ = mem.memory_step_backward(
                             Ms[j], Ms[j + 1], keys[t], BETA[t], DECAY[t], E[t], G["delta"][j], v["q"][t], c["rf"][j], dM,
                             c["dz_read"][j], out_dk=G["dk_out"][j - 1] if j > 0 else dk_next, out_dq=G["dq_out"][j],
                             out_dbeta=G["dbeta"][j], out_ddecay=G["ddecay"][j], out_dgate=c["dgate"][j])
@@ -393,7 +387,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
                         torch.mul(G["dBD"][j], G["gate_fac"][j], out=G["dgates"][j])
                         dq = G["dKQ"][j]
                     else:
-                        dq, _, dM = memory_read_backward(Ms[j + 1], v["q"][t], c["rf"][j], c["dz_read"][j], dM,
+                        dq, _, dM = mem.memory_read_backward(Ms[j + 1], v["q"][t], c["rf"][j], c["dz_read"][j], dM,
                                                          out_dgate=c["dgate"][j])
                         dq = dq.unsqueeze(1)
                     _l2n_relu_backward(v["nq"][t], c["nq_mask"][j], dq, out=c["dheads"][j])
@@ -463,7 +457,8 @@ def fused_recurrence(model, u: torch.Tensor, state):
     g, g_prev, M = state
     device = u.device.type
     cd = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else g.dtype
-    spec = Spec(cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.memory, cfg.core_chunk, cfg.bptt, cd)
+    spec = Spec(cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.memory, cfg.core_chunk, cfg.bptt, cd,
+                resolve(cfg.kernel, device))
     A_log = model.write_A_log if cfg.memory else None
     u = u.transpose(0, 1)
     with torch.autocast(device, enabled=False):

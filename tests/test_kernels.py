@@ -1,0 +1,189 @@
+"""Triton kernels against their torch twins; on CPU under Triton's interpreter.
+
+Every buffer a launcher allocates, and every `out=` buffer the test passes, is filled with NaN
+first, so an element a kernel fails to write fails the comparison (assert_close never lets NaN
+pass). Sizes are odd, d_k != d_v, and the column-block loops run several partial blocks.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before any kernel module is imported: @triton.jit reads it
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import dataclasses  # noqa: E402
+
+import pytest  # noqa: E402
+
+import kernels.memory_step as K  # noqa: E402
+from gpn_scale.models import GPN, GPNConfig  # noqa: E402
+from gpn_scale.models import memory_step as T  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (B, H, dk, dv, tile): with tile 64 and dk <= 8 the kernels take 16 columns at a time, so
+# dv = 33 runs two full blocks and a partial one.
+SHAPES = [(1, 1, 5, 7, K.TILE), (3, 3, 7, 5, K.TILE), (3, 4, 6, 33, 64), (1, 3, 3, 17, 64)]
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float64: 1e-12}
+
+
+@pytest.fixture(autouse=True)
+def _poisoned(monkeypatch):
+    def nan_empty(like, shape):
+        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+
+    monkeypatch.setattr(K, "_empty", nan_empty)
+
+
+def check(got, want, dtype, name, tol=None):
+    """Max abs error relative to want's max abs; NaN anywhere fails."""
+    tol = TOL[dtype] if tol is None else tol
+    err = ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
+    assert err <= tol, f"{name}: relative error {err} > {tol}"  # NaN <= tol is False
+
+
+def poisoned_rows(B, n, pad=3, dtype=torch.float32):
+    """A (B, n) view into rows of a wider NaN buffer, as the fused core's step buffers are."""
+    return torch.full((B, n + pad), float("nan"), dtype=dtype, device=DEVICE)[:, 1 : n + 1]
+
+
+def inputs(B, H, dk, dv, dtype, seed=0):
+    """Memory-step inputs: M (float32, or float64) and the vectors in `dtype`; v and gate as
+    column slices of one wider row, as the fused core's projection output holds them."""
+    g = torch.Generator().manual_seed(seed)
+    state = torch.float64 if dtype == torch.float64 else torch.float32
+    r = lambda *s: torch.randn(*s, generator=g, dtype=state).to(DEVICE)  # noqa: E731
+    unit = lambda x: torch.relu(x) / torch.relu(x).norm(dim=-1, keepdim=True).clamp_min(1e-6)  # noqa: E731
+    row = r(B, 2 * H * dv + 5)
+    return dict(M=r(B, H, dk, dv), k=unit(r(B, H, dk)).to(dtype), v=row[:, 2 : 2 + H * dv].to(dtype).view(B, H, dv),
+                beta=torch.sigmoid(r(B, H)), decay=torch.exp(-r(B, H).abs()), q=unit(r(B, H, dk)).to(dtype),
+                gate=row[:, 3 + H * dv : 3 + 2 * H * dv].to(dtype))
+
+
+def widened(x: dict) -> dict:
+    """The twin's inputs: everything in M's dtype (the kernels widen on load the same way)."""
+    return {n: t.to(x["M"].dtype) for n, t in x.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:4])))
+def test_forward_matches_twin(shape, dtype, monkeypatch):
+    B, H, dk, dv, tile = shape
+    monkeypatch.setattr(K, "TILE", tile)
+    x = inputs(B, H, dk, dv, dtype)
+    ref = T.memory_step(**widened(x))
+    # Once into fresh buffers, once into poisoned strided out= buffers (the core's layout).
+    wide_o = torch.full((B, H * dv + 3), float("nan"), device=DEVICE)
+    outs = dict(out_e=torch.full((B, H, dv), float("nan"), device=DEVICE), out_o=wide_o[:, 1 : H * dv + 1],
+                out_y=poisoned_rows(B, H * dv))
+    for kwargs in ({}, outs):
+        got = K.memory_step(**x, **kwargs)
+        for name, a, b in zip(("M", "e", "o", "y"), got, ref):
+            check(a, b, dtype, name)
+    for name, buf in outs.items():
+        assert got[list(outs).index(name) + 1] is buf, name
+    assert torch.isnan(wide_o[:, 0]).all() and torch.isnan(wide_o[:, -2:]).all()  # nothing written outside the rows
+
+    M_t = ref[0]
+    o_ref, y_ref = T.memory_read(M_t, widened(x)["q"], widened(x)["gate"])
+    o, y = K.memory_read(M_t, x["q"], x["gate"], out_o=poisoned_rows(B, H * dv), out_y=poisoned_rows(B, H * dv))
+    check(o, o_ref, dtype, "read o")
+    check(y, y_ref, dtype, "read y")
+
+    delta = (x["beta"][..., None] * ref[1]).to(dtype)
+    check(K.decay_and_write(x["M"], x["k"], delta, x["decay"]),
+          T.decay_and_write(x["M"], widened(x)["k"], delta.to(x["M"].dtype), x["decay"]), dtype, "decay_and_write")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:4])))
+def test_backward_matches_twin(shape, dtype, monkeypatch):
+    B, H, dk, dv, tile = shape
+    monkeypatch.setattr(K, "TILE", tile)
+    x = inputs(B, H, dk, dv, dtype, seed=1)
+    w = widened(x)
+    M_t, e, o, _ = T.memory_step(**w)
+    f = T.read_factors(o, w["gate"])
+    g = torch.Generator().manual_seed(2)
+    dM = torch.randn(M_t.shape, generator=g, dtype=M_t.dtype).to(DEVICE)
+    dy = torch.randn(o.shape, generator=g).to(DEVICE).to(dtype)
+    delta = w["beta"][..., None] * e
+    names = ("dM_prev", "dk", "dv", "dbeta", "ddecay", "dq", "dgate")
+    ref = T.memory_step_backward(w["M"], M_t, w["k"], w["beta"], w["decay"], e, delta, w["q"], f, dM, dy.to(M_t.dtype))
+    outs = dict(out_dk=torch.full((B, H, dk), float("nan"), device=DEVICE), out_dq=torch.full((B, H, dk), float("nan"), device=DEVICE),
+                out_dbeta=torch.full((B, H), float("nan"), device=DEVICE), out_ddecay=torch.full((B, H), float("nan"), device=DEVICE),
+                out_dgate=poisoned_rows(B, H * dv))
+    for kwargs in ({}, outs):
+        got = K.memory_step_backward(x["M"], M_t, x["k"], x["beta"], x["decay"], e, delta, x["q"], f, dM, dy, **kwargs)
+        for name, a, b in zip(names, got, ref):
+            check(a, b, dtype, name)
+
+    ref = T.memory_read_backward(M_t, w["q"], f, dy.to(M_t.dtype), dM)
+    got = K.memory_read_backward(M_t, x["q"], f, dy, dM, out_dq=torch.full((B, H, dk), float("nan"), device=DEVICE),
+                                 out_dgate=poisoned_rows(B, H * dv))
+    for name, a, b in zip(("read dq", "read dgate", "read dM"), got, ref):
+        check(a, b, dtype, name)
+
+
+def test_float64_follows_m():
+    """In float64 the kernels compute in float64: they agree with the twin to rounding."""
+    x = inputs(3, 4, 6, 9, torch.float64, seed=3)
+    for name, a, b in zip(("M", "e", "o", "y"), K.memory_step(**x), T.memory_step(**x)):
+        assert a.dtype == torch.float64
+        check(a, b, torch.float64, name)
+
+
+def test_nan_inputs_are_not_hidden():
+    """A NaN in M reaches the outputs (masked loads must not replace real elements)."""
+    x = inputs(1, 1, 5, 7, torch.float32)
+    x["M"][0, 0, 4, 6] = float("nan")
+    M_t, e, o, y = K.memory_step(**x)
+    assert torch.isnan(M_t[0, 0, :, 6]).all() and torch.isnan(e[0, 0, 6]) and torch.isnan(o).any()
+    with pytest.raises(AssertionError):
+        check(M_t, T.memory_step(**inputs(1, 1, 5, 7, torch.float32))[0], torch.float32, "M")
+
+
+# ---- the whole model: kernel = triton against kernel = torch ----------------------------------
+
+ODD = GPNConfig(vocab_size=29, d_state=14, d_emb=6, d_ffn=9, n_heads=3, d_key=5, d_val=4, core_chunk=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", [dict(family="gpn", n_layers=1), dict(n_layers=1), dict(n_layers=2, bptt=4)],
+                         ids=["gpn_1l", "gpn_m_1l", "gpn_m_2l_bptt"])
+def test_model_with_triton_kernels_matches_torch(case, dtype, monkeypatch):
+    calls = []
+    for name in ("memory_step", "memory_read", "decay_and_write", "memory_step_backward", "memory_read_backward"):
+        fn = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(*a, **kw))
+    torch.manual_seed(0)
+    model = GPN(dataclasses.replace(ODD, **case)).to(DEVICE, dtype)
+    with torch.no_grad():  # move the zero-initialised gates and out-projections: every path live
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    tokens = torch.randint(0, ODD.vocab_size, (2, 7), device=DEVICE)
+    results = {}
+    for kernel in ("torch", "triton"):
+        model.config.kernel = kernel
+        model.zero_grad()
+        out = model(tokens)
+        total = out.loss + out.state.s.square().mean() + (out.state.M.square().mean() if out.state.M is not None else 0)
+        total.backward()
+        results[kernel] = (out, {n: p.grad.clone() for n, p in model.named_parameters()})
+    (a, ga), (b, gb) = results["triton"], results["torch"]
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    check(a.loss, b.loss, dtype, "loss", tol)
+    for name, x, y in zip(("s", "prev_s", "M"), a.state, b.state):
+        if y is not None:
+            check(x, y, dtype, name, tol)
+    for name in gb:
+        check(ga[name], gb[name], dtype, name, tol)
+    if model.config.memory:  # the kernels ran, in the forward and the reverse sweep
+        assert {"memory_step", "decay_and_write", "memory_step_backward"} <= set(calls)
+        assert ("memory_read" in calls) == ("memory_read_backward" in calls) == (model.config.n_layers > 1)
+
+
+def test_kernel_is_validated():
+    with pytest.raises(ValueError, match="kernel: expected one of"):
+        GPNConfig(kernel="cuda")
