@@ -1,7 +1,8 @@
 """Triton kernels, each beside its plain-PyTorch twin (same signature, same outputs).
 
-`memory_ops(kernel)` gives the memory-step functions the fused core calls: the Triton kernels
-(`kernels.memory_step`) or their twin (`gpn_scale.models.memory_step`). Triton is imported only
+`memory_ops(kernel)` and `step_ops(kernel)` give the functions the fused core calls: the Triton
+kernels (`kernels.memory_step`, `kernels.elementwise`) or their twins
+(`gpn_scale.models.memory_step`, `gpn_scale.models.step_ops`). Triton is imported only
 when a Triton implementation is asked for, so the model package imports fast and runs where
 Triton cannot (CPU without the interpreter).
 """
@@ -24,5 +25,9 @@ def resolve(kernel: str, device_type: str) -> str:
 
 def memory_ops(kernel: str):
     """The module holding memory_step, memory_read, decay_and_write and their backwards."""
-    name = "kernels.memory_step" if kernel == "triton" else "gpn_scale.models.memory_step"
-    return importlib.import_module(name)
+    return importlib.import_module("kernels.memory_step" if kernel == "triton" else "gpn_scale.models.memory_step")
+
+
+def step_ops(kernel: str):
+    """The module holding the step's elementwise groups (post_projection, residual_rms, ground, ...)."""
+    return importlib.import_module("kernels.elementwise" if kernel == "triton" else "gpn_scale.models.step_ops")

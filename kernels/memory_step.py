@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from gpn_scale.models.memory_step import ReadFactors
+from kernels import layout
 from gpn_scale.models.ops import RMS_EPS
 
 # Elements of M per program tile: large enough to stream M at full bandwidth, small enough to
@@ -192,48 +193,6 @@ def _step_bwd(M_PREV, K, Q, BETA, DECAY, E, DELTA, DO, DM, DM_PREV, DK_OUT, DV_O
 # ---- launchers: the twin's signatures --------------------------------------------------------
 
 
-def _empty(like: torch.Tensor, shape) -> torch.Tensor:
-    """Every buffer a launcher allocates comes from here (the tests poison them with NaN)."""
-    return like.new_empty(shape)
-
-
-def _row_stride(x: torch.Tensor, n: int):
-    """The row stride of x if it is B rows of n contiguous elements ((B, n) or (B, H, n/H) with
-    packed heads, as a row of a wider buffer is), else None."""
-    if x.dim() == 2:
-        ok = x.shape[1] == n and (n == 1 or x.stride(1) == 1)
-    else:
-        ok = (x.dim() == 3 and x.shape[1] * x.shape[2] == n and (x.shape[2] == 1 or x.stride(2) == 1)
-              and (x.shape[1] == 1 or x.stride(1) == x.shape[2]))
-    return x.stride(0) if ok else None
-
-
-def _rows(x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
-    """An input as B rows of n contiguous elements, copied only when its layout is not that already."""
-    stride = _row_stride(x, n)
-    if stride is None:
-        x = x.reshape(x.shape[0], n).contiguous()
-        stride = n
-    return x, stride
-
-
-def _out(out, n: int, like: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(what the kernel writes, what is returned, the row stride): `out` itself when its layout allows."""
-    if out is None:
-        out = _empty(like, shape)
-    stride = _row_stride(out, n)
-    if stride is None:
-        written = _empty(like, (out.shape[0], n))
-        return written, out, n
-    return out, out, stride
-
-
-def _finish(written: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    if written is not out:
-        out.copy_(written.view(out.shape))
-    return out
-
-
 def _check_m(M: torch.Tensor) -> torch.Tensor:
     if not M.is_contiguous():
         raise ValueError("memory kernels: M must be contiguous (B, H, dk, dv)")
@@ -245,18 +204,18 @@ def memory_step(M, k, v, beta, decay, q, gate, *, out_e=None, out_o=None, out_y=
     M = _check_m(M)
     B, H, n_k, n_v = M.shape
     bk, bv = _blocks(n_k, n_v)
-    k, sk = _rows(k, H * n_k)
-    q, sq = _rows(q, H * n_k)
-    v, sv = _rows(v, H * n_v)
-    beta, sbeta = _rows(beta, H)
-    decay, sdecay = _rows(decay, H)
-    M_out = _empty(M, M.shape)
-    e_w, e, se = _out(out_e, H * n_v, M, (B, H, n_v))
-    o_w, o, so = _out(out_o, H * n_v, M, (B, H * n_v))
+    k, sk = layout.rows(k, H * n_k)
+    q, sq = layout.rows(q, H * n_k)
+    v, sv = layout.rows(v, H * n_v)
+    beta, sbeta = layout.rows(beta, H)
+    decay, sdecay = layout.rows(decay, H)
+    M_out = layout.empty(M, M.shape)
+    e_w, e, se = layout.out(out_e, H * n_v, M, (B, H, n_v))
+    o_w, o, so = layout.out(out_o, H * n_v, M, (B, H * n_v))
     _step_fwd[(B * H, triton.cdiv(n_v, bv))](M, M_out, k, v, q, beta, decay, e_w, o_w, sk, sv, sq, sbeta, sdecay, se, so,
                                                H, n_k, n_v, BK=bk, BV=bv)
-    _finish(e_w, e)
-    _finish(o_w, o)
+    layout.finish(e_w, e)
+    layout.finish(o_w, o)
     return M_out, e, o, _gated_rms(o, gate, out_y)
 
 
@@ -265,10 +224,10 @@ def decay_and_write(M, k, delta, decay):
     M = _check_m(M)
     B, H, n_k, n_v = M.shape
     bk, bv = _blocks(n_k, n_v)
-    k, sk = _rows(k, H * n_k)
-    delta, sdelta = _rows(delta, H * n_v)
-    decay, sdecay = _rows(decay, H)
-    M_out = _empty(M, M.shape)
+    k, sk = layout.rows(k, H * n_k)
+    delta, sdelta = layout.rows(delta, H * n_v)
+    decay, sdecay = layout.rows(decay, H)
+    M_out = layout.empty(M, M.shape)
     _write[(B * H, triton.cdiv(n_v, bv))](M, M_out, k, delta, decay, sk, sdelta, sdecay, H, n_k, n_v, BK=bk, BV=bv)
     return M_out
 
@@ -278,35 +237,35 @@ def memory_read(M, q, gate, *, out_o=None, out_y=None):
     M = _check_m(M)
     B, H, n_k, n_v = M.shape
     bk, bv = _blocks(n_k, n_v)
-    q, sq = _rows(q, H * n_k)
-    o_w, o, so = _out(out_o, H * n_v, M, (B, H * n_v))
+    q, sq = layout.rows(q, H * n_k)
+    o_w, o, so = layout.out(out_o, H * n_v, M, (B, H * n_v))
     _read_fwd[(B * H, triton.cdiv(n_v, bv))](M, q, o_w, sq, so, H, n_k, n_v, BK=bk, BV=bv)
-    _finish(o_w, o)
+    layout.finish(o_w, o)
     return o, _gated_rms(o, gate, out_y)
 
 
 def _gated_rms(o, gate, out_y):
     B, n = o.shape[0], o.numel() // o.shape[0]
-    o, so = _rows(o, n)
-    gate, sg = _rows(gate, n)
-    y_w, y, sy = _out(out_y, n, o, (B, n))
+    o, so = layout.rows(o, n)
+    gate, sg = layout.rows(gate, n)
+    y_w, y, sy = layout.out(out_y, n, o, (B, n))
     _gated_rms_fwd[(B,)](o, gate, y_w, so, sg, sy, n, RMS_EPS, BN=triton.next_power_of_2(n), num_warps=4)
-    return _finish(y_w, y)
+    return layout.finish(y_w, y)
 
 
 def _read_grad(f: ReadFactors, dy, out_dgate):
     """(do, dgate) of y = silu(gate) o / rms(o), from the read's factors."""
     B, n = dy.shape[0], dy.numel() // dy.shape[0]
-    dy, sdy = _rows(dy, n)
-    r, sr = _rows(f.rms, 1)
-    o_hat, soh = _rows(f.o_hat, n)
-    silu_gate, ssg = _rows(f.silu_gate, n)
-    to_gate, stg = _rows(f.to_gate, n)
-    do = _empty(o_hat, (B, n))
-    dg_w, dgate, sdg = _out(out_dgate, n, o_hat, (B, n))
+    dy, sdy = layout.rows(dy, n)
+    r, sr = layout.rows(f.rms, 1)
+    o_hat, soh = layout.rows(f.o_hat, n)
+    silu_gate, ssg = layout.rows(f.silu_gate, n)
+    to_gate, stg = layout.rows(f.to_gate, n)
+    do = layout.empty(o_hat, (B, n))
+    dg_w, dgate, sdg = layout.out(out_dgate, n, o_hat, (B, n))
     _gated_rms_bwd[(B,)](dy, r, o_hat, silu_gate, to_gate, do, dg_w, sdy, sr, soh, ssg, stg, do.stride(0), sdg, n,
                          BN=triton.next_power_of_2(n), num_warps=4)
-    return do, _finish(dg_w, dgate)
+    return do, layout.finish(dg_w, dgate)
 
 
 def memory_read_backward(M, q, f: ReadFactors, dy, dM, *, out_dq=None, out_dgate=None):
@@ -314,12 +273,12 @@ def memory_read_backward(M, q, f: ReadFactors, dy, dM, *, out_dq=None, out_dgate
     M = _check_m(M)
     B, H, n_k, n_v = M.shape
     bk, bv = _blocks(n_k, n_v)
-    q, sq = _rows(q, H * n_k)
+    q, sq = layout.rows(q, H * n_k)
     do, dgate = _read_grad(f, dy, out_dgate)
-    dM_out = _empty(M, M.shape)
-    dq_w, dq, sdq = _out(out_dq, H * n_k, M, (B, H, n_k))
+    dM_out = layout.empty(M, M.shape)
+    dq_w, dq, sdq = layout.out(out_dq, H * n_k, M, (B, H, n_k))
     _read_bwd[(B * H,)](M, q, do, dM.contiguous(), dM_out, dq_w, sq, do.stride(0), sdq, H, n_k, n_v, BK=bk, BV=bv)
-    return _finish(dq_w, dq), dgate, dM_out
+    return layout.finish(dq_w, dq), dgate, dM_out
 
 
 def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors, dM, dy, *,
@@ -333,22 +292,22 @@ def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors,
     M_prev = _check_m(M_prev)
     B, H, n_k, n_v = M_prev.shape
     bk, bv = _blocks(n_k, n_v)
-    k, sk = _rows(k, H * n_k)
-    q, sq = _rows(q, H * n_k)
-    beta, sbeta = _rows(beta, H)
-    decay, sdecay = _rows(decay, H)
-    e, se = _rows(e, H * n_v)
-    delta, sdelta = _rows(delta, H * n_v)
+    k, sk = layout.rows(k, H * n_k)
+    q, sq = layout.rows(q, H * n_k)
+    beta, sbeta = layout.rows(beta, H)
+    decay, sdecay = layout.rows(decay, H)
+    e, se = layout.rows(e, H * n_v)
+    delta, sdelta = layout.rows(delta, H * n_v)
     do, dgate = _read_grad(f, dy, out_dgate)
-    dM_prev = _empty(M_prev, M_prev.shape)
-    dv = _empty(M_prev, (B, H, n_v))
-    dk_w, dk, sdk = _out(out_dk, H * n_k, M_prev, (B, H, n_k))
-    dq_w, dq, sdq = _out(out_dq, H * n_k, M_prev, (B, H, n_k))
-    db_w, dbeta, sdb = _out(out_dbeta, H, M_prev, (B, H))
-    dd_w, ddecay, sdd = _out(out_ddecay, H, M_prev, (B, H))
+    dM_prev = layout.empty(M_prev, M_prev.shape)
+    dv = layout.empty(M_prev, (B, H, n_v))
+    dk_w, dk, sdk = layout.out(out_dk, H * n_k, M_prev, (B, H, n_k))
+    dq_w, dq, sdq = layout.out(out_dq, H * n_k, M_prev, (B, H, n_k))
+    db_w, dbeta, sdb = layout.out(out_dbeta, H, M_prev, (B, H))
+    dd_w, ddecay, sdd = layout.out(out_ddecay, H, M_prev, (B, H))
     _step_bwd[(B * H,)](M_prev, k, q, beta, decay, e, delta, do, dM.contiguous(), dM_prev, dk_w, dv, db_w, dd_w, dq_w,
                         sk, sq, sbeta, sdecay, se, sdelta, do.stride(0), sdk, dv.stride(0), sdb, sdd, sdq,
                         H, n_k, n_v, BK=bk, BV=bv)
     for w, o in ((dk_w, dk), (dq_w, dq), (db_w, dbeta), (dd_w, ddecay)):
-        _finish(w, o)
+        layout.finish(w, o)
     return dM_prev, dk, dv, dbeta, ddecay, dq, dgate

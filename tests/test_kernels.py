@@ -16,9 +16,12 @@ import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
 
+import kernels.elementwise as E  # noqa: E402
 import kernels.memory_step as K  # noqa: E402
+from kernels import layout  # noqa: E402
 from gpn_scale.models import GPN, GPNConfig  # noqa: E402
 from gpn_scale.models import memory_step as T  # noqa: E402
+from gpn_scale.models import step_ops as S  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -33,7 +36,7 @@ def _poisoned(monkeypatch):
     def nan_empty(like, shape):
         return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
 
-    monkeypatch.setattr(K, "_empty", nan_empty)
+    monkeypatch.setattr(layout, "empty", nan_empty)
 
 
 def check(got, want, dtype, name, tol=None):
@@ -144,6 +147,141 @@ def test_nan_inputs_are_not_hidden():
         check(M_t, T.memory_step(**inputs(1, 1, 5, 7, torch.float32))[0], torch.float32, "M")
 
 
+# ---- the step's elementwise groups ------------------------------------------------------------
+
+
+def run_both(name, make, dtype):
+    """Call kernels.elementwise.NAME and its twin on the same inputs; `make(poison)` returns
+    (args, kwargs, outs): inputs, and the out buffers the call writes (NaN-filled for the
+    kernel, zeros for the twin). Compares the outs and the return values."""
+    results = []
+    for impl, poison in ((E, True), (S, False)):
+        args, kwargs, outs = make(poison)
+        ret = getattr(impl, name)(*args, **kwargs)
+        results.append((ret, outs))
+    (ret, outs), (ret_ref, outs_ref) = results
+    for i, (a, b) in enumerate(zip(outs, outs_ref)):
+        check(a, b, dtype, f"{name} out {i}")
+    if ret_ref is not None:
+        check(ret, ret_ref, dtype, f"{name} result")
+
+
+def buf(poison, *shape, dtype=torch.float32):
+    return torch.full(shape, float("nan") if poison else 0.0, dtype=dtype, device=DEVICE)
+
+
+def rand(*shape, seed, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+# (B, d, F, n_blocks, H, dk, block): block 16 runs the row loops over several partial blocks.
+EW_SHAPES = [(1, 37, 45, 1, 1, 5, E.BLOCK), (3, 22, 19, 2, 3, 5, 16), (3, 9, 33, 1, 4, 6, 16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", ["ffn", "heads", "all"])
+@pytest.mark.parametrize("shape", EW_SHAPES, ids=lambda s: "x".join(map(str, s[:6])))
+def test_post_projection_matches_twin(shape, groups, dtype, monkeypatch):
+    B, d, nf, nb, H, dk, block = shape
+    monkeypatch.setattr(E, "BLOCK", block)
+    hk = nb * H * dk
+    Y = rand(B, hk + 2 * H + 2 * nf + 3, seed=4) * 2  # [heads | beta | a | h1 | h2 | pad], as the core's projection row
+    A = -torch.exp(rand(H, seed=5))
+
+    def make(poison):
+        y = Y.to(dtype) if poison else Y.to(dtype).float()  # the twin sees the same (rounded) values in float32
+        ffn = buf(poison, B, nf + 4)[:, 2 : nf + 2]
+        kw, outs = {}, [ffn]
+        if groups != "ffn":
+            nq, nn = buf(poison, nb, B, H, dk).transpose(0, 1), buf(poison, nb, B, H, 1).transpose(0, 1)
+            kw.update(heads=y[:, :hk].view(B, nb, H, dk), out_heads=nq, out_norms=nn)
+            outs += [nq, nn]
+        if groups == "all":
+            gates = [buf(poison, B, H) for _ in range(3)]
+            kw.update(beta=y[:, hk : hk + H], a=y[:, hk + H : hk + 2 * H], A=A, out_beta=gates[0], out_gamma=gates[1], out_decay=gates[2])
+            outs += gates
+        h = y[:, hk + 2 * H :]
+        return (h[:, :nf], h[:, nf : 2 * nf], ffn), kw, outs
+
+    run_both("post_projection", make, dtype)
+
+
+def test_softplus_keeps_digits_for_tiny_and_large_inputs():
+    """The write's decay rate softplus(a) is ~1e-3..1e-1 at init and can be far smaller."""
+    a = torch.tensor([[-30.0, -16.0, -9.0, -3.0, 0.0, 0.5, 19.0, 21.0, 60.0]], device=DEVICE)
+    H = a.shape[1]
+    out = [torch.full((1, H), float("nan"), device=DEVICE) for _ in range(3)]
+    ffn = torch.empty(1, 1, device=DEVICE)
+    E.post_projection(ffn, ffn, ffn, beta=a, a=a, A=torch.ones(H, device=DEVICE), out_beta=out[0], out_gamma=out[1], out_decay=out[2])
+    want = torch.nn.functional.softplus(a.double())
+    assert ((out[1].double() - want).abs() / want).max() < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", EW_SHAPES, ids=lambda s: "x".join(map(str, s[:6])))
+def test_residual_rms_and_ground_match_twin(shape, dtype):
+    B, d = shape[:2]
+    Y = rand(B, 2 * d + 3, seed=6)
+    c, u = rand(B, d, seed=7), rand(B, d, seed=8)
+
+    def make_residual(poison, to_out=True):
+        y = Y.to(dtype) if poison else Y.to(dtype).float()
+        out, hat, r = buf(poison, 2, B, d)[1], buf(poison, B, d + 3)[:, 1 : d + 1], buf(poison, B, 1)
+        return (y[:, :d], y[:, d + 1 : 2 * d + 1], c, out if to_out else None, hat, r), {}, [hat, r] + ([out] if to_out else [])
+
+    run_both("residual_rms", make_residual, dtype)
+    run_both("residual_rms", lambda p: make_residual(p, to_out=False), dtype)
+
+    def make_ground(poison, with_hat=True):
+        fg = (Y.to(dtype) if poison else Y.to(dtype).float())[:, 1 : d + 1].float().clone()  # the core's FG slot, read in place
+        hat, r = buf(poison, B, d + 3)[:, 2 : d + 2], buf(poison, B, 1)
+        return (fg, c, u, fg, hat if with_hat else None, r if with_hat else None), {}, [fg] + ([hat, r] if with_hat else [])
+
+    run_both("ground", make_ground, dtype)
+    run_both("ground", lambda p: make_ground(p, with_hat=False), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", EW_SHAPES, ids=lambda s: "x".join(map(str, s[:6])))
+def test_backward_groups_match_twin(shape, dtype, monkeypatch):
+    B, d, nf, nb, H, dk, block = shape
+    monkeypatch.setattr(E, "BLOCK", block)
+    x = rand(B, d, seed=9)
+    x_hat, r = x / x.square().mean(-1, keepdim=True).add(1e-6).sqrt(), x.square().mean(-1, keepdim=True).add(1e-6).sqrt()
+    dX = rand(B, d + 2, seed=10)
+    dc, gate, extra = rand(B, d, seed=11), torch.sigmoid(rand(B, d, seed=12)), rand(B, d, seed=13)
+
+    def make_rms(poison, with_extra):
+        dx = (dX.to(dtype) if poison else dX.to(dtype).float())[:, 1 : d + 1]
+        out = buf(poison, B, d)
+        return (x_hat, r, dx, dc, gate, extra if with_extra else None), dict(out=out), [out]
+
+    run_both("residual_rms_backward", lambda p: make_rms(p, True), dtype)
+    run_both("residual_rms_backward", lambda p: make_rms(p, False), dtype)
+
+    dZ, fac, pg_fac = rand(B, nf + d + 1, seed=14), rand(B, 2, nf, seed=15), rand(B, d, seed=16)
+
+    def make_gates(poison):
+        dz = dZ.to(dtype) if poison else dZ.to(dtype).float()
+        dffn, dpg = buf(poison, B, 2 * nf + d + 1)[:, 1 : 2 * nf + 1].view(B, 2, nf), buf(poison, B, d)
+        return (dz[:, None, :nf], fac, dffn, dc, pg_fac, dpg), {}, [dffn, dpg]
+
+    run_both("gate_grads", make_gates, dtype)
+
+    z = torch.relu(rand(nb, B, H, dk, seed=17)).transpose(0, 1)
+    norm = (z.square().sum(-1, keepdim=True) + 1e-12).sqrt()
+    y, mask = z / norm, (z > 0) / norm
+    dQ = rand(B, nb * H * dk + 2, seed=18)
+
+    def make_l2n(poison):
+        dq = (dQ.to(dtype) if poison else dQ.to(dtype).float())[:, 1 : nb * H * dk + 1].view(B, nb, H, dk)
+        out = buf(poison, B, nb * H * dk + 3)[:, 2 : nb * H * dk + 2].view(B, nb, H, dk)
+        return (y, mask, dq), dict(out=out), [out]
+
+    run_both("l2n_relu_backward", make_l2n, dtype)
+    run_both("l2n_relu_backward", lambda p: ((y[:, 0], mask[:, 0], dQ[:, : H * dk].view(B, H, dk)), {}, []), torch.float32)
+
+
 # ---- the whole model: kernel = triton against kernel = torch ----------------------------------
 
 ODD = GPNConfig(vocab_size=29, d_state=14, d_emb=6, d_ffn=9, n_heads=3, d_key=5, d_val=4, core_chunk=3)
@@ -154,9 +292,11 @@ ODD = GPNConfig(vocab_size=29, d_state=14, d_emb=6, d_ffn=9, n_heads=3, d_key=5,
                          ids=["gpn_1l", "gpn_m_1l", "gpn_m_2l_bptt"])
 def test_model_with_triton_kernels_matches_torch(case, dtype, monkeypatch):
     calls = []
-    for name in ("memory_step", "memory_read", "decay_and_write", "memory_step_backward", "memory_read_backward"):
-        fn = getattr(K, name)
-        monkeypatch.setattr(K, name, lambda *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(*a, **kw))
+    for module, names in ((K, ("memory_step", "memory_read", "decay_and_write", "memory_step_backward", "memory_read_backward")),
+                          (E, ("post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads", "l2n_relu_backward"))):
+        for name in names:
+            fn = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(*a, **kw))
     torch.manual_seed(0)
     model = GPN(dataclasses.replace(ODD, **case)).to(DEVICE, dtype)
     with torch.no_grad():  # move the zero-initialised gates and out-projections: every path live
@@ -179,8 +319,9 @@ def test_model_with_triton_kernels_matches_torch(case, dtype, monkeypatch):
             check(x, y, dtype, name, tol)
     for name in gb:
         check(ga[name], gb[name], dtype, name, tol)
+    assert {"post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads"} <= set(calls)
     if model.config.memory:  # the kernels ran, in the forward and the reverse sweep
-        assert {"memory_step", "decay_and_write", "memory_step_backward"} <= set(calls)
+        assert {"memory_step", "decay_and_write", "memory_step_backward", "l2n_relu_backward"} <= set(calls)
         assert ("memory_read" in calls) == ("memory_read_backward" in calls) == (model.config.n_layers > 1)
 
 
