@@ -4,9 +4,12 @@
     PYTHONPATH=. python bench/gpu.py --device cpu --out /tmp/smoke.json    # tiny configs, Triton interpreter
 
 Rows (`--models`, all by default), each a training step (forward, backward, AdamW) on random
-tokens, timed after one untimed step, with torch.cuda.max_memory_allocated as the peak:
-  gpn_m_triton  GPN+M (--gpn, 130M 1L) with the fused core and the Triton memory kernels
-  gpn_m_torch   the same with the memory step in plain torch (the kernels' twin)
+tokens, timed after one untimed step (three with CUDA graphs: run, capture forward, capture
+backward), with torch.cuda.max_memory_allocated as the peak:
+  gpn_m_triton  GPN+M (--gpn, 130M 1L) with the fused core, the Triton kernels and its time
+                loops captured as CUDA graphs (kernels/graph.py)
+  gpn_m_eager   the same launched step by step from Python (cuda_graphs: false)
+  gpn_m_torch   the same with the step in plain torch (the kernels' twins), step by step
   naive         the same model with the naive autograd time loop, run at --naive-seq-len and
                 reported as tokens/s "extrapolated" to --seq-len: a sequential loop's cost per
                 token does not shrink with T, and at T 2048 its graph would not fit
@@ -32,7 +35,7 @@ import time
 
 import torch
 
-MODELS = ("gpn_m_triton", "gpn_m_torch", "naive", "transformer")
+MODELS = ("gpn_m_triton", "gpn_m_eager", "gpn_m_torch", "naive", "transformer")
 TARGETS = {"gpn_m_triton / transformer": 0.5, "gpn_m_triton / naive": 20.0, "memory kernel / copy": 0.7}
 
 
@@ -102,8 +105,9 @@ def build(args, name):
     cfg = model_config(args.gpn)
     if name == "naive":  # plain autograd: no segment recomputation
         return dataclasses.replace(cfg, core="naive", checkpoint_every=0), args.naive_seq_len, f"GPN+M {cfg.n_layers}L naive loop"
-    kernel = name.removeprefix("gpn_m_")
-    return dataclasses.replace(cfg, core="fused", kernel=kernel), args.seq_len, f"GPN+M {cfg.n_layers}L fused, {kernel} memory step"
+    kernel, graphs = ("torch", False) if name == "gpn_m_torch" else ("triton", name == "gpn_m_triton")
+    label = f"GPN+M {cfg.n_layers}L fused, {kernel} kernels" + (", CUDA graphs" if graphs else "")
+    return dataclasses.replace(cfg, core="fused", kernel=kernel, cuda_graphs=graphs), args.seq_len, label
 
 
 def train_step_fn(model, opt, tokens, device, bf16: bool):
@@ -140,6 +144,7 @@ def probe_batch(args, model, opt, cfg, T, device) -> int:
 
 def run_row(args, name, device) -> dict:
     from gpn_scale.models import build_model
+    from kernels.graph import graphs_of
 
     cfg, T, label = build(args, name)
     cuda = device.type == "cuda"
@@ -154,7 +159,10 @@ def run_row(args, name, device) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            loss = step().detach()  # untimed: compiles kernels, allocates the optimizer state
+            # Untimed: compiles kernels, allocates the optimizer state; with CUDA graphs the
+            # second step captures the forward loop and the third the backward loop.
+            for _ in range(3 if getattr(cfg, "cuda_graphs", False) and cuda else 1):
+                loss = step().detach()
             sync(device)
             sec = timed(step, device, args.steps, warmup=False)
             break
@@ -170,6 +178,9 @@ def run_row(args, name, device) -> dict:
                params=sum(p.numel() for p in model.parameters()))
     if name == "naive":
         row["extrapolated_to_seq_len"] = args.seq_len
+    graphs = graphs_of(model)
+    if graphs is not None:  # how the loops ran: eager, captured, replayed, failed captures
+        row["cuda_graphs"] = dict(forward=graphs.forward.stats, backward=graphs.backward.stats)
     del model, opt, tokens, step
     if cuda:
         torch.cuda.empty_cache()
@@ -244,7 +255,7 @@ def gemm_figures(cfg, batch, device) -> dict:
 def ratios(rows: dict, kernel: dict | None, copy_bps: float | None) -> list[tuple[str, float, float | None]]:
     out = []
     tps = {n: r["tokens_per_s"] for n, r in rows.items()}
-    for other in ("transformer", "naive", "gpn_m_torch"):
+    for other in ("transformer", "naive", "gpn_m_eager", "gpn_m_torch"):
         if "gpn_m_triton" in tps and other in tps:
             key = f"gpn_m_triton / {other}"
             out.append((key + " tokens/s", tps["gpn_m_triton"] / tps[other], TARGETS.get(key)))

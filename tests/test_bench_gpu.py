@@ -13,7 +13,7 @@ from gpn_scale.models import MODEL_FAMILIES
 
 @pytest.mark.slow
 def test_gpu_bench_runs_on_cpu(tmp_path):
-    models = ["gpn_m_triton", "gpn_m_torch", "naive"] + (["transformer"] if "transformer" in MODEL_FAMILIES else [])
+    models = ["gpn_m_triton", "gpn_m_eager", "gpn_m_torch", "naive"] + (["transformer"] if "transformer" in MODEL_FAMILIES else [])
     out = tmp_path / "bench.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu", "--models", ",".join(models),
@@ -35,6 +35,7 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert result["copy_bytes_per_s"] > 0 and all(g["tflops"] > 0 for g in result["gemms"].values())
     names = [r["name"] for r in result["ratios"]]
     assert "gpn_m_triton / naive tokens/s" in names and "memory_step (fwd) / copy bandwidth" in names
+    assert "gpn_m_triton / gpn_m_eager tokens/s" in names
     if "transformer" in models:
         assert "gpn_m_triton / transformer tokens/s" in names
     # The ratio table is printed last (before the line naming the JSON file).

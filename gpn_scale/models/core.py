@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from gpn_scale.models.memory_step import ReadFactors, read_factors, rms
 from kernels import memory_ops, resolve, step_ops
+from kernels.graph import core_graphs, signature
 
 
 class LayerWeights(NamedTuple):
@@ -406,12 +407,25 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
 
 
 class FusedCore(torch.autograd.Function):
-    """(u, state, fused weights) -> (P, g, g_prev, M) with `run_forward` / `run_backward`."""
+    """(u, state, fused weights) -> (P, g, g_prev, M) with `run_forward` / `run_backward`.
+
+    With `graphs` (kernels.graph.CoreGraphs, CUDA only) both loops run as captured CUDA graphs.
+    """
 
     @staticmethod
-    def forward(ctx, spec, u, g, g_prev, M, A_log, fg_W, fg_b, *flat):
-        layers = [LayerWeights(*flat[j : j + 3]) for j in range(0, len(flat), 3)]
-        P, g, g_prev, M, S = run_forward(spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save=True)
+    def forward(ctx, spec, graphs, u, g, g_prev, M, A_log, fg_W, fg_b, *flat):
+        inputs = (u, g, g_prev, M, A_log, fg_W, fg_b, *flat)
+        ctx.graph = None
+        if graphs is None:
+            P, g, g_prev, M, S = _forward_flat(spec, *inputs)
+        else:
+            key = (spec, signature(*inputs))
+            P, g, g_prev, M, S = graphs.forward(key, (spec,), inputs)
+            if graphs.forward.replays.get(key):  # S is the graph's: the backward may replay too
+                ctx.graph = (graphs, key, graphs.forward.replays[key])
+            # The state outlives the graph's next replay, so it is copied; P is consumed before
+            # it. detach: autograd gives the returned tensor a history, not the graph's own.
+            P, g, M = P.detach(), g.clone(), None if M is None else M.clone()
         ctx.spec, ctx.S, ctx.u_dtype = spec, S, u.dtype
         ctx.save_for_backward(A_log, fg_W, fg_b, *flat)
         ctx.set_materialize_grads(False)
@@ -420,11 +434,38 @@ class FusedCore(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dP, dg, dg_prev, dM):
         A_log, fg_W, fg_b, *flat = ctx.saved_tensors
-        layers = [LayerWeights(*flat[j : j + 3]) for j in range(0, len(flat), 3)]
+        inputs = (A_log, fg_W, fg_b, dP, dg, dg_prev, dM, *flat)
         with torch.autocast(fg_W.device.type, enabled=False):  # the compute dtype is the spec's
-            du, dg0, dg_prev0, dM0, dA_log, grads, dfg_W, dfg_b = run_backward(
-                ctx.spec, ctx.S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM)
-        return (None, du.to(ctx.u_dtype), dg0, dg_prev0, dM0, dA_log, dfg_W, dfg_b, *(x for l in grads for x in l))
+            if ctx.graph is None:
+                out = _backward_flat(ctx.spec, ctx.S, *inputs)
+            else:
+                graphs, key, replay = ctx.graph
+                if graphs.forward.replays[key] != replay:
+                    raise RuntimeError("fused core: the forward's CUDA graph ran again before this backward, so its saved "
+                                       "buffers are gone; run one backward per forward, or set cuda_graphs: false")
+                out = graphs.backward((key, signature(*inputs)), (ctx.spec, ctx.S), inputs)
+                out = _detached(out)
+        du, dg0, dg_prev0, dM0, dA_log, grads, dfg_W, dfg_b = out
+        return (None, None, du.to(ctx.u_dtype), dg0, dg_prev0, dM0, dA_log, dfg_W, dfg_b, *(x for l in grads for x in l))
+
+
+def _detached(x):
+    """x's tensors as new tensors on the same memory without history (a graph's outputs stay its own)."""
+    if isinstance(x, (list, tuple)):
+        return [_detached(y) for y in x]
+    return None if x is None else x.detach()
+
+
+def _layers(flat):
+    return [LayerWeights(*flat[j : j + 3]) for j in range(0, len(flat), 3)]
+
+
+def _forward_flat(spec, u, g, g_prev, M, A_log, fg_W, fg_b, *flat):
+    return run_forward(spec, u, g, g_prev, M, A_log, _layers(flat), fg_W, fg_b, save=True)
+
+
+def _backward_flat(spec, S, A_log, fg_W, fg_b, dP, dg, dg_prev, dM, *flat):
+    return run_backward(spec, S, A_log, _layers(flat), fg_W, fg_b, dP, dg, dg_prev, dM)
 
 
 def fused_recurrence(model, u: torch.Tensor, state):
@@ -438,13 +479,14 @@ def fused_recurrence(model, u: torch.Tensor, state):
     cd = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else g.dtype
     spec = Spec(cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.memory, cfg.core_chunk, cfg.bptt, cd,
                 resolve(cfg.kernel, device))
+    graphs = core_graphs(model, _forward_flat, _backward_flat) if cfg.cuda_graphs and device == "cuda" else None
     A_log = model.write_A_log if cfg.memory else None
     u = u.transpose(0, 1)
     with torch.autocast(device, enabled=False):
         layers, fg_W, fg_b = fuse_weights(model)
         if torch.is_grad_enabled():
             flat = [x for L in layers for x in L]
-            P, g, g_prev, M = FusedCore.apply(spec, u, g, g_prev, M, A_log, fg_W, fg_b, *flat)
+            P, g, g_prev, M = FusedCore.apply(spec, graphs, u, g, g_prev, M, A_log, fg_W, fg_b, *flat)
         else:
             P, g, g_prev, M, _ = run_forward(spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save=False)
     return P.transpose(0, 1), (g, g_prev, M)
