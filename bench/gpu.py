@@ -144,7 +144,7 @@ def probe_batch(args, model, opt, cfg, T, device) -> int:
 
 def run_row(args, name, device) -> dict:
     from gpn_scale.models import build_model
-    from kernels.graph import graphs_of
+    from kernels.graph import graphs_of, release
 
     cfg, T, label = build(args, name)
     cuda = device.type == "cuda"
@@ -171,6 +171,7 @@ def run_row(args, name, device) -> dict:
                 raise
             del tokens, step
             opt.zero_grad(set_to_none=True)
+            release(model)  # graphs captured at this batch hold memory
             batch //= 2
             print(f"{name}: out of memory, retrying at batch {batch}", flush=True)
     row = dict(name=name, label=label, batch=batch, seq_len=T, step_s=sec, tokens_per_s=batch * T / sec,

@@ -190,7 +190,7 @@ def post_projection(h1, h2, out_ffn, heads=None, out_heads=None, out_norms=None,
         bh = triton.next_power_of_2(nh)
     _post_projection[(B,)](h1, h2, ffn_w, s_h1, s_h2, s_ffn, nf, *heads_args, *gate_args, HEADS=heads is not None,
                            GATES=beta is not None, BHEADS=bheads, BK=bk, BH=bh, BF=min(BLOCK, triton.next_power_of_2(nf)),
-                           L2EPS=L2_EPS)
+                           L2EPS=L2_EPS, num_warps=layout.warps(max(bheads * bk, BLOCK)))
     for w, o in written:
         layout.finish(w, o)
 
@@ -208,7 +208,8 @@ def residual_rms(y, pg, c, out=None, out_hat=None, out_rms=None):
     o_w, o, s_o = _row_out(out, c)
     h_w, _, s_h = _row_out(out_hat, c)
     r_w, _, s_r = layout.out(out_rms, 1, c, (B, 1))
-    _residual_rms[(B,)](y, pg, c, o_w, h_w, r_w, s_y, s_pg, s_c, s_o, s_h, s_r, n, RMS_EPS, BN=triton.next_power_of_2(n))
+    _residual_rms[(B,)](y, pg, c, o_w, h_w, r_w, s_y, s_pg, s_c, s_o, s_h, s_r, n, RMS_EPS, BN=triton.next_power_of_2(n),
+                        num_warps=layout.warps(n))
     layout.finish(h_w, out_hat)
     layout.finish(r_w, out_rms)
     return layout.finish(o_w, o)
@@ -228,7 +229,7 @@ def ground(y_fg, c, u, out_fg, out_hat=None, out_rms=None):
         h_w, _, s_h = _row_out(out_hat, c)
         r_w, _, s_r = layout.out(out_rms, 1, c, (B, 1))
     _ground[(B,)](y_fg, c, u, fg_w, g, h_w, r_w, s_y, s_c, s_u, s_fg, n, s_h, s_r, n, RMS_EPS,
-                  HAS_HAT=out_hat is not None, BN=triton.next_power_of_2(n))
+                  HAS_HAT=out_hat is not None, BN=triton.next_power_of_2(n), num_warps=layout.warps(n))
     layout.finish(fg_w, out_fg)
     if out_hat is not None:
         layout.finish(h_w, out_hat)
@@ -248,7 +249,7 @@ def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None):
     extra, s_ex = layout.rows(extra, n) if has_extra else (x_hat, 0)  # a placeholder when there is none
     o_w, o, s_o = _row_out(out, x_hat)
     _residual_rms_bwd[(B,)](x_hat, r, dx_hat, dc, gate, extra, o_w, s_xh, s_r, s_dx, s_dc, s_gate, s_ex, s_o, n,
-                            HAS_EXTRA=has_extra, BN=triton.next_power_of_2(n))
+                            HAS_EXTRA=has_extra, BN=triton.next_power_of_2(n), num_warps=layout.warps(n))
     return layout.finish(o_w, o)
 
 
@@ -291,5 +292,6 @@ def l2n_relu_backward(y, mask_over_norm, dy, out=None):
     out = layout.empty(y, y.shape) if out is None else out
     o_w, s_ob, s_ok = layout.heads_out(out)
     _l2n_relu_bwd[(B,)](y, mask_over_norm, dy, o_w, s_yb, s_yk, s_mb, s_mk, s_db, s_dk, s_ob, s_ok, nb * H, H, dk,
-                        BHEADS=triton.next_power_of_2(nb * H), BK=triton.next_power_of_2(dk))
+                        BHEADS=triton.next_power_of_2(nb * H), BK=triton.next_power_of_2(dk),
+                        num_warps=layout.warps(nb * H * dk))
     return layout.finish(o_w, out)

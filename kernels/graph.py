@@ -30,7 +30,7 @@ class Graphed:
     """`fn(*fixed, *copied)` captured as one CUDA graph per key and replayed.
 
     If a capture fails (an op that cannot be captured), the key falls back to eager calls with a
-    warning naming the error, and `stats` counts it.
+    warning naming the error, and `stats` counts it; running out of memory is raised as it is.
     """
 
     def __init__(self, fn, name: str):
@@ -67,6 +67,8 @@ class Graphed:
         try:
             with torch.cuda.graph(graph):
                 out = self.fn(*fixed, *static)
+        except torch.cuda.OutOfMemoryError:  # not a capture problem: the caller decides (smaller batch)
+            raise
         except RuntimeError as e:
             warnings.warn(f"{self.name}: CUDA graph capture failed, running eagerly: {str(e).splitlines()[0]}", RuntimeWarning)
             self.entries[key] = "eager"
@@ -99,3 +101,8 @@ def core_graphs(model, forward_fn, backward_fn) -> CoreGraphs:
 def graphs_of(model) -> CoreGraphs | None:
     """The model's graphs, if its fused core has run with them."""
     return _PER_MODEL.get(model)
+
+
+def release(model) -> None:
+    """Drop the model's graphs and their memory pools (before retrying at another shape)."""
+    _PER_MODEL.pop(model, None)

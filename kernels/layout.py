@@ -7,6 +7,11 @@ from __future__ import annotations
 import torch
 
 
+def warps(elements: int) -> int:
+    """Warps for a program holding `elements` values of each tensor it works on."""
+    return 4 if elements < 2048 else 8
+
+
 def empty(like: torch.Tensor, shape) -> torch.Tensor:
     """Every buffer a launcher allocates comes from here (the tests poison them with NaN)."""
     return like.new_empty(shape)

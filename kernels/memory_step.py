@@ -30,9 +30,11 @@ from gpn_scale.models.memory_step import ReadFactors
 from kernels import layout
 from gpn_scale.models.ops import RMS_EPS
 
-# Elements of M per program tile: large enough to stream M at full bandwidth, small enough to
-# stay in registers (dk = 128 gives 128 x 64 tiles).
-TILE = 8192
+# Elements of M per program tile. Small enough that the backward, which holds M_prev, dM and the
+# per-row vectors of a tile at once, fits in registers without spilling at 8 warps (128 x 16 at
+# dk = 128: 154 registers for sm_90, against spills from 128 x 32 up); large enough for 16
+# contiguous float32 (64 bytes) per row segment.
+TILE = 2048
 
 
 def _blocks(n_k: int, n_v: int) -> tuple[int, int]:
@@ -213,7 +215,7 @@ def memory_step(M, k, v, beta, decay, q, gate, *, out_e=None, out_o=None, out_y=
     e_w, e, se = layout.out(out_e, H * n_v, M, (B, H, n_v))
     o_w, o, so = layout.out(out_o, H * n_v, M, (B, H * n_v))
     _step_fwd[(B * H, triton.cdiv(n_v, bv))](M, M_out, k, v, q, beta, decay, e_w, o_w, sk, sv, sq, sbeta, sdecay, se, so,
-                                               H, n_k, n_v, BK=bk, BV=bv)
+                                               H, n_k, n_v, BK=bk, BV=bv, num_warps=layout.warps(bk * bv))
     layout.finish(e_w, e)
     layout.finish(o_w, o)
     return M_out, e, o, _gated_rms(o, gate, out_y)
@@ -228,7 +230,7 @@ def decay_and_write(M, k, delta, decay):
     delta, sdelta = layout.rows(delta, H * n_v)
     decay, sdecay = layout.rows(decay, H)
     M_out = layout.empty(M, M.shape)
-    _write[(B * H, triton.cdiv(n_v, bv))](M, M_out, k, delta, decay, sk, sdelta, sdecay, H, n_k, n_v, BK=bk, BV=bv)
+    _write[(B * H, triton.cdiv(n_v, bv))](M, M_out, k, delta, decay, sk, sdelta, sdecay, H, n_k, n_v, BK=bk, BV=bv, num_warps=layout.warps(bk * bv))
     return M_out
 
 
@@ -239,7 +241,7 @@ def memory_read(M, q, gate, *, out_o=None, out_y=None):
     bk, bv = _blocks(n_k, n_v)
     q, sq = layout.rows(q, H * n_k)
     o_w, o, so = layout.out(out_o, H * n_v, M, (B, H * n_v))
-    _read_fwd[(B * H, triton.cdiv(n_v, bv))](M, q, o_w, sq, so, H, n_k, n_v, BK=bk, BV=bv)
+    _read_fwd[(B * H, triton.cdiv(n_v, bv))](M, q, o_w, sq, so, H, n_k, n_v, BK=bk, BV=bv, num_warps=layout.warps(bk * bv))
     layout.finish(o_w, o)
     return o, _gated_rms(o, gate, out_y)
 
@@ -249,7 +251,7 @@ def _gated_rms(o, gate, out_y):
     o, so = layout.rows(o, n)
     gate, sg = layout.rows(gate, n)
     y_w, y, sy = layout.out(out_y, n, o, (B, n))
-    _gated_rms_fwd[(B,)](o, gate, y_w, so, sg, sy, n, RMS_EPS, BN=triton.next_power_of_2(n), num_warps=4)
+    _gated_rms_fwd[(B,)](o, gate, y_w, so, sg, sy, n, RMS_EPS, BN=triton.next_power_of_2(n), num_warps=layout.warps(n))
     return layout.finish(y_w, y)
 
 
@@ -264,7 +266,7 @@ def _read_grad(f: ReadFactors, dy, out_dgate):
     do = layout.empty(o_hat, (B, n))
     dg_w, dgate, sdg = layout.out(out_dgate, n, o_hat, (B, n))
     _gated_rms_bwd[(B,)](dy, r, o_hat, silu_gate, to_gate, do, dg_w, sdy, sr, soh, ssg, stg, do.stride(0), sdg, n,
-                         BN=triton.next_power_of_2(n), num_warps=4)
+                         BN=triton.next_power_of_2(n), num_warps=layout.warps(n))
     return do, layout.finish(dg_w, dgate)
 
 
@@ -277,7 +279,7 @@ def memory_read_backward(M, q, f: ReadFactors, dy, dM, *, out_dq=None, out_dgate
     do, dgate = _read_grad(f, dy, out_dgate)
     dM_out = layout.empty(M, M.shape)
     dq_w, dq, sdq = layout.out(out_dq, H * n_k, M, (B, H, n_k))
-    _read_bwd[(B * H,)](M, q, do, dM.contiguous(), dM_out, dq_w, sq, do.stride(0), sdq, H, n_k, n_v, BK=bk, BV=bv)
+    _read_bwd[(B * H,)](M, q, do, dM.contiguous(), dM_out, dq_w, sq, do.stride(0), sdq, H, n_k, n_v, BK=bk, BV=bv, num_warps=layout.warps(bk * bv))
     return layout.finish(dq_w, dq), dgate, dM_out
 
 
@@ -307,7 +309,7 @@ def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors,
     dd_w, ddecay, sdd = layout.out(out_ddecay, H, M_prev, (B, H))
     _step_bwd[(B * H,)](M_prev, k, q, beta, decay, e, delta, do, dM.contiguous(), dM_prev, dk_w, dv, db_w, dd_w, dq_w,
                         sk, sq, sbeta, sdecay, se, sdelta, do.stride(0), sdk, dv.stride(0), sdb, sdd, sdq,
-                        H, n_k, n_v, BK=bk, BV=bv)
+                        H, n_k, n_v, BK=bk, BV=bv, num_warps=layout.warps(bk * bv))
     for w, o in ((dk_w, dk), (dq_w, dq), (db_w, dbeta), (dd_w, ddecay)):
         layout.finish(w, o)
     return dM_prev, dk, dv, dbeta, ddecay, dq, dgate
