@@ -9,17 +9,25 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():  # before any kernel module is imported: @triton.jit reads it
+# Without CUDA the kernels run in Triton's interpreter, which reads TRITON_INTERPRET when a kernel
+# is defined and when it runs: it is set around the import here and around each test below, never
+# for other modules' tests (whose subprocesses would inherit it).
+INTERPRET = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
+if INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"
+
+import kernels.elementwise as E  # noqa: E402
+import kernels.memory_step as K  # noqa: E402
+
+if INTERPRET:
+    del os.environ["TRITON_INTERPRET"]
 
 import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
 
-import kernels.elementwise as E  # noqa: E402
-import kernels.memory_step as K  # noqa: E402
 from kernels import layout  # noqa: E402
-from gpn_scale.models import GPN, GPNConfig  # noqa: E402
+from gpn_scale.models import GPN, GPNConfig, GPNState  # noqa: E402
 from gpn_scale.models import memory_step as T  # noqa: E402
 from gpn_scale.models import step_ops as S  # noqa: E402
 
@@ -29,6 +37,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # dv = 33 runs two full blocks and a partial one.
 SHAPES = [(1, 1, 5, 7, K.TILE), (3, 3, 7, 5, K.TILE), (3, 4, 6, 33, 64), (1, 3, 3, 17, 64)]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float64: 1e-12}
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    if INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
@@ -287,36 +301,44 @@ def test_backward_groups_match_twin(shape, dtype, monkeypatch):
 ODD = GPNConfig(vocab_size=29, d_state=14, d_emb=6, d_ffn=9, n_heads=3, d_key=5, d_val=4, core_chunk=3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("mode", ["float64", "float32", "bf16"])
 @pytest.mark.parametrize("case", [dict(family="gpn", n_layers=1), dict(n_layers=1), dict(n_layers=2, bptt=4)],
                          ids=["gpn_1l", "gpn_m_1l", "gpn_m_2l_bptt"])
-def test_model_with_triton_kernels_matches_torch(case, dtype, monkeypatch):
+def test_model_with_triton_kernels_matches_torch(case, mode, monkeypatch):
+    """Loss, carried state, and the gradients of every parameter and of the incoming state."""
     calls = []
     for module, names in ((K, ("memory_step", "memory_read", "decay_and_write", "memory_step_backward", "memory_read_backward")),
                           (E, ("post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads", "l2n_relu_backward"))):
         for name in names:
             fn = getattr(module, name)
             monkeypatch.setattr(module, name, lambda *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(*a, **kw))
+    dtype = torch.float64 if mode == "float64" else torch.float32
     torch.manual_seed(0)
     model = GPN(dataclasses.replace(ODD, **case)).to(DEVICE, dtype)
     with torch.no_grad():  # move the zero-initialised gates and out-projections: every path live
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
+        carried = model(torch.randint(0, ODD.vocab_size, (2, 4), device=DEVICE)).state
     tokens = torch.randint(0, ODD.vocab_size, (2, 7), device=DEVICE)
     results = {}
     for kernel in ("torch", "triton"):
         model.config.kernel = kernel
         model.zero_grad()
-        out = model(tokens)
+        state = GPNState(*(None if x is None else x.clone().requires_grad_() for x in carried))
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=mode == "bf16"):
+            out = model(tokens, state=state)
         total = out.loss + out.state.s.square().mean() + (out.state.M.square().mean() if out.state.M is not None else 0)
         total.backward()
-        results[kernel] = (out, {n: p.grad.clone() for n, p in model.named_parameters()})
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads.update({f"state.{n}": x.grad for n, x in zip(("s", "prev_s", "M"), state) if x is not None and x.grad is not None})
+        results[kernel] = (out, grads)
     (a, ga), (b, gb) = results["triton"], results["torch"]
-    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    tol = {"float64": 1e-10, "float32": 1e-4, "bf16": 2e-2}[mode]
     check(a.loss, b.loss, dtype, "loss", tol)
     for name, x, y in zip(("s", "prev_s", "M"), a.state, b.state):
         if y is not None:
             check(x, y, dtype, name, tol)
+    assert ga.keys() == gb.keys() and "state.s" in gb and ("state.M" in gb) == model.config.memory
     for name in gb:
         check(ga[name], gb[name], dtype, name, tol)
     assert {"post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads"} <= set(calls)
