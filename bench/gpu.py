@@ -106,7 +106,7 @@ def build(args, name):
     if name == "naive":  # plain autograd: no segment recomputation
         return dataclasses.replace(cfg, core="naive", checkpoint_every=0), args.naive_seq_len, f"GPN+M {cfg.n_layers}L naive loop"
     kernel, graphs = ("torch", False) if name == "gpn_m_torch" else ("triton", name == "gpn_m_triton")
-    label = f"GPN+M {cfg.n_layers}L fused, {kernel} kernels" + (", CUDA graphs" if graphs else "")
+    label = f"GPN+M {cfg.n_layers}L fused, {kernel} kernels" + (", CUDA graphs" if graphs and args.device.startswith("cuda") else "")
     return dataclasses.replace(cfg, core="fused", kernel=kernel, cuda_graphs=graphs), args.seq_len, label
 
 
@@ -273,10 +273,16 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
         torch.set_num_threads(1)
     t_start = time.perf_counter()
-    rows = {}
+    rows, failed = {}, {}
     for name in args.models:
-        rows[name] = run_row(args, name, device)
-        r = rows[name]
+        try:
+            r = rows[name] = run_row(args, name, device)
+        except Exception as e:  # one row's failure must not cost the others' figures
+            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            print(f"{name:13s} failed: {failed[name]}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         print(f"{name:13s} batch {r['batch']:4d} x T {r['seq_len']:5d}  {r['step_s']:8.3f} s/step  "
               f"{r['tokens_per_s']:11.0f} tok/s  peak {(r['peak_bytes'] or 0) / 2**30:6.2f} GiB  loss {r['loss']:.3f}", flush=True)
 
@@ -288,14 +294,16 @@ def main(argv=None) -> int:
     kernel = memory_kernel_figures(gpn_cfg, kbatch, device) if gpn_cfg.memory else None
     gemms = gemm_figures(gpn_cfg, kbatch, device)
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
-    print(f"\ndevice: {name}; GPN+M config {args.gpn}, Transformer++ config {args.transformer}; "
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    print(f"\ndevice: {device_name}; GPN+M config {args.gpn}, Transformer++ config {args.transformer}; "
           f"{'bf16 autocast' if device.type == 'cuda' else 'float32'}")
     print(f"\n{'row':13s} {'what':44s} {'batch':>5s} {'T':>5s} {'tok/s':>11s} {'peak GiB':>8s}")
     for r in rows.values():
         note = f"  (measured at T {r['seq_len']}, extrapolated to T {r['extrapolated_to_seq_len']})" if r["name"] == "naive" else ""
         peak = f"{r['peak_bytes'] / 2**30:8.2f}" if r["peak_bytes"] is not None else f"{'-':>8s}"
         print(f"{r['name']:13s} {r['label']:44s} {r['batch']:5d} {r['seq_len']:5d} {r['tokens_per_s']:11.0f} {peak}{note}")
+    for name, error in failed.items():
+        print(f"{name:13s} failed: {error}")
     print(f"\ncopy bandwidth (device to device, read + write): {copy_bps / 1e9:.1f} GB/s")
     if kernel:
         print(f"memory kernels at batch {kernel['batch']} ({kernel['m_bytes'] / 2**20:.0f} MiB of M):")
@@ -306,19 +314,25 @@ def main(argv=None) -> int:
     for k, gm in gemms.items():
         print(f"  {k:12s} ({gm['m']} x {gm['k']}) @ ({gm['k']} x {gm['n']})  {gm['seconds'] * 1e6:9.1f} us  {gm['tflops']:7.2f} TFLOP/s")
 
+    wall = time.perf_counter() - t_start
+    graphs = {n: r["cuda_graphs"] for n, r in rows.items() if "cuda_graphs" in r}
+    for n, g in graphs.items():
+        print(f"{n}: CUDA graphs forward {g['forward']}, backward {g['backward']}")
+    print(f"bench wall time: {wall:.0f} s")
+
     table = ratios(rows, kernel, copy_bps)
     print(f"\n{'ratio':50s} {'value':>8s} {'target':>8s}")
     for key, value, target in table:
         verdict = "" if target is None else ("  meets" if value >= target else "  misses")
         print(f"{key:50s} {value:8.3g} {'>= ' + format(target, 'g') if target else '':>8s}{verdict}")
-    result = dict(device=name, args={k: v for k, v in vars(args).items()}, rows=rows, copy_bytes_per_s=copy_bps,
+    result = dict(device=device_name, args={k: v for k, v in vars(args).items()}, rows=rows, failed=failed, copy_bytes_per_s=copy_bps,
                   memory_kernels=kernel, gemms=gemms, ratios=[dict(name=k, value=v, target=t) for k, v, t in table],
-                  wall_s=time.perf_counter() - t_start)
+                  wall_s=wall)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {args.out}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -65,7 +65,9 @@ class Graphed:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         try:
-            with torch.cuda.graph(graph):
+            # thread_local: other threads (data loaders, loggers) may use CUDA while the
+            # autograd thread captures the backward.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 out = self.fn(*fixed, *static)
         except torch.cuda.OutOfMemoryError:  # not a capture problem: the caller decides (smaller batch)
             raise
