@@ -167,12 +167,14 @@ def post_projection(h1, h2, out_ffn, heads=None, out_heads=None, out_norms=None,
     B, nf = h1.shape
     h1, s_h1 = layout.rows(h1, nf)
     h2, s_h2 = layout.rows(h2, nf)
-    ffn_w, _, s_ffn = layout.out(out_ffn, nf, h1, (B, nf))
-    written = [(ffn_w, out_ffn)]
+    ffn_w, ffn, s_ffn = layout.out(out_ffn, nf, h1, (B, nf))
+    written = [(ffn_w, ffn)]
     # The arguments of a group that is off are placeholders the kernel never reads.
     heads_args, bheads, bk = (h1, h1, h1, 0, 0, 0, 0, 0, 0, 0, 1, 1), 1, 1
     if heads is not None:
         _, nb, H, dk = heads.shape
+        out_heads = layout.empty(heads, heads.shape) if out_heads is None else out_heads
+        out_norms = layout.empty(heads, (B, nb, H, 1)) if out_norms is None else out_norms
         z, s_zb, s_zk = layout.heads_in(heads)
         q_w, s_qb, s_qk = layout.heads_out(out_heads)
         n_w, s_nb, s_nk = layout.heads_out(out_norms)
@@ -184,9 +186,9 @@ def post_projection(h1, h2, out_ffn, heads=None, out_heads=None, out_norms=None,
         nh = beta.shape[-1]
         beta, s_bi = layout.rows(beta, nh)
         a, s_ai = layout.rows(a, nh)
-        outs = [(layout.out(o, nh, beta, (B, nh)), o) for o in (out_beta, out_gamma, out_decay)]
-        gate_args = (beta, a, A.contiguous(), *(w for (w, _, _), _ in outs), s_bi, s_ai, *(s for (_, _, s), _ in outs), nh)
-        written += [(w, o) for (w, _, _), o in outs]
+        outs = [layout.out(o, nh, beta, (B, nh)) for o in (out_beta, out_gamma, out_decay)]
+        gate_args = (beta, a, A.contiguous(), *(w for w, _, _ in outs), s_bi, s_ai, *(st for _, _, st in outs), nh)
+        written += [(w, o) for w, o, _ in outs]
         bh = triton.next_power_of_2(nh)
     _post_projection[(B,)](h1, h2, ffn_w, s_h1, s_h2, s_ffn, nf, *heads_args, *gate_args, HEADS=heads is not None,
                            GATES=beta is not None, BHEADS=bheads, BK=bk, BH=bh, BF=min(BLOCK, triton.next_power_of_2(nf)),
@@ -206,12 +208,12 @@ def residual_rms(y, pg, c, out=None, out_hat=None, out_rms=None):
     pg, s_pg = layout.rows(pg, n)
     c, s_c = layout.rows(c, n)
     o_w, o, s_o = _row_out(out, c)
-    h_w, _, s_h = _row_out(out_hat, c)
-    r_w, _, s_r = layout.out(out_rms, 1, c, (B, 1))
+    h_w, hat, s_h = _row_out(out_hat, c)
+    r_w, r, s_r = layout.out(out_rms, 1, c, (B, 1))
     _residual_rms[(B,)](y, pg, c, o_w, h_w, r_w, s_y, s_pg, s_c, s_o, s_h, s_r, n, RMS_EPS, BN=triton.next_power_of_2(n),
                         num_warps=layout.warps(n))
-    layout.finish(h_w, out_hat)
-    layout.finish(r_w, out_rms)
+    layout.finish(h_w, hat)
+    layout.finish(r_w, r)
     return layout.finish(o_w, o)
 
 
@@ -222,18 +224,18 @@ def ground(y_fg, c, u, out_fg, out_hat=None, out_rms=None):
     y_fg, s_y = layout.rows(y_fg, n)
     c, s_c = layout.rows(c, n)
     u, s_u = layout.rows(u, n)
-    fg_w, _, s_fg = _row_out(out_fg, c)
+    fg_w, fg, s_fg = _row_out(out_fg, c)
     g = layout.empty(c, (B, n))
     h_w, r_w, s_h, s_r = g, g, 0, 0  # placeholders when there is no next step
     if out_hat is not None:
-        h_w, _, s_h = _row_out(out_hat, c)
-        r_w, _, s_r = layout.out(out_rms, 1, c, (B, 1))
+        h_w, hat, s_h = _row_out(out_hat, c)
+        r_w, r, s_r = layout.out(out_rms, 1, c, (B, 1))
     _ground[(B,)](y_fg, c, u, fg_w, g, h_w, r_w, s_y, s_c, s_u, s_fg, n, s_h, s_r, n, RMS_EPS,
                   HAS_HAT=out_hat is not None, BN=triton.next_power_of_2(n), num_warps=layout.warps(n))
-    layout.finish(fg_w, out_fg)
+    layout.finish(fg_w, fg)
     if out_hat is not None:
-        layout.finish(h_w, out_hat)
-        layout.finish(r_w, out_rms)
+        layout.finish(h_w, hat)
+        layout.finish(r_w, r)
     return g
 
 
@@ -262,11 +264,11 @@ def gate_grads(dz_ffn, ffn_fac, out_dffn, dc, pg_fac, out_dpg):
     n = dc.shape[1]
     dc, s_dc = layout.rows(dc, n)
     pg_fac, s_pgf = layout.rows(pg_fac, n)
-    dpg_w, _, s_dpg = _row_out(out_dpg, dc)
+    dpg_w, dpg, s_dpg = _row_out(out_dpg, dc)
     _gate_grads[(B,)](dz, fac, dffn_w, s_dz, s_fb, s_f2, s_db, s_d2, nf, dc, pg_fac, dpg_w, s_dc, s_pgf, s_dpg, n,
                       BF=min(BLOCK, triton.next_power_of_2(max(nf, n))))
     layout.finish(dffn_w, out_dffn)
-    layout.finish(dpg_w, out_dpg)
+    layout.finish(dpg_w, dpg)
 
 
 def _pair(x, out=False):
