@@ -10,16 +10,20 @@ Triton cannot (CPU without the interpreter).
 from __future__ import annotations
 
 import importlib
+import os
 
 KERNELS = ("auto", "triton", "torch")
 
 
 def resolve(kernel: str, device_type: str) -> str:
-    """"auto" is triton on CUDA and torch elsewhere."""
+    """"auto" is triton on CUDA and torch elsewhere; triton off CUDA needs Triton's interpreter."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
     if kernel == "auto":
         return "triton" if device_type == "cuda" else "torch"
+    if kernel == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"kernel: 'triton' on {device_type} runs only in Triton's interpreter (TRITON_INTERPRET=1); "
+                         "use 'torch' or 'auto'")
     return kernel
 
 

@@ -347,6 +347,10 @@ def test_model_with_triton_kernels_matches_torch(case, mode, monkeypatch):
         assert ("memory_read" in calls) == ("memory_read_backward" in calls) == (model.config.n_layers > 1)
 
 
-def test_kernel_is_validated():
+def test_kernel_is_validated(monkeypatch):
     with pytest.raises(ValueError, match="kernel: expected one of"):
         GPNConfig(kernel="cuda")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = GPN(dataclasses.replace(ODD, kernel="triton"))
+    with pytest.raises(ValueError, match="runs only in Triton's interpreter"):
+        model(torch.zeros(1, 3, dtype=torch.long))
