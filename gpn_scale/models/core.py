@@ -57,7 +57,7 @@ class Spec(NamedTuple):
     chunk: int
     bptt: int
     compute_dtype: torch.dtype
-    kernel: str  # the memory step's implementation: "triton" or "torch" (kernels.memory_ops)
+    kernel: str  # the step's memory and elementwise implementation: "triton" or "torch" (kernels.memory_ops, step_ops)
 
 
 def columns(spec: Spec, first: bool) -> dict[str, slice]:
