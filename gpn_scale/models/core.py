@@ -30,25 +30,15 @@ gradients, as in the naive core.
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from gpn_scale.models.memory_step import (
-    ReadFactors,
-    decay_and_write,
-    memory_read,
-    memory_read_backward,
-    memory_step,
-    memory_step_backward,
-    read_factors,
-    rms,
-    scalar_tensors,
-)
-from gpn_scale.models.ops import L2_EPS
+from gpn_scale.models.memory_step import ReadFactors, read_factors, rms
+from kernels import memory_ops, resolve, step_ops
+from kernels.graph import core_graphs, signature
 
 
 class LayerWeights(NamedTuple):
@@ -67,6 +57,7 @@ class Spec(NamedTuple):
     chunk: int
     bptt: int
     compute_dtype: torch.dtype
+    kernel: str  # the step's memory and elementwise implementation: "triton" or "torch" (kernels.memory_ops, step_ops)
 
 
 def columns(spec: Spec, first: bool) -> dict[str, slice]:
@@ -123,34 +114,10 @@ def fuse_weights(model) -> tuple[list[LayerWeights], torch.Tensor, torch.Tensor]
     return layers, model.fg_norm_w[:, None] * model.fg_gate_k, model.fg_gate_b
 
 
-# ---- small pieces, each with its backward ----------------------------------------------------
+# ---- small pieces ----------------------------------------------------------------------------
 # In the time loop every op counts (each costs microseconds of dispatch on tensors this small):
-# `out=` writes straight into the saved buffers, and reductions are single vector norms or dots.
-
-
-def _rms_hat(x, out=None, rms_out=None):
-    """(x / rms(x), rms(x))."""
-    r = rms(x, out=rms_out)
-    return torch.div(x, r, out=out), r
-
-
-def _rms_hat_backward(x_hat, r, dx_hat):
-    dot = torch.linalg.vecdot(dx_hat, x_hat).unsqueeze(-1)
-    return torch.addcmul(dx_hat, x_hat, dot, value=-1.0 / x_hat.shape[-1]).div_(r)
-
-
-def _l2n_relu(z, out=None, norm_out=None):
-    """(l2n(relu(z)), sqrt(|relu(z)|^2 + eps)) over the last axis."""
-    z = torch.relu(z)
-    (sqrt_eps,) = scalar_tensors(z, math.sqrt(L2_EPS))
-    n = torch.hypot(torch.linalg.vector_norm(z, dim=-1, keepdim=True), sqrt_eps, out=norm_out)
-    return torch.div(z, n, out=out), n
-
-
-def _l2n_relu_backward(y, mask_over_norm, dy, out=None):
-    """mask_over_norm = (y > 0) / norm: relu's mask is read off the output, y > 0 exactly where z > 0."""
-    dot = torch.linalg.vecdot(dy, y).unsqueeze(-1)
-    return torch.mul(torch.addcmul(dy, y, dot, value=-1.0), mask_over_norm, out=out)
+# `out=` writes straight into the saved buffers. The elementwise work between the GEMMs is in
+# groups (gpn_scale/models/step_ops.py, or their kernels), one call each.
 
 
 def _mm(x, W, out=None, bias=None):
@@ -235,38 +202,47 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
     XP, RP, FG = _steps(S.XP), _steps(S.RP), _steps(S.FG)
     P = g.new_empty((T, B, d))
     Ps, us = _steps(P), _steps(u.to(g.dtype))
+    ew = step_ops(spec.kernel)
     if spec.memory:
+        mem = memory_ops(spec.kernel)
         A = -torch.exp(A_log.to(g.dtype))
         M = M.contiguous()
         E, BETA, GAMMA, DECAY = _steps(S.E), _steps(S.BETA), _steps(S.GAMMA), _steps(S.DECAY)
-        S.x_prev, S.r_prev = _rms_hat(g_prev)
+        S.x_prev, S.r_prev = ew.rms_hat(g_prev)
         k_col = cols[0]["k"]
         kpre = _mm(S.x_prev, layers[0].W[:, k_col], bias=layers[0].b[k_col])
-        S.k0, S.k0n = _l2n_relu(kpre.view(B, H, dk))
+        S.k0, S.k0n = ew.l2n_relu(kpre.view(B, H, dk))
         k = S.k0
+    # Each layer's normalised input is written by the group before it: the previous layer's
+    # residual_rms, or (layer 0) the previous step's ground; the first step's here.
+    ew.rms_hat(g, V[0]["x"][0], V[0]["r"][0])
     for t in range(T):
         s, w = (t if save else t % 2), t % 2  # saved and work-ring slots
         if save and spec.memory and t % spec.chunk == 0:
             S.M.append(M)
         c = g
         for i, (L, v) in enumerate(zip(layers, V)):
-            x, _ = _rms_hat(c, v["x"][s], v["r"][s])
-            _mm(x, L.W, v["y"][w], L.b)
-            torch.mul(F.silu(v["h1"][w]), v["h2"][w], out=v["z_ffn"][w])
+            _mm(v["x"][s], L.W, v["y"][w], L.b)
+            groups = {}
             if spec.memory:
-                _l2n_relu(v["heads"][w], v["nq"][s], v["nn"][s])
+                groups = dict(heads=v["heads"][w], out_heads=v["nq"][s], out_norms=v["nn"][s])
                 if i == 0:
-                    beta = torch.sigmoid(v["beta"][w], out=BETA[s])
-                    decay = torch.exp(torch.mul(F.softplus(v["a"][w]), A, out=GAMMA[s]), out=DECAY[s])
-                    M, *_ = memory_step(M, k, v["v"][w], beta, decay, v["q"][s], v["gate"][w],
-                                        out_e=E[s], out_o=v["o"][s], out_y=v["z_read"][w])
+                    groups.update(beta=v["beta"][w], a=v["a"][w], A=A, out_beta=BETA[s], out_gamma=GAMMA[s], out_decay=DECAY[s])
+            ew.post_projection(v["h1"][w], v["h2"][w], v["z_ffn"][w], **groups)
+            if spec.memory:
+                if i == 0:
+                    M, *_ = mem.memory_step(M, k, v["v"][w], BETA[s], DECAY[s], v["q"][s], v["gate"][w],
+                                            out_e=E[s], out_o=v["o"][s], out_y=v["z_read"][w])
                     k = v["next_key"][s]
                 else:
-                    memory_read(M, v["q"][s], v["gate"][w], out_o=v["o"][s], out_y=v["z_read"][w])
-            c = torch.addcmul(_mm(v["z"][w], L.W2o), torch.sigmoid(v["pg"][w]), c, out=Ps[t] if i == nl - 1 else None)
-        xp, _ = _rms_hat(c, XP[s], RP[s])
-        fg = torch.sigmoid(_mm(xp, fg_W, FG[w], fg_b), out=FG[w])
-        g_prev, g = g, torch.addcmul(us[t], fg, c)
+                    mem.memory_read(M, v["q"][s], v["gate"][w], out_o=v["o"][s], out_y=v["z_read"][w])
+            last = i == nl - 1
+            x_next, r_next = (XP[s], RP[s]) if last else (V[i + 1]["x"][s], V[i + 1]["r"][s])
+            c = ew.residual_rms(_mm(v["z"][w], L.W2o), v["pg"][w], c, Ps[t] if last else None, x_next, r_next)
+        _mm(XP[s], fg_W, FG[w], fg_b)
+        nxt = (t + 1) if save else (t + 1) % 2
+        x_next, r_next = (V[0]["x"][nxt], V[0]["r"][nxt]) if t < T - 1 else (None, None)
+        g_prev, g = g, ew.ground(FG[w], c, us[t], FG[w], x_next, r_next)
     return P, g, g_prev, M, (S if save else None)
 
 
@@ -351,7 +327,9 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
     grads = [[torch.zeros_like(L.W, dtype=sd), torch.zeros_like(L.b, dtype=sd), torch.zeros_like(L.W2o, dtype=sd)] for L in layers]
     dfg_W, dfg_b = torch.zeros_like(fg_W, dtype=sd), torch.zeros_like(fg_b, dtype=sd)
     A = None
+    ew = step_ops(spec.kernel)
     if spec.memory:
+        mem = memory_ops(spec.kernel)
         col0 = cols[0]
         A = -torch.exp(A_log.to(sd))
         E, BETA, DECAY = _steps(S.E), _steps(S.BETA), _steps(S.DECAY)
@@ -368,24 +346,21 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
         if spec.memory:  # Ms[j] = M before step c0 + j, rebuilt from the chunk's start
             Ms = [S.M[c0 // spec.chunk]]
             for j, t in enumerate(range(c0, c1)):
-                Ms.append(decay_and_write(Ms[-1], keys[t], G["delta"][j], DECAY[t]))
+                Ms.append(mem.decay_and_write(Ms[-1], keys[t], G["delta"][j], DECAY[t]))
             G["dKQ_full"][-1, 0] = dk_next
             dk_next = torch.empty_like(dk_next)
         for t in reversed(range(c0, c1)):
             j = t - c0
             dus[t].copy_(dg)
-            dc = _rms_hat_backward(XP[t], RP[t], _mm(torch.mul(dg, G["fg_fac"][j], out=G["dYfg"][j]), fg_WT))
-            if dPs is not None:
-                dc += dPs[t]
-            dc = torch.addcmul(dc, dg, G["fg"][j], out=C[-1]["dU"][j])
+            dxp = _mm(torch.mul(dg, G["fg_fac"][j], out=G["dYfg"][j]), fg_WT)
+            dc = ew.residual_rms_backward(XP[t], RP[t], dxp, dg, G["fg"][j], None if dPs is None else dPs[t], out=C[-1]["dU"][j])
             for i in reversed(range(nl)):
                 v, c = V[i], C[i]
                 _mm(dc, W2oT[i], c["dZ"][j])  # into the dZ rows of the chunk
-                torch.mul(c["dz_ffn"][j], c["ffn_fac"][j], out=c["dffn"][j])
-                torch.mul(dc, c["pg_fac"][j], out=c["dpg"][j])
+                ew.gate_grads(c["dz_ffn"][j], c["ffn_fac"][j], c["dffn"][j], dc, c["pg_fac"][j], c["dpg"][j])
                 if spec.memory:
                     if i == 0:
-                        dM, _, dv, *_ = memory_step_backward(
+                        dM, _, dv, *_ = mem.memory_step_backward(
                             Ms[j], Ms[j + 1], keys[t], BETA[t], DECAY[t], E[t], G["delta"][j], v["q"][t], c["rf"][j], dM,
                             c["dz_read"][j], out_dk=G["dk_out"][j - 1] if j > 0 else dk_next, out_dq=G["dq_out"][j],
                             out_dbeta=G["dbeta"][j], out_ddecay=G["ddecay"][j], out_dgate=c["dgate"][j])
@@ -393,15 +368,14 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
                         torch.mul(G["dBD"][j], G["gate_fac"][j], out=G["dgates"][j])
                         dq = G["dKQ"][j]
                     else:
-                        dq, _, dM = memory_read_backward(Ms[j + 1], v["q"][t], c["rf"][j], c["dz_read"][j], dM,
+                        dq, _, dM = mem.memory_read_backward(Ms[j + 1], v["q"][t], c["rf"][j], c["dz_read"][j], dM,
                                                          out_dgate=c["dgate"][j])
                         dq = dq.unsqueeze(1)
-                    _l2n_relu_backward(v["nq"][t], c["nq_mask"][j], dq, out=c["dheads"][j])
+                    ew.l2n_relu_backward(v["nq"][t], c["nq_mask"][j], dq, out=c["dheads"][j])
                 dx = _mm(c["dY"][j], WT[i])
                 if i == 0 and spec.memory and not kn_flows:  # the next key's gradient reaches the weights only
                     dx -= _mm(G["dkn"][j], W_kT)
-                dc = torch.addcmul(_rms_hat_backward(v["x"][t], v["r"][t], dx), dc, c["pg_gate"][j],
-                                   out=C[i - 1]["dU"][j] if i > 0 else None)
+                dc = ew.residual_rms_backward(v["x"][t], v["r"][t], dx, dc, c["pg_gate"][j], out=C[i - 1]["dU"][j] if i > 0 else None)
             dg = dc if (t < T - 1 or dg_prev is None) else dc + dg_prev
             if spec.bptt and t > 0 and t % spec.bptt == 0:  # where the naive core detaches the state
                 dg = torch.zeros_like(dg)
@@ -425,20 +399,33 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
     if not spec.memory:
         return du, dg, None, None, None, grads, dfg_W, dfg_b
     # The first key comes from the incoming previous state.
-    dk0 = _l2n_relu_backward(S.k0, (S.k0 > 0) / S.k0n, dk_next).flatten(1)
+    dk0 = ew.l2n_relu_backward(S.k0, (S.k0 > 0) / S.k0n, dk_next).flatten(1)
     grads[0][0][:, col0["k"]] += gemm(S.x_prev, dk0)
     grads[0][1][col0["k"]] += dk0.sum(0)
-    dg_prev0 = _rms_hat_backward(S.x_prev, S.r_prev, _mm(dk0, W_kT))
+    dg_prev0 = ew.rms_hat_backward(S.x_prev, S.r_prev, _mm(dk0, W_kT))
     return du, dg, dg_prev0, dM, dA_log, grads, dfg_W, dfg_b
 
 
 class FusedCore(torch.autograd.Function):
-    """(u, state, fused weights) -> (P, g, g_prev, M) with `run_forward` / `run_backward`."""
+    """(u, state, fused weights) -> (P, g, g_prev, M) with `run_forward` / `run_backward`.
+
+    With `graphs` (kernels.graph.CoreGraphs, CUDA only) both loops run as captured CUDA graphs.
+    """
 
     @staticmethod
-    def forward(ctx, spec, u, g, g_prev, M, A_log, fg_W, fg_b, *flat):
-        layers = [LayerWeights(*flat[j : j + 3]) for j in range(0, len(flat), 3)]
-        P, g, g_prev, M, S = run_forward(spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save=True)
+    def forward(ctx, spec, graphs, u, g, g_prev, M, A_log, fg_W, fg_b, *flat):
+        inputs = (u, g, g_prev, M, A_log, fg_W, fg_b, *flat)
+        ctx.graph = None
+        if graphs is None:
+            P, g, g_prev, M, S = _forward_flat(spec, *inputs)
+        else:
+            key = (spec, signature(*inputs))
+            P, g, g_prev, M, S = graphs.forward(key, (spec,), inputs)
+            if graphs.forward.replays.get(key):  # S is the graph's: the backward may replay too
+                ctx.graph = (graphs, key, graphs.forward.replays[key])
+            # The state outlives the graph's next replay, so it is copied; P is consumed before
+            # it. detach: autograd gives the returned tensor a history, not the graph's own.
+            P, g, M = P.detach(), g.clone(), None if M is None else M.clone()
         ctx.spec, ctx.S, ctx.u_dtype = spec, S, u.dtype
         ctx.save_for_backward(A_log, fg_W, fg_b, *flat)
         ctx.set_materialize_grads(False)
@@ -447,11 +434,38 @@ class FusedCore(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dP, dg, dg_prev, dM):
         A_log, fg_W, fg_b, *flat = ctx.saved_tensors
-        layers = [LayerWeights(*flat[j : j + 3]) for j in range(0, len(flat), 3)]
+        inputs = (A_log, fg_W, fg_b, dP, dg, dg_prev, dM, *flat)
         with torch.autocast(fg_W.device.type, enabled=False):  # the compute dtype is the spec's
-            du, dg0, dg_prev0, dM0, dA_log, grads, dfg_W, dfg_b = run_backward(
-                ctx.spec, ctx.S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM)
-        return (None, du.to(ctx.u_dtype), dg0, dg_prev0, dM0, dA_log, dfg_W, dfg_b, *(x for l in grads for x in l))
+            if ctx.graph is None:
+                out = _backward_flat(ctx.spec, ctx.S, *inputs)
+            else:
+                graphs, key, replay = ctx.graph
+                if graphs.forward.replays[key] != replay:
+                    raise RuntimeError("fused core: the forward's CUDA graph ran again before this backward, so its saved "
+                                       "buffers are gone; run one backward per forward, or set cuda_graphs: false")
+                out = graphs.backward((key, signature(*inputs)), (ctx.spec, ctx.S), inputs)
+                out = _detached(out)
+        du, dg0, dg_prev0, dM0, dA_log, grads, dfg_W, dfg_b = out
+        return (None, None, du.to(ctx.u_dtype), dg0, dg_prev0, dM0, dA_log, dfg_W, dfg_b, *(x for l in grads for x in l))
+
+
+def _detached(x):
+    """x's tensors as new tensors on the same memory without history (a graph's outputs stay its own)."""
+    if isinstance(x, (list, tuple)):
+        return [_detached(y) for y in x]
+    return None if x is None else x.detach()
+
+
+def _layers(flat):
+    return [LayerWeights(*flat[j : j + 3]) for j in range(0, len(flat), 3)]
+
+
+def _forward_flat(spec, u, g, g_prev, M, A_log, fg_W, fg_b, *flat):
+    return run_forward(spec, u, g, g_prev, M, A_log, _layers(flat), fg_W, fg_b, save=True)
+
+
+def _backward_flat(spec, S, A_log, fg_W, fg_b, dP, dg, dg_prev, dM, *flat):
+    return run_backward(spec, S, A_log, _layers(flat), fg_W, fg_b, dP, dg, dg_prev, dM)
 
 
 def fused_recurrence(model, u: torch.Tensor, state):
@@ -463,14 +477,16 @@ def fused_recurrence(model, u: torch.Tensor, state):
     g, g_prev, M = state
     device = u.device.type
     cd = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else g.dtype
-    spec = Spec(cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.memory, cfg.core_chunk, cfg.bptt, cd)
+    spec = Spec(cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.memory, cfg.core_chunk, cfg.bptt, cd,
+                resolve(cfg.kernel, device))
+    graphs = core_graphs(model, _forward_flat, _backward_flat) if cfg.cuda_graphs and device == "cuda" else None
     A_log = model.write_A_log if cfg.memory else None
     u = u.transpose(0, 1)
     with torch.autocast(device, enabled=False):
         layers, fg_W, fg_b = fuse_weights(model)
         if torch.is_grad_enabled():
             flat = [x for L in layers for x in L]
-            P, g, g_prev, M = FusedCore.apply(spec, u, g, g_prev, M, A_log, fg_W, fg_b, *flat)
+            P, g, g_prev, M = FusedCore.apply(spec, graphs, u, g, g_prev, M, A_log, fg_W, fg_b, *flat)
         else:
             P, g, g_prev, M, _ = run_forward(spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save=False)
     return P.transpose(0, 1), (g, g_prev, M)

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gpn_scale.models.core import fused_recurrence
 from gpn_scale.models.ops import at_least_f32, l2_normalize, lecun_normal_, linear_cross_entropy, rms_norm
+from kernels import KERNELS
 
 FAMILIES = ("gpn", "gpn_m")
 CORES = ("fused", "naive")
@@ -45,12 +46,16 @@ class GPNConfig:
     checkpoint_every: int = 0  # naive core: recompute activations in time segments of this length (0: off)
     bptt: int = 0  # truncate backprop through time every this many steps (0: full window)
     ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once
+    kernel: str = "auto"  # fused core's memory step and step groups: "triton", "torch", or "auto" (triton on CUDA)
+    cuda_graphs: bool = True  # fused core on CUDA: capture its time loops once per shape, then replay
 
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"family: expected one of {FAMILIES}, got {self.family!r}")
         if self.core not in CORES:
             raise ValueError(f"core: expected one of {CORES}, got {self.core!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel: expected one of {KERNELS}, got {self.kernel!r}")
         positive = ["vocab_size", "d_state", "d_emb", "d_ffn", "n_layers", "ce_chunk", "core_chunk"]
         if self.memory:
             positive += ["n_heads", "d_key", "d_val"]

@@ -1,0 +1,339 @@
+"""GPN+M training throughput on one GPU against Transformer++ and the naive loop, and the kernels' own figures.
+
+    PYTHONPATH=. python bench/gpu.py --out bench_gpu.json                 # CUDA: bf16, T 2048, 130M models
+    PYTHONPATH=. python bench/gpu.py --device cpu --out /tmp/smoke.json    # tiny configs, Triton interpreter
+
+Rows (`--models`, all by default), each a training step (forward, backward, AdamW) on random
+tokens, timed after one untimed step (three with CUDA graphs: run, capture forward, capture
+backward), with torch.cuda.max_memory_allocated as the peak:
+  gpn_m_triton  GPN+M (--gpn, 130M 1L) with the fused core, the Triton kernels and its time
+                loops captured as CUDA graphs (kernels/graph.py)
+  gpn_m_eager   the same launched step by step from Python (cuda_graphs: false)
+  gpn_m_torch   the same with the step in plain torch (the kernels' twins), step by step
+  naive         the same model with the naive autograd time loop, run at --naive-seq-len and
+                reported as tokens/s "extrapolated" to --seq-len: a sequential loop's cost per
+                token does not shrink with T, and at T 2048 its graph would not fit
+  transformer   Transformer++ (--transformer, 12L 130M) with torch SDPA
+Each row's batch fills the GPU: one probe step at batch 2 measures the memory per sequence,
+and the batch is what fits in --fill of the free memory (`--batch name=N` sets it).
+
+Kernel figures: the memory-step kernels' achieved bandwidth (bytes they must move / time)
+against a device-to-device copy measured in the same run, and the TFLOP/s of the step's
+GEMMs at the GPN+M batch. A ratio table comes last; --out writes everything as JSON.
+
+Imports only torch, triton, numpy and yaml (through gpn_scale.config) besides the source tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+MODELS = ("gpn_m_triton", "gpn_m_eager", "gpn_m_torch", "naive", "transformer")
+TARGETS = {"gpn_m_triton / transformer": 0.5, "gpn_m_triton / naive": 20.0, "memory kernel / copy": 0.7}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    p.add_argument("--gpn", help="GPN+M model config (default: gpn_m_130m_1l on CUDA, gpn_m_tiny on CPU)")
+    p.add_argument("--transformer", help="Transformer++ config (default: transformer_130m / transformer_tiny)")
+    p.add_argument("--seq-len", type=int, help="default: 2048 on CUDA, 16 on CPU")
+    p.add_argument("--naive-seq-len", type=int, help="default: 128 on CUDA, 8 on CPU")
+    p.add_argument("--batch", action="append", default=[], metavar="NAME=N", help="fix a row's batch (repeatable)")
+    p.add_argument("--fill", type=float, default=0.8, help="share of free GPU memory a row's batch may use")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per row (>= 1), after one untimed step")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    args.gpn = args.gpn or ("gpn_m_130m_1l" if cuda else "gpn_m_tiny")
+    args.transformer = args.transformer or ("transformer_130m" if cuda else "transformer_tiny")
+    args.seq_len = args.seq_len or (2048 if cuda else 16)
+    args.naive_seq_len = args.naive_seq_len or (128 if cuda else 8)
+    if args.steps < 1:
+        p.error("--steps: expected >= 1")
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(args.models) - set(MODELS))
+    if unknown:
+        p.error(f"--models: unknown {unknown}; expected a subset of {', '.join(MODELS)}")
+    try:
+        args.batch = {k: int(v) for k, _, v in (b.partition("=") for b in args.batch)}
+    except ValueError:
+        p.error("--batch: expected NAME=N with an integer N")
+    if not cuda:  # CPU: batch 2 everywhere unless told, and Triton runs in its interpreter
+        args.batch = {m: args.batch.get(m, 2) for m in MODELS}
+    return args
+
+
+# ---- timing ----------------------------------------------------------------------------------
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, reps: int, warmup: bool = True) -> float:
+    """Seconds per call of fn, the mean over `reps` calls (after one warm-up call)."""
+    if warmup:
+        fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / reps
+
+
+# ---- training-step rows ----------------------------------------------------------------------
+
+
+def build(args, name):
+    """(model config, seq_len, label) of a row."""
+    from gpn_scale.config import model_config
+
+    if name == "transformer":
+        cfg = model_config(args.transformer)
+        return cfg, args.seq_len, f"Transformer++ {cfg.n_layers}L (torch SDPA)"
+    cfg = model_config(args.gpn)
+    if name == "naive":  # plain autograd: no segment recomputation
+        return dataclasses.replace(cfg, core="naive", checkpoint_every=0), args.naive_seq_len, f"GPN+M {cfg.n_layers}L naive loop"
+    kernel, graphs = ("torch", False) if name == "gpn_m_torch" else ("triton", name == "gpn_m_triton")
+    label = f"GPN+M {cfg.n_layers}L fused, {kernel} kernels" + (", CUDA graphs" if graphs and args.device.startswith("cuda") else "")
+    return dataclasses.replace(cfg, core="fused", kernel=kernel, cuda_graphs=graphs), args.seq_len, label
+
+
+def train_step_fn(model, opt, tokens, device, bf16: bool):
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(tokens).loss
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def probe_batch(args, model, opt, cfg, T, device) -> int:
+    """The batch that fills `--fill` of the free memory, from one step at batch 2."""
+    for p in model.parameters():  # allocate the optimizer state first: it is not per sequence
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    train_step_fn(model, opt, torch.randint(0, cfg.vocab_size, (2, T), device=device), device, True)()
+    sync(device)
+    per_seq = max(1, (torch.cuda.max_memory_allocated(device) - base - grads) // 2)
+    opt.zero_grad(set_to_none=True)
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    batch = max(1, int(args.fill * (free - grads) // per_seq))
+    return batch // 8 * 8 if batch >= 16 else batch
+
+
+def run_row(args, name, device) -> dict:
+    from gpn_scale.models import build_model
+    from kernels.graph import graphs_of, release
+
+    cfg, T, label = build(args, name)
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    model = build_model(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    batch = args.batch.get(name) or probe_batch(args, model, opt, cfg, T, device)
+    while True:
+        tokens = torch.randint(0, cfg.vocab_size, (batch, T), device=device)
+        step = train_step_fn(model, opt, tokens, device, bf16=cuda)
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            # Untimed: compiles kernels, allocates the optimizer state; with CUDA graphs the
+            # second step captures the forward loop and the third the backward loop.
+            for _ in range(3 if getattr(cfg, "cuda_graphs", False) and cuda else 1):
+                loss = step().detach()
+            sync(device)
+            sec = timed(step, device, args.steps, warmup=False)
+            break
+        except torch.cuda.OutOfMemoryError:  # the probe's linear estimate was optimistic
+            if batch == 1:
+                raise
+            del tokens, step
+            opt.zero_grad(set_to_none=True)
+            release(model)  # graphs captured at this batch hold memory
+            batch //= 2
+            print(f"{name}: out of memory, retrying at batch {batch}", flush=True)
+    row = dict(name=name, label=label, batch=batch, seq_len=T, step_s=sec, tokens_per_s=batch * T / sec,
+               peak_bytes=torch.cuda.max_memory_allocated(device) if cuda else None, loss=loss.item(),
+               params=sum(p.numel() for p in model.parameters()))
+    if name == "naive":
+        row["extrapolated_to_seq_len"] = args.seq_len
+    graphs = graphs_of(model)
+    if graphs is not None:  # how the loops ran: eager, captured, replayed, failed captures
+        row["cuda_graphs"] = dict(forward=graphs.forward.stats, backward=graphs.backward.stats)
+    del model, opt, tokens, step
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+# ---- kernel figures --------------------------------------------------------------------------
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a device-to-device copy of a large buffer (read + write counted)."""
+    n = (1 << 28) if device.type == "cuda" else (1 << 22)  # 1 GiB / 16 MiB of float32
+    src = torch.empty(n, device=device)
+    dst = torch.empty_like(src)
+    sec = timed(lambda: dst.copy_(src), device, 20 if device.type == "cuda" else 3)
+    return 2 * src.numel() * src.element_size() / sec
+
+
+def memory_kernel_figures(cfg, batch, device) -> dict:
+    """Achieved bandwidth of the memory-step kernels at the model's shapes: the bytes each
+    must move (M in and out, and the per-step vectors) over its time."""
+    import kernels.memory_step as K
+    from gpn_scale.models.memory_step import read_factors
+
+    B, H, dk, dv = batch, cfg.n_heads, cfg.d_key, cfg.d_val
+    g = torch.Generator(device=device).manual_seed(0)
+    r = lambda *s: torch.randn(*s, device=device, generator=g)  # noqa: E731
+    M, k, v, q, gate = r(B, H, dk, dv), r(B, H, dk).abs(), r(B, H, dv), r(B, H, dk).abs(), r(B, H * dv)
+    k, q = k / k.norm(dim=-1, keepdim=True), q / q.norm(dim=-1, keepdim=True)
+    beta, decay = torch.rand(B, H, device=device, generator=g), torch.rand(B, H, device=device, generator=g)
+    M_t, e, o, _ = K.memory_step(M, k, v, beta, decay, q, gate)
+    f, dM, dy, delta = read_factors(o, gate), torch.randn_like(M), torch.randn_like(gate), beta[..., None] * e
+    m_bytes, kv = M.numel() * 4, (B * H * (dk + dv)) * 4
+    reps = 20 if device.type == "cuda" else 1
+    cases = {
+        # write + read: M in, M_t out; k, q, v in; e, o out; gate in, y out
+        "memory_step (fwd)": (lambda: K.memory_step(M, k, v, beta, decay, q, gate), 2 * m_bytes + 2 * kv + 4 * B * H * dv * 4),
+        "decay_and_write (rebuild)": (lambda: K.decay_and_write(M, k, delta, decay), 2 * m_bytes + kv),
+        # M_prev and dM in, dM_prev out; the vectors and the read factors
+        "memory_step_backward": (lambda: K.memory_step_backward(M, M_t, k, beta, decay, e, delta, q, f, dM, dy),
+                                 3 * m_bytes + 2 * kv + 10 * B * H * dv * 4),
+    }
+    out = {}
+    for name, (fn, nbytes) in cases.items():
+        sec = timed(fn, device, reps)
+        out[name] = dict(seconds=sec, bytes=nbytes, bytes_per_s=nbytes / sec)
+    out["batch"], out["m_bytes"] = batch, m_bytes
+    return out
+
+
+def gemm_figures(cfg, batch, device) -> dict:
+    """TFLOP/s of the three per-step GEMMs of the fused core (layer 0) at the GPN+M batch."""
+    from gpn_scale.models import build_model
+    from gpn_scale.models.core import fuse_weights
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device("meta"):
+        model = build_model(cfg)
+    layers, fg_W, _ = fuse_weights(model)
+    shapes = {"projection": layers[0].W.shape, "W2 + W_o": layers[0].W2o.shape, "fuse gate": fg_W.shape}
+    out = {}
+    for name, (k, n) in shapes.items():
+        x, w = torch.randn(batch, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+        sec = timed(lambda: x @ w, device, 50 if device.type == "cuda" else 2)
+        out[name] = dict(m=batch, k=k, n=n, seconds=sec, tflops=2 * batch * k * n / sec / 1e12)
+    return out
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def ratios(rows: dict, kernel: dict | None, copy_bps: float | None) -> list[tuple[str, float, float | None]]:
+    out = []
+    tps = {n: r["tokens_per_s"] for n, r in rows.items()}
+    for other in ("transformer", "naive", "gpn_m_eager", "gpn_m_torch"):
+        if "gpn_m_triton" in tps and other in tps:
+            key = f"gpn_m_triton / {other}"
+            out.append((key + " tokens/s", tps["gpn_m_triton"] / tps[other], TARGETS.get(key)))
+    if kernel and copy_bps:
+        for name in ("memory_step (fwd)", "memory_step_backward"):
+            out.append((f"{name} / copy bandwidth", kernel[name]["bytes_per_s"] / copy_bps, TARGETS["memory kernel / copy"]))
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":  # the Triton kernels run in the interpreter; set before they are defined
+        os.environ["TRITON_INTERPRET"] = "1"
+        torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    rows, failed = {}, {}
+    for name in args.models:
+        try:
+            r = rows[name] = run_row(args, name, device)
+        except Exception as e:  # one row's failure must not cost the others' figures
+            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            print(f"{name:13s} failed: {failed[name]}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        print(f"{name:13s} batch {r['batch']:4d} x T {r['seq_len']:5d}  {r['step_s']:8.3f} s/step  "
+              f"{r['tokens_per_s']:11.0f} tok/s  peak {(r['peak_bytes'] or 0) / 2**30:6.2f} GiB  loss {r['loss']:.3f}", flush=True)
+
+    from gpn_scale.config import model_config
+
+    gpn_cfg = model_config(args.gpn)
+    kbatch = rows["gpn_m_triton"]["batch"] if "gpn_m_triton" in rows else args.batch.get("gpn_m_triton", 8)
+    copy_bps = copy_bandwidth(device)
+    kernel = memory_kernel_figures(gpn_cfg, kbatch, device) if gpn_cfg.memory else None
+    gemms = gemm_figures(gpn_cfg, kbatch, device)
+
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    print(f"\ndevice: {device_name}; GPN+M config {args.gpn}, Transformer++ config {args.transformer}; "
+          f"{'bf16 autocast' if device.type == 'cuda' else 'float32'}")
+    print(f"\n{'row':13s} {'what':44s} {'batch':>5s} {'T':>5s} {'tok/s':>11s} {'peak GiB':>8s}")
+    for r in rows.values():
+        note = f"  (measured at T {r['seq_len']}, extrapolated to T {r['extrapolated_to_seq_len']})" if r["name"] == "naive" else ""
+        peak = f"{r['peak_bytes'] / 2**30:8.2f}" if r["peak_bytes"] is not None else f"{'-':>8s}"
+        print(f"{r['name']:13s} {r['label']:44s} {r['batch']:5d} {r['seq_len']:5d} {r['tokens_per_s']:11.0f} {peak}{note}")
+    for name, error in failed.items():
+        print(f"{name:13s} failed: {error}")
+    print(f"\ncopy bandwidth (device to device, read + write): {copy_bps / 1e9:.1f} GB/s")
+    if kernel:
+        print(f"memory kernels at batch {kernel['batch']} ({kernel['m_bytes'] / 2**20:.0f} MiB of M):")
+        for k in ("memory_step (fwd)", "decay_and_write (rebuild)", "memory_step_backward"):
+            print(f"  {k:28s} {kernel[k]['seconds'] * 1e6:10.1f} us  {kernel[k]['bytes_per_s'] / 1e9:8.1f} GB/s"
+                  f"  ({kernel[k]['bytes_per_s'] / copy_bps:.0%} of copy)")
+    print(f"step GEMMs at batch {kbatch}:")
+    for k, gm in gemms.items():
+        print(f"  {k:12s} ({gm['m']} x {gm['k']}) @ ({gm['k']} x {gm['n']})  {gm['seconds'] * 1e6:9.1f} us  {gm['tflops']:7.2f} TFLOP/s")
+
+    wall = time.perf_counter() - t_start
+    graphs = {n: r["cuda_graphs"] for n, r in rows.items() if "cuda_graphs" in r}
+    for n, g in graphs.items():
+        print(f"{n}: CUDA graphs forward {g['forward']}, backward {g['backward']}")
+    print(f"bench wall time: {wall:.0f} s")
+
+    table = ratios(rows, kernel, copy_bps)
+    print(f"\n{'ratio':50s} {'value':>8s} {'target':>8s}")
+    for key, value, target in table:
+        verdict = "" if target is None else ("  meets" if value >= target else "  misses")
+        print(f"{key:50s} {value:8.3g} {'>= ' + format(target, 'g') if target else '':>8s}{verdict}")
+    result = dict(device=device_name, args={k: v for k, v in vars(args).items()}, rows=rows, failed=failed, copy_bytes_per_s=copy_bps,
+                  memory_kernels=kernel, gemms=gemms, ratios=[dict(name=k, value=v, target=t) for k, v, t in table],
+                  wall_s=wall)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

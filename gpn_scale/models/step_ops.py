@@ -1,0 +1,98 @@
+"""The elementwise work of one step of the fused core, in plain PyTorch.
+
+Between the step's GEMMs sit only elementwise maps and per-row reductions. They are grouped
+here by where they sit, so that each group is one kernel (`kernels/elementwise.py`, same
+signatures) and a step is: GEMM, `post_projection`, memory kernel, GEMM, `residual_rms`, ...,
+GEMM, `ground`. The backward's groups are `residual_rms_backward` and `gate_grads`.
+
+Every function writes into the `out*` buffers it is given (the core's saved per-step vectors):
+in a time loop of tiny ops, every copy counts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from gpn_scale.models.memory_step import rms, scalar_tensors
+from gpn_scale.models.ops import L2_EPS
+
+
+def rms_hat(x, out=None, rms_out=None):
+    """(x / rms(x), rms(x))."""
+    r = rms(x, out=rms_out)
+    return torch.div(x, r, out=out), r
+
+
+def rms_hat_backward(x_hat, r, dx_hat):
+    dot = torch.linalg.vecdot(dx_hat, x_hat).unsqueeze(-1)
+    return torch.addcmul(dx_hat, x_hat, dot, value=-1.0 / x_hat.shape[-1]).div_(r)
+
+
+def l2n_relu(z, out=None, norm_out=None):
+    """(l2n(relu(z)), sqrt(|relu(z)|^2 + eps)) over the last axis."""
+    z = torch.relu(z)
+    (sqrt_eps,) = scalar_tensors(z, math.sqrt(L2_EPS))
+    n = torch.hypot(torch.linalg.vector_norm(z, dim=-1, keepdim=True), sqrt_eps, out=norm_out)
+    return torch.div(z, n, out=out), n
+
+
+def l2n_relu_backward(y, mask_over_norm, dy, out=None):
+    """mask_over_norm = (y > 0) / norm: relu's mask is read off the output, y > 0 exactly where z > 0."""
+    dot = torch.linalg.vecdot(dy, y).unsqueeze(-1)
+    return torch.mul(torch.addcmul(dy, y, dot, value=-1.0), mask_over_norm, out=out)
+
+
+# ---- forward groups --------------------------------------------------------------------------
+
+
+def post_projection(h1, h2, out_ffn, heads=None, out_heads=None, out_norms=None, beta=None, a=None, A=None,
+                    out_beta=None, out_gamma=None, out_decay=None):
+    """After a layer's projection GEMM: the SwiGLU silu(h1) h2; the heads' relu + l2-normalisation
+    (a layer with memory); the write's gates beta = sigmoid, gamma = softplus(a) A, decay = exp(gamma)
+    (layer 0 of GPN+M). heads: (B, n_blocks, H, dk); beta, a: (B, H) pre-activations; A: (H,)."""
+    torch.mul(F.silu(h1), h2, out=out_ffn)
+    if heads is not None:
+        l2n_relu(heads, out_heads, out_norms)
+    if beta is not None:
+        torch.sigmoid(beta, out=out_beta)
+        torch.exp(torch.mul(F.softplus(a), A, out=out_gamma), out=out_decay)
+
+
+def residual_rms(y, pg, c, out=None, out_hat=None, out_rms=None):
+    """After a layer's second GEMM: c' = y + sigmoid(pg) c, and (c' / rms(c'), rms(c')) for the
+    next layer's (or the fuse gate's) input. Returns c'."""
+    c = torch.addcmul(y, torch.sigmoid(pg), c, out=out)
+    rms_hat(c, out_hat, out_rms)
+    return c
+
+
+def ground(y_fg, c, u, out_fg, out_hat=None, out_rms=None):
+    """After the fuse-gate GEMM: fg = sigmoid(y_fg), g = u + fg c, and (g / rms(g), rms(g)) for
+    the next step's first layer when `out_hat` is given. Returns g."""
+    fg = torch.sigmoid(y_fg, out=out_fg)
+    g = torch.addcmul(u, fg, c)
+    if out_hat is not None:
+        rms_hat(g, out_hat, out_rms)
+    return g
+
+
+# ---- backward groups -------------------------------------------------------------------------
+
+
+def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None):
+    """dL/dc of c -> (c / rms(c) fed to a GEMM, gate * c): the rms-norm backward of dx_hat plus
+    dc * gate [+ extra]."""
+    dx = rms_hat_backward(x_hat, r, dx_hat)
+    if extra is not None:
+        dx += extra
+    return torch.addcmul(dx, dc, gate, out=out)
+
+
+def gate_grads(dz_ffn, ffn_fac, out_dffn, dc, pg_fac, out_dpg):
+    """The projection-output gradients of the FFN and the predict gate: dz_ffn (B, 1, F) times
+    the factors (B, 2, F) -> (B, 2, F); dc * pg_fac."""
+    torch.mul(dz_ffn, ffn_fac, out=out_dffn)
+    torch.mul(dc, pg_fac, out=out_dpg)

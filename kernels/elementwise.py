@@ -1,0 +1,299 @@
+"""Triton kernels for the elementwise work of a fused-core step, one kernel per group.
+
+The twin is `gpn_scale.models.step_ops` (same functions, same signatures). Each group is one
+program per sequence (row), which reads the GEMM output it follows once and writes every
+per-step vector that group produces: after the projection GEMM the SwiGLU, the heads' relu +
+l2-normalisation and the write's gates (`post_projection`); after the second GEMM the gated
+residual and the next input's RMS statistics (`residual_rms`); after the fuse-gate GEMM the
+grounding and the next step's RMS statistics (`ground`); in the reverse sweep the rms-norm
+backward with the gated residual (`residual_rms_backward`), the FFN and predict-gate factors
+(`gate_grads`) and the heads' normalisation backward (`l2n_relu_backward`).
+
+Arithmetic is in the dtype of the state (float32, or float64 for gradient checks); rows may be
+column slices of wider buffers (see kernels/layout.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpn_scale.models.ops import L2_EPS, RMS_EPS
+# Used once per window, outside the time loop: the twin's are as good as a kernel there.
+from gpn_scale.models.step_ops import l2n_relu, rms_hat, rms_hat_backward  # noqa: F401
+from kernels import layout
+
+BLOCK = 1024  # columns per iteration of a row loop
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _softplus(x):
+    """log(1 + e^x) as torch's (linear above 20), with log1p(u) = log(1 + u) u / ((1 + u) - 1):
+    exact to rounding for tiny u, where log(1 + u) alone loses all digits."""
+    u = tl.exp(tl.minimum(x, 20.0))
+    w = 1.0 + u
+    tiny = w == 1.0
+    log1p = tl.where(tiny, u, tl.log(w) * (u / tl.where(tiny, 1.0, w - 1.0)))
+    return tl.where(x > 20.0, x, log1p)
+
+
+@triton.jit
+def _post_projection(H1, H2, FFN, s_h1, s_h2, s_ffn, NF,
+                     Z, NQ, NN, s_zb, s_zk, s_qb, s_qk, s_nb, s_nk, NHEADS, H, DK,
+                     BETA_IN, A_IN, A, BETA, GAMMA, DECAY, s_bi, s_ai, s_b, s_g, s_d, NG,
+                     HEADS: tl.constexpr, GATES: tl.constexpr, BHEADS: tl.constexpr, BK: tl.constexpr,
+                     BH: tl.constexpr, BF: tl.constexpr, L2EPS: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    for c0 in range(0, NF, BF):
+        c = c0 + tl.arange(0, BF)
+        m = c < NF
+        h1 = tl.load(H1 + b * s_h1 + c, mask=m, other=0.0).to(FFN.dtype.element_ty)
+        h2 = tl.load(H2 + b * s_h2 + c, mask=m, other=0.0).to(FFN.dtype.element_ty)
+        tl.store(FFN + b * s_ffn + c, h1 * _sigmoid(h1) * h2, mask=m)
+    if HEADS:  # heads j = block * H + h, each dk wide: relu, then divide by sqrt(|.|^2 + eps)
+        j, col = tl.arange(0, BHEADS), tl.arange(0, BK)
+        blk, h = j // H, j % H
+        m = (j < NHEADS)[:, None] & (col < DK)[None, :]
+        z = tl.load(Z + b * s_zb + (blk * s_zk + h * DK)[:, None] + col[None, :], mask=m, other=0.0).to(NQ.dtype.element_ty)
+        z = tl.maximum(z, 0.0)
+        n = tl.sqrt(tl.sum(z * z, 1) + L2EPS)
+        tl.store(NQ + b * s_qb + (blk * s_qk + h * DK)[:, None] + col[None, :], z / n[:, None], mask=m)
+        tl.store(NN + b * s_nb + blk * s_nk + h, n, mask=j < NHEADS)
+    if GATES:
+        h = tl.arange(0, BH)
+        m = h < NG
+        dt = BETA.dtype.element_ty
+        beta = tl.load(BETA_IN + b * s_bi + h, mask=m, other=0.0).to(dt)
+        gamma = _softplus(tl.load(A_IN + b * s_ai + h, mask=m, other=0.0).to(dt)) * tl.load(A + h, mask=m, other=0.0)
+        tl.store(BETA + b * s_b + h, _sigmoid(beta), mask=m)
+        tl.store(GAMMA + b * s_g + h, gamma, mask=m)
+        tl.store(DECAY + b * s_d + h, tl.exp(gamma), mask=m)
+
+
+@triton.jit
+def _rms_out(X, HAT, R, b, s_hat, s_r, N, eps, BN: tl.constexpr):
+    """HAT = X / rms(X), R = rms(X) for row b of a full (BN-wide, masked) row X."""
+    c = tl.arange(0, BN)
+    r = tl.sqrt(tl.sum(X * X, 0) / N + eps)
+    tl.store(HAT + b * s_hat + c, X / r, mask=c < N)
+    tl.store(R + b * s_r, r)
+
+
+@triton.jit
+def _residual_rms(Y, PG, C, OUT, HAT, R, s_y, s_pg, s_c, s_out, s_hat, s_r, N, eps, BN: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BN)
+    m = c < N
+    dt = OUT.dtype.element_ty
+    pg = tl.load(PG + b * s_pg + c, mask=m, other=0.0).to(dt)
+    x = tl.load(Y + b * s_y + c, mask=m, other=0.0).to(dt) + _sigmoid(pg) * tl.load(C + b * s_c + c, mask=m, other=0.0)
+    tl.store(OUT + b * s_out + c, x, mask=m)
+    _rms_out(x, HAT, R, b, s_hat, s_r, N, eps, BN)
+
+
+@triton.jit
+def _ground(YFG, C, U, FG, G, HAT, R, s_y, s_c, s_u, s_fg, s_g, s_hat, s_r, N, eps,
+            HAS_HAT: tl.constexpr, BN: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BN)
+    m = c < N
+    fg = _sigmoid(tl.load(YFG + b * s_y + c, mask=m, other=0.0).to(G.dtype.element_ty))
+    g = tl.load(U + b * s_u + c, mask=m, other=0.0) + fg * tl.load(C + b * s_c + c, mask=m, other=0.0)
+    tl.store(FG + b * s_fg + c, fg, mask=m)
+    tl.store(G + b * s_g + c, g, mask=m)
+    if HAS_HAT:
+        _rms_out(g, HAT, R, b, s_hat, s_r, N, eps, BN)
+
+
+@triton.jit
+def _residual_rms_bwd(XH, R, DX, DC, GATE, EXTRA, OUT, s_xh, s_r, s_dx, s_dc, s_gate, s_ex, s_out, N,
+                      HAS_EXTRA: tl.constexpr, BN: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BN)
+    m = c < N
+    xh = tl.load(XH + b * s_xh + c, mask=m, other=0.0)
+    dx = tl.load(DX + b * s_dx + c, mask=m, other=0.0).to(xh.dtype)
+    out = (dx - xh * (tl.sum(dx * xh, 0) / N)) / tl.load(R + b * s_r)
+    if HAS_EXTRA:
+        out += tl.load(EXTRA + b * s_ex + c, mask=m, other=0.0)
+    out += tl.load(DC + b * s_dc + c, mask=m, other=0.0) * tl.load(GATE + b * s_gate + c, mask=m, other=0.0)
+    tl.store(OUT + b * s_out + c, out, mask=m)
+
+
+@triton.jit
+def _gate_grads(DZ, FAC, DFFN, s_dz, s_fb, s_f2, s_db, s_d2, NF, DC, PGF, DPG, s_dc, s_pgf, s_dpg, ND,
+                BF: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    for c0 in range(0, NF, BF):
+        c = c0 + tl.arange(0, BF)
+        m = c < NF
+        dz = tl.load(DZ + b * s_dz + c, mask=m, other=0.0).to(DFFN.dtype.element_ty)
+        tl.store(DFFN + b * s_db + c, dz * tl.load(FAC + b * s_fb + c, mask=m, other=0.0), mask=m)
+        tl.store(DFFN + b * s_db + s_d2 + c, dz * tl.load(FAC + b * s_fb + s_f2 + c, mask=m, other=0.0), mask=m)
+    for c0 in range(0, ND, BF):
+        c = c0 + tl.arange(0, BF)
+        m = c < ND
+        dpg = tl.load(DC + b * s_dc + c, mask=m, other=0.0).to(DPG.dtype.element_ty) * tl.load(PGF + b * s_pgf + c, mask=m, other=0.0)
+        tl.store(DPG + b * s_dpg + c, dpg, mask=m)
+
+
+@triton.jit
+def _l2n_relu_bwd(Y, MASK, DY, OUT, s_yb, s_yk, s_mb, s_mk, s_db, s_dk, s_ob, s_ok, NHEADS, H, DK,
+                  BHEADS: tl.constexpr, BK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    j, col = tl.arange(0, BHEADS), tl.arange(0, BK)
+    blk, h = j // H, j % H
+    m = (j < NHEADS)[:, None] & (col < DK)[None, :]
+    at = (h * DK)[:, None] + col[None, :]
+    y = tl.load(Y + b * s_yb + (blk * s_yk)[:, None] + at, mask=m, other=0.0)
+    dy = tl.load(DY + b * s_db + (blk * s_dk)[:, None] + at, mask=m, other=0.0).to(y.dtype)
+    mask_over_norm = tl.load(MASK + b * s_mb + (blk * s_mk)[:, None] + at, mask=m, other=0.0)
+    out = (dy - y * tl.sum(dy * y, 1)[:, None]) * mask_over_norm
+    tl.store(OUT + b * s_ob + (blk * s_ok)[:, None] + at, out, mask=m)
+
+
+# ---- launchers: the twin's signatures --------------------------------------------------------
+
+
+def post_projection(h1, h2, out_ffn, heads=None, out_heads=None, out_norms=None, beta=None, a=None, A=None,
+                    out_beta=None, out_gamma=None, out_decay=None):
+    """After a layer's projection GEMM: SwiGLU, the heads' relu + l2-normalisation, the write's gates."""
+    B, nf = h1.shape
+    h1, s_h1 = layout.rows(h1, nf)
+    h2, s_h2 = layout.rows(h2, nf)
+    ffn_w, ffn, s_ffn = layout.out(out_ffn, nf, h1, (B, nf))
+    written = [(ffn_w, ffn)]
+    # The arguments of a group that is off are placeholders the kernel never reads.
+    heads_args, bheads, bk = (h1, h1, h1, 0, 0, 0, 0, 0, 0, 0, 1, 1), 1, 1
+    if heads is not None:
+        _, nb, H, dk = heads.shape
+        out_heads = layout.empty(heads, heads.shape) if out_heads is None else out_heads
+        out_norms = layout.empty(heads, (B, nb, H, 1)) if out_norms is None else out_norms
+        z, s_zb, s_zk = layout.heads_in(heads)
+        q_w, s_qb, s_qk = layout.heads_out(out_heads)
+        n_w, s_nb, s_nk = layout.heads_out(out_norms)
+        heads_args = (z, q_w, n_w, s_zb, s_zk, s_qb, s_qk, s_nb, s_nk, nb * H, H, dk)
+        written += [(q_w, out_heads), (n_w, out_norms)]
+        bheads, bk = triton.next_power_of_2(nb * H), triton.next_power_of_2(dk)
+    gate_args, bh = (h1,) * 6 + (0,) * 6, 1
+    if beta is not None:
+        nh = beta.shape[-1]
+        beta, s_bi = layout.rows(beta, nh)
+        a, s_ai = layout.rows(a, nh)
+        outs = [layout.out(o, nh, beta, (B, nh)) for o in (out_beta, out_gamma, out_decay)]
+        gate_args = (beta, a, A.contiguous(), *(w for w, _, _ in outs), s_bi, s_ai, *(st for _, _, st in outs), nh)
+        written += [(w, o) for w, o, _ in outs]
+        bh = triton.next_power_of_2(nh)
+    _post_projection[(B,)](h1, h2, ffn_w, s_h1, s_h2, s_ffn, nf, *heads_args, *gate_args, HEADS=heads is not None,
+                           GATES=beta is not None, BHEADS=bheads, BK=bk, BH=bh, BF=min(BLOCK, triton.next_power_of_2(nf)),
+                           L2EPS=L2_EPS, num_warps=layout.warps(max(bheads * bk, BLOCK)))
+    for w, o in written:
+        layout.finish(w, o)
+
+
+def _row_out(buf, like):
+    return layout.out(buf, like.shape[1], like, like.shape)
+
+
+def residual_rms(y, pg, c, out=None, out_hat=None, out_rms=None):
+    """c' = y + sigmoid(pg) c and (c' / rms(c'), rms(c')) into out_hat, out_rms. Returns c'."""
+    B, n = c.shape
+    y, s_y = layout.rows(y, n)
+    pg, s_pg = layout.rows(pg, n)
+    c, s_c = layout.rows(c, n)
+    o_w, o, s_o = _row_out(out, c)
+    h_w, hat, s_h = _row_out(out_hat, c)
+    r_w, r, s_r = layout.out(out_rms, 1, c, (B, 1))
+    _residual_rms[(B,)](y, pg, c, o_w, h_w, r_w, s_y, s_pg, s_c, s_o, s_h, s_r, n, RMS_EPS, BN=triton.next_power_of_2(n),
+                        num_warps=layout.warps(n))
+    layout.finish(h_w, hat)
+    layout.finish(r_w, r)
+    return layout.finish(o_w, o)
+
+
+def ground(y_fg, c, u, out_fg, out_hat=None, out_rms=None):
+    """fg = sigmoid(y_fg) into out_fg, g = u + fg c, and (g / rms(g), rms(g)) into out_hat,
+    out_rms when given. Returns g."""
+    B, n = c.shape
+    y_fg, s_y = layout.rows(y_fg, n)
+    c, s_c = layout.rows(c, n)
+    u, s_u = layout.rows(u, n)
+    fg_w, fg, s_fg = _row_out(out_fg, c)
+    g = layout.empty(c, (B, n))
+    h_w, r_w, s_h, s_r = g, g, 0, 0  # placeholders when there is no next step
+    if out_hat is not None:
+        h_w, hat, s_h = _row_out(out_hat, c)
+        r_w, r, s_r = layout.out(out_rms, 1, c, (B, 1))
+    _ground[(B,)](y_fg, c, u, fg_w, g, h_w, r_w, s_y, s_c, s_u, s_fg, n, s_h, s_r, n, RMS_EPS,
+                  HAS_HAT=out_hat is not None, BN=triton.next_power_of_2(n), num_warps=layout.warps(n))
+    layout.finish(fg_w, fg)
+    if out_hat is not None:
+        layout.finish(h_w, hat)
+        layout.finish(r_w, r)
+    return g
+
+
+def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None):
+    """rms-norm backward of dx_hat + dc * gate [+ extra]."""
+    B, n = x_hat.shape
+    x_hat, s_xh = layout.rows(x_hat, n)
+    r, s_r = layout.rows(r, 1)
+    dx_hat, s_dx = layout.rows(dx_hat, n)
+    dc, s_dc = layout.rows(dc, n)
+    gate, s_gate = layout.rows(gate, n)
+    has_extra = extra is not None
+    extra, s_ex = layout.rows(extra, n) if has_extra else (x_hat, 0)  # a placeholder when there is none
+    o_w, o, s_o = _row_out(out, x_hat)
+    _residual_rms_bwd[(B,)](x_hat, r, dx_hat, dc, gate, extra, o_w, s_xh, s_r, s_dx, s_dc, s_gate, s_ex, s_o, n,
+                            HAS_EXTRA=has_extra, BN=triton.next_power_of_2(n), num_warps=layout.warps(n))
+    return layout.finish(o_w, o)
+
+
+def gate_grads(dz_ffn, ffn_fac, out_dffn, dc, pg_fac, out_dpg):
+    """dz_ffn (B, 1, F) * ffn_fac (B, 2, F) into out_dffn (B, 2, F); dc * pg_fac into out_dpg."""
+    B, _, nf = ffn_fac.shape
+    dz, s_dz = layout.rows(dz_ffn.reshape(B, nf) if dz_ffn.dim() == 3 else dz_ffn, nf)
+    fac, s_fb, s_f2 = _pair(ffn_fac)
+    dffn_w, s_db, s_d2 = _pair(out_dffn, out=True)
+    n = dc.shape[1]
+    dc, s_dc = layout.rows(dc, n)
+    pg_fac, s_pgf = layout.rows(pg_fac, n)
+    dpg_w, dpg, s_dpg = _row_out(out_dpg, dc)
+    _gate_grads[(B,)](dz, fac, dffn_w, s_dz, s_fb, s_f2, s_db, s_d2, nf, dc, pg_fac, dpg_w, s_dc, s_pgf, s_dpg, n,
+                      BF=min(BLOCK, triton.next_power_of_2(max(nf, n))))
+    layout.finish(dffn_w, out_dffn)
+    layout.finish(dpg_w, dpg)
+
+
+def _pair(x, out=False):
+    """A (B, 2, F) tensor with a contiguous last axis as (tensor, batch stride, pair stride)."""
+    if x.stride(2) == 1 or x.shape[2] == 1:
+        return x, x.stride(0), x.stride(1)
+    if out:
+        w = layout.empty(x, x.shape)
+        return w, w.stride(0), w.stride(1)
+    x = x.contiguous()
+    return x, x.stride(0), x.stride(1)
+
+
+def l2n_relu_backward(y, mask_over_norm, dy, out=None):
+    """(dy - y (dy . y)) * mask_over_norm per head, over (B, n_blocks, H, dk) or (B, H, dk) views."""
+    if y.dim() == 3:
+        out = l2n_relu_backward(y.unsqueeze(1), mask_over_norm.unsqueeze(1), dy.unsqueeze(1), None if out is None else out.unsqueeze(1))
+        return out.squeeze(1)
+    B, nb, H, dk = y.shape
+    y, s_yb, s_yk = layout.heads_in(y)
+    mask_over_norm, s_mb, s_mk = layout.heads_in(mask_over_norm)
+    dy, s_db, s_dk = layout.heads_in(dy)
+    out = layout.empty(y, y.shape) if out is None else out
+    o_w, s_ob, s_ok = layout.heads_out(out)
+    _l2n_relu_bwd[(B,)](y, mask_over_norm, dy, o_w, s_yb, s_yk, s_mb, s_mk, s_db, s_dk, s_ob, s_ok, nb * H, H, dk,
+                        BHEADS=triton.next_power_of_2(nb * H), BK=triton.next_power_of_2(dk),
+                        num_warps=layout.warps(nb * H * dk))
+    return layout.finish(o_w, out)

@@ -1,0 +1,321 @@
+"""Triton kernels for the memory step of GPN+M, forward and backward.
+
+The twin is `gpn_scale.models.memory_step`: same functions, same signatures, same outputs.
+The fused core calls whichever `kernels.memory_ops(kernel)` returns.
+
+Layout of the work. Per (sequence, head) M is a dk x dv float32 block; the write and the read
+are independent per column of M (e_j = v_j - M[:, j] . k, M[:, j] <- decay M[:, j] + k beta e_j,
+o_j = M[:, j] . q), so the forward kernels run one program per (sequence, head, block of
+columns) and move M through memory exactly once: one read, one write for a step, one read for
+a read. The backward reduces over columns too (dq, dk, dbeta, ddecay), so it runs one program
+per (sequence, head) that walks the columns block by block, reading M_prev and dM and writing
+dM_prev: the M after the write is rebuilt in registers from M_prev, one M-sized read fewer.
+
+The output RMS norm and gate, y = silu(gate) o / rms(o), reduce over all heads of a sequence,
+so they are a small per-sequence kernel after the memory kernel (and before it, in the
+backward), not part of it.
+
+Arithmetic follows M's dtype (float32, or float64 for gradient checks); k, v, q, gates may be
+in a lower precision and are widened on load. Vectors are (B, H, n) views whose last axis is
+contiguous with heads packed (a row of a wider buffer is fine); anything else is copied first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpn_scale.models.memory_step import ReadFactors
+from kernels import layout
+from gpn_scale.models.ops import RMS_EPS
+
+# Elements of M per program tile. Small enough that the backward, which holds M_prev, dM and the
+# per-row vectors of a tile at once, stays near 128 registers per thread at 8 warps (128 x 16 at
+# dk = 128: 120 registers for sm_90, two programs per SM; 128 x 32 needs 211); large enough for 16
+# contiguous float32 (64 bytes) per row segment. Tiles are addressed from an int64 base pointer
+# with int32 offsets inside, which saves a third of the registers against int64 offsets.
+TILE = 2048
+
+
+def _blocks(n_k: int, n_v: int) -> tuple[int, int]:
+    bk = triton.next_power_of_2(n_k)
+    return bk, min(triton.next_power_of_2(n_v), max(16, TILE // bk))
+
+
+# ---- kernels ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _step_fwd(M, M_out, K, V, Q, BETA, DECAY, E, O, sk, sv, sq, sbeta, sdecay, se, so,
+              H, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
+    """M_out = decay M + k (beta e)^T, e = v - M^T k, o = M_out^T q, for one block of columns."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    M, M_out = M + bh * DK * DV, M_out + bh * DK * DV  # int64 once; offsets inside the block stay int32
+    rows, cols = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV)
+    rmask, cmask = rows < DK, cols < DV
+    mask = rmask[:, None] & cmask[None, :]
+    tile = rows[:, None] * DV + cols[None, :]
+    m = tl.load(M + tile, mask=mask, other=0.0)
+    dt = M.dtype.element_ty
+    k = tl.load(K + b * sk + h * DK + rows, mask=rmask, other=0.0).to(dt)
+    q = tl.load(Q + b * sq + h * DK + rows, mask=rmask, other=0.0).to(dt)
+    v = tl.load(V + b * sv + h * DV + cols, mask=cmask, other=0.0).to(dt)
+    beta = tl.load(BETA + b * sbeta + h).to(dt)
+    decay = tl.load(DECAY + b * sdecay + h).to(dt)
+    e = v - tl.sum(m * k[:, None], 0)
+    m = m * decay + k[:, None] * (beta * e)[None, :]
+    tl.store(M_out + tile, m, mask=mask)
+    tl.store(E + b * se + h * DV + cols, e, mask=cmask)
+    tl.store(O + b * so + h * DV + cols, tl.sum(m * q[:, None], 0), mask=cmask)
+
+
+@triton.jit
+def _write(M, M_out, K, DELTA, DECAY, sk, sdelta, sdecay, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
+    """M_out = decay M + k delta^T: the same arithmetic as `_step_fwd`, for the reverse sweep's rebuild."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    M, M_out = M + bh * DK * DV, M_out + bh * DK * DV
+    rows, cols = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV)
+    rmask, cmask = rows < DK, cols < DV
+    mask = rmask[:, None] & cmask[None, :]
+    tile = rows[:, None] * DV + cols[None, :]
+    m = tl.load(M + tile, mask=mask, other=0.0)
+    dt = M.dtype.element_ty
+    k = tl.load(K + b * sk + h * DK + rows, mask=rmask, other=0.0).to(dt)
+    delta = tl.load(DELTA + b * sdelta + h * DV + cols, mask=cmask, other=0.0).to(dt)
+    decay = tl.load(DECAY + b * sdecay + h).to(dt)
+    tl.store(M_out + tile, m * decay + k[:, None] * delta[None, :], mask=mask)
+
+
+@triton.jit
+def _read_fwd(M, Q, O, sq, so, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
+    """o = M^T q for one block of columns."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    rows, cols = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV)
+    rmask, cmask = rows < DK, cols < DV
+    m = tl.load(M + bh * DK * DV + (rows[:, None] * DV + cols[None, :]), mask=rmask[:, None] & cmask[None, :], other=0.0)
+    q = tl.load(Q + b * sq + h * DK + rows, mask=rmask, other=0.0).to(M.dtype.element_ty)
+    tl.store(O + b * so + h * DV + cols, tl.sum(m * q[:, None], 0), mask=cmask)
+
+
+@triton.jit
+def _gated_rms_fwd(O, GATE, Y, so, sg, sy, N, eps, BN: tl.constexpr):
+    """y = silu(gate) o / rms(o) over one sequence's N = H dv read outputs."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BN)
+    mask = c < N
+    o = tl.load(O + b * so + c, mask=mask, other=0.0)
+    g = tl.load(GATE + b * sg + c, mask=mask, other=0.0).to(o.dtype)
+    r = tl.sqrt(tl.sum(o * o, 0) / N + eps)
+    tl.store(Y + b * sy + c, g * tl.sigmoid(g) * (o / r), mask=mask)
+
+
+@triton.jit
+def _gated_rms_bwd(DY, R, O_HAT, SILU_GATE, TO_GATE, DO, DGATE, sdy, sr, soh, ssg, stg, sdo, sdg, N, BN: tl.constexpr):
+    """do = (dhat - o_hat (dhat . o_hat) / N) / rms, dhat = dy silu(gate); dgate = dy to_gate."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BN)
+    mask = c < N
+    o_hat = tl.load(O_HAT + b * soh + c, mask=mask, other=0.0)
+    dy = tl.load(DY + b * sdy + c, mask=mask, other=0.0).to(o_hat.dtype)
+    dhat = dy * tl.load(SILU_GATE + b * ssg + c, mask=mask, other=0.0)
+    r = tl.load(R + b * sr)
+    tl.store(DO + b * sdo + c, (dhat - o_hat * (tl.sum(dhat * o_hat, 0) / N)) / r, mask=mask)
+    tl.store(DGATE + b * sdg + c, dy * tl.load(TO_GATE + b * stg + c, mask=mask, other=0.0), mask=mask)
+
+
+@triton.jit
+def _read_bwd(M, Q, DO, DM, DM_OUT, DQ, sq, sdo, sdq, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
+    """dq = M do, dM_out = dM + q do^T, walking the columns."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    M, DM, DM_OUT = M + bh * DK * DV, DM + bh * DK * DV, DM_OUT + bh * DK * DV
+    rows = tl.arange(0, BK)
+    rmask = rows < DK
+    dt = M.dtype.element_ty
+    q = tl.load(Q + b * sq + h * DK + rows, mask=rmask, other=0.0).to(dt)
+    dq = tl.zeros([BK], dtype=dt)
+    for c0 in range(0, DV, BV):
+        cols = c0 + tl.arange(0, BV)
+        cmask = cols < DV
+        mask = rmask[:, None] & cmask[None, :]
+        tile = rows[:, None] * DV + cols[None, :]
+        do = tl.load(DO + b * sdo + h * DV + cols, mask=cmask, other=0.0)
+        dq += tl.sum(tl.load(M + tile, mask=mask, other=0.0) * do[None, :], 1)
+        tl.store(DM_OUT + tile, tl.load(DM + tile, mask=mask, other=0.0) + q[:, None] * do[None, :], mask=mask)
+    tl.store(DQ + b * sdq + h * DK + rows, dq, mask=rmask)
+
+
+@triton.jit
+def _step_bwd(M_PREV, K, Q, BETA, DECAY, E, DELTA, DO, DM, DM_PREV, DK_OUT, DV_OUT, DBETA, DDECAY, DQ,
+              sk, sq, sbeta, sdecay, se, sdelta, sdo, sdk, sdv, sdbeta, sddecay, sdq,
+              H, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
+    """The backward of `_step_fwd` and of the read's M^T q, given do (from `_gated_rms_bwd`).
+
+    With dM' = dM + q do^T (the read's share) and M = decay M_prev + k delta^T:
+    dq = M do, d_delta = dM'^T k, dbeta = d_delta . e, dv = beta d_delta,
+    dk = dM' delta - M_prev dv, ddecay = <dM', M_prev>, dM_prev = decay dM' - k dv^T.
+    """
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    base = bh * DK * DV  # int64 once; offsets inside the block stay int32
+    M_PREV, DM, DM_PREV = M_PREV + base, DM + base, DM_PREV + base
+    rows = tl.arange(0, BK)
+    rmask = rows < DK
+    dt = M_PREV.dtype.element_ty
+    k = tl.load(K + b * sk + h * DK + rows, mask=rmask, other=0.0).to(dt)
+    q = tl.load(Q + b * sq + h * DK + rows, mask=rmask, other=0.0).to(dt)
+    beta = tl.load(BETA + b * sbeta + h).to(dt)
+    decay = tl.load(DECAY + b * sdecay + h).to(dt)
+    dq = tl.zeros([BK], dtype=dt)
+    dk = tl.zeros([BK], dtype=dt)
+    dbeta = tl.zeros([BV], dtype=dt)  # per-column partial sums, reduced once at the end
+    ddecay = tl.zeros([BV], dtype=dt)
+    for c0 in range(0, DV, BV):
+        cols = c0 + tl.arange(0, BV)
+        cmask = cols < DV
+        mask = rmask[:, None] & cmask[None, :]
+        tile = rows[:, None] * DV + cols[None, :]
+        p = tl.load(M_PREV + tile, mask=mask, other=0.0)
+        do = tl.load(DO + b * sdo + h * DV + cols, mask=cmask, other=0.0).to(dt)
+        e = tl.load(E + b * se + h * DV + cols, mask=cmask, other=0.0).to(dt)
+        delta = tl.load(DELTA + b * sdelta + h * DV + cols, mask=cmask, other=0.0).to(dt)
+        g = tl.load(DM + tile, mask=mask, other=0.0) + q[:, None] * do[None, :]
+        dq += tl.sum((p * decay + k[:, None] * delta[None, :]) * do[None, :], 1)
+        d_delta = tl.sum(k[:, None] * g, 0)
+        dbeta += d_delta * e
+        dv = beta * d_delta
+        tl.store(DV_OUT + b * sdv + h * DV + cols, dv, mask=cmask)
+        dk += tl.sum(g * delta[None, :] - p * dv[None, :], 1)
+        ddecay += tl.sum(g * p, 0)
+        tl.store(DM_PREV + tile, g * decay - k[:, None] * dv[None, :], mask=mask)
+    tl.store(DQ + b * sdq + h * DK + rows, dq, mask=rmask)
+    tl.store(DK_OUT + b * sdk + h * DK + rows, dk, mask=rmask)
+    tl.store(DBETA + b * sdbeta + h, tl.sum(dbeta, 0))
+    tl.store(DDECAY + b * sddecay + h, tl.sum(ddecay, 0))
+
+
+# ---- launchers: the twin's signatures --------------------------------------------------------
+
+
+def _check_m(M: torch.Tensor) -> torch.Tensor:
+    if not M.is_contiguous():
+        raise ValueError("memory kernels: M must be contiguous (B, H, dk, dv)")
+    return M
+
+
+def memory_step(M, k, v, beta, decay, q, gate, *, out_e=None, out_o=None, out_y=None):
+    """Write (k, v) into M, then read the new M with q. Returns (M_t, e, o, y), e = v - M^T k."""
+    M = _check_m(M)
+    B, H, n_k, n_v = M.shape
+    bk, bv = _blocks(n_k, n_v)
+    k, sk = layout.rows(k, H * n_k)
+    q, sq = layout.rows(q, H * n_k)
+    v, sv = layout.rows(v, H * n_v)
+    beta, sbeta = layout.rows(beta, H)
+    decay, sdecay = layout.rows(decay, H)
+    M_out = layout.empty(M, M.shape)
+    e_w, e, se = layout.out(out_e, H * n_v, M, (B, H, n_v))
+    o_w, o, so = layout.out(out_o, H * n_v, M, (B, H * n_v))
+    _step_fwd[(B * H, triton.cdiv(n_v, bv))](M, M_out, k, v, q, beta, decay, e_w, o_w, sk, sv, sq, sbeta, sdecay, se, so,
+                                               H, n_k, n_v, BK=bk, BV=bv, num_warps=layout.warps(bk * bv))
+    layout.finish(e_w, e)
+    layout.finish(o_w, o)
+    return M_out, e, o, _gated_rms(o, gate, out_y)
+
+
+def decay_and_write(M, k, delta, decay):
+    """decay M + k delta^T per head (the reverse sweep's rebuild of M)."""
+    M = _check_m(M)
+    B, H, n_k, n_v = M.shape
+    bk, bv = _blocks(n_k, n_v)
+    k, sk = layout.rows(k, H * n_k)
+    delta, sdelta = layout.rows(delta, H * n_v)
+    decay, sdecay = layout.rows(decay, H)
+    M_out = layout.empty(M, M.shape)
+    _write[(B * H, triton.cdiv(n_v, bv))](M, M_out, k, delta, decay, sk, sdelta, sdecay, H, n_k, n_v, BK=bk, BV=bv, num_warps=layout.warps(bk * bv))
+    return M_out
+
+
+def memory_read(M, q, gate, *, out_o=None, out_y=None):
+    """Read M with q: returns (o, y)."""
+    M = _check_m(M)
+    B, H, n_k, n_v = M.shape
+    bk, bv = _blocks(n_k, n_v)
+    q, sq = layout.rows(q, H * n_k)
+    o_w, o, so = layout.out(out_o, H * n_v, M, (B, H * n_v))
+    _read_fwd[(B * H, triton.cdiv(n_v, bv))](M, q, o_w, sq, so, H, n_k, n_v, BK=bk, BV=bv, num_warps=layout.warps(bk * bv))
+    layout.finish(o_w, o)
+    return o, _gated_rms(o, gate, out_y)
+
+
+def _gated_rms(o, gate, out_y):
+    B, n = o.shape[0], o.numel() // o.shape[0]
+    o, so = layout.rows(o, n)
+    gate, sg = layout.rows(gate, n)
+    y_w, y, sy = layout.out(out_y, n, o, (B, n))
+    _gated_rms_fwd[(B,)](o, gate, y_w, so, sg, sy, n, RMS_EPS, BN=triton.next_power_of_2(n), num_warps=layout.warps(n))
+    return layout.finish(y_w, y)
+
+
+def _read_grad(f: ReadFactors, dy, out_dgate):
+    """(do, dgate) of y = silu(gate) o / rms(o), from the read's factors."""
+    B, n = dy.shape[0], dy.numel() // dy.shape[0]
+    dy, sdy = layout.rows(dy, n)
+    r, sr = layout.rows(f.rms, 1)
+    o_hat, soh = layout.rows(f.o_hat, n)
+    silu_gate, ssg = layout.rows(f.silu_gate, n)
+    to_gate, stg = layout.rows(f.to_gate, n)
+    do = layout.empty(o_hat, (B, n))
+    dg_w, dgate, sdg = layout.out(out_dgate, n, o_hat, (B, n))
+    _gated_rms_bwd[(B,)](dy, r, o_hat, silu_gate, to_gate, do, dg_w, sdy, sr, soh, ssg, stg, do.stride(0), sdg, n,
+                         BN=triton.next_power_of_2(n), num_warps=layout.warps(n))
+    return do, layout.finish(dg_w, dgate)
+
+
+def memory_read_backward(M, q, f: ReadFactors, dy, dM, *, out_dq=None, out_dgate=None):
+    """Gradients of `memory_read` given dy. Returns (dq, dgate, dM + the read's share of dL/dM)."""
+    M = _check_m(M)
+    B, H, n_k, n_v = M.shape
+    bk, bv = _blocks(n_k, n_v)
+    q, sq = layout.rows(q, H * n_k)
+    do, dgate = _read_grad(f, dy, out_dgate)
+    dM_out = layout.empty(M, M.shape)
+    dq_w, dq, sdq = layout.out(out_dq, H * n_k, M, (B, H, n_k))
+    _read_bwd[(B * H,)](M, q, do, dM.contiguous(), dM_out, dq_w, sq, do.stride(0), sdq, H, n_k, n_v, BK=bk, BV=bv, num_warps=layout.warps(bk * bv))
+    return layout.finish(dq_w, dq), dgate, dM_out
+
+
+def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors, dM, dy, *,
+                         out_dk=None, out_dq=None, out_dbeta=None, out_ddecay=None, out_dgate=None):
+    """Gradients of `memory_step` given dM (w.r.t. M_t, from later steps) and dy.
+
+    Returns (dM_prev, dk, dv, dbeta, ddecay, dq, dgate). M, the memory after the write, is
+    rebuilt in registers from M_prev, k and delta rather than read: one M-sized read fewer. It
+    stays in the signature of the twin, which reads it.
+    """
+    M_prev = _check_m(M_prev)
+    B, H, n_k, n_v = M_prev.shape
+    bk, bv = _blocks(n_k, n_v)
+    k, sk = layout.rows(k, H * n_k)
+    q, sq = layout.rows(q, H * n_k)
+    beta, sbeta = layout.rows(beta, H)
+    decay, sdecay = layout.rows(decay, H)
+    e, se = layout.rows(e, H * n_v)
+    delta, sdelta = layout.rows(delta, H * n_v)
+    do, dgate = _read_grad(f, dy, out_dgate)
+    dM_prev = layout.empty(M_prev, M_prev.shape)
+    dv = layout.empty(M_prev, (B, H, n_v))
+    dk_w, dk, sdk = layout.out(out_dk, H * n_k, M_prev, (B, H, n_k))
+    dq_w, dq, sdq = layout.out(out_dq, H * n_k, M_prev, (B, H, n_k))
+    db_w, dbeta, sdb = layout.out(out_dbeta, H, M_prev, (B, H))
+    dd_w, ddecay, sdd = layout.out(out_ddecay, H, M_prev, (B, H))
+    _step_bwd[(B * H,)](M_prev, k, q, beta, decay, e, delta, do, dM.contiguous(), dM_prev, dk_w, dv, db_w, dd_w, dq_w,
+                        sk, sq, sbeta, sdecay, se, sdelta, do.stride(0), sdk, dv.stride(0), sdb, sdd, sdq,
+                        H, n_k, n_v, BK=bk, BV=bv, num_warps=layout.warps(bk * bv))
+    for w, o in ((dk_w, dk), (dq_w, dq), (db_w, dbeta), (dd_w, ddecay)):
+        layout.finish(w, o)
+    return dM_prev, dk, dv, dbeta, ddecay, dq, dgate

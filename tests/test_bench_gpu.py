@@ -1,0 +1,56 @@
+"""bench/gpu.py on CPU: tiny configs, the Triton kernels in the interpreter, every row and figure."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from gpn_scale.models import MODEL_FAMILIES
+
+
+@pytest.mark.slow
+def test_gpu_bench_runs_on_cpu(tmp_path):
+    models = ["gpn_m_triton", "gpn_m_eager", "gpn_m_torch", "naive"] + (["transformer"] if "transformer" in MODEL_FAMILIES else [])
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu", "--models", ",".join(models),
+                           "--seq-len", "8", "--naive-seq-len", "4", "--steps", "1", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert list(rows) == models
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and r["batch"] == 2
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["seq_len"] / r["step_s"])
+    # Same seed, same model, same tokens: the first step's loss cannot depend on the memory kernel.
+    assert rows["gpn_m_triton"]["loss"] == pytest.approx(rows["gpn_m_torch"]["loss"], rel=1e-5)
+    assert rows["naive"]["seq_len"] == 4 and rows["naive"]["extrapolated_to_seq_len"] == 8
+    assert "extrapolated to T 8" in proc.stdout
+    for name in ("memory_step (fwd)", "decay_and_write (rebuild)", "memory_step_backward"):
+        assert result["memory_kernels"][name]["bytes_per_s"] > 0
+    assert result["copy_bytes_per_s"] > 0 and all(g["tflops"] > 0 for g in result["gemms"].values())
+    names = [r["name"] for r in result["ratios"]]
+    assert "gpn_m_triton / naive tokens/s" in names and "memory_step (fwd) / copy bandwidth" in names
+    assert "gpn_m_triton / gpn_m_eager tokens/s" in names
+    if "transformer" in models:
+        assert "gpn_m_triton / transformer tokens/s" in names
+    # The ratio table is printed last (before the line naming the JSON file).
+    tail = proc.stdout.strip().splitlines()[-(len(names) + 2):]
+    assert tail[0].startswith("ratio") and tail[-1] == f"wrote {out}"
+    assert [line.split("  ")[0].strip() for line in tail[1:-1]] == names
+
+
+def test_models_kernels_and_bench_import_only_torch_triton_numpy_yaml():
+    """The GPU machine has torch, triton and numpy (and yaml) only: nothing heavier may be imported."""
+    code = ("import runpy, sys; runpy.run_path(sys.argv[1]); import gpn_scale.models, gpn_scale.config, kernels.memory_step; "
+            "import json; print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "bench" / "gpu.py")], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    top = set(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert not top & {"deepspeed", "streaming", "wandb", "pyarrow", "tokenizers", "safetensors"}, top
+    assert {"torch", "triton", "yaml", "gpn_scale", "kernels"} <= top

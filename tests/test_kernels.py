@@ -1,0 +1,356 @@
+"""Triton kernels against their torch twins; on CPU under Triton's interpreter.
+
+Every buffer a launcher allocates, and every `out=` buffer the test passes, is filled with NaN
+first, so an element a kernel fails to write fails the comparison (assert_close never lets NaN
+pass). Sizes are odd, d_k != d_v, and the column-block loops run several partial blocks.
+"""
+
+import os
+
+import torch
+
+# Without CUDA the kernels run in Triton's interpreter, which reads TRITON_INTERPRET when a kernel
+# is defined and when it runs: it is set around the import here and around each test below, never
+# for other modules' tests (whose subprocesses would inherit it).
+INTERPRET = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import kernels.elementwise as E  # noqa: E402
+import kernels.memory_step as K  # noqa: E402
+
+if INTERPRET:
+    del os.environ["TRITON_INTERPRET"]
+
+import dataclasses  # noqa: E402
+
+import pytest  # noqa: E402
+
+from kernels import layout  # noqa: E402
+from gpn_scale.models import GPN, GPNConfig, GPNState  # noqa: E402
+from gpn_scale.models import memory_step as T  # noqa: E402
+from gpn_scale.models import step_ops as S  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (B, H, dk, dv, tile): with tile 64 and dk <= 8 the kernels take 16 columns at a time, so
+# dv = 33 runs two full blocks and a partial one.
+SHAPES = [(1, 1, 5, 7, K.TILE), (3, 3, 7, 5, K.TILE), (3, 4, 6, 33, 64), (1, 3, 3, 17, 64)]
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float64: 1e-12}
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    if INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _poisoned(monkeypatch):
+    def nan_empty(like, shape):
+        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+
+    monkeypatch.setattr(layout, "empty", nan_empty)
+
+
+def check(got, want, dtype, name, tol=None):
+    """Max abs error relative to want's max abs; NaN anywhere fails."""
+    tol = TOL[dtype] if tol is None else tol
+    err = ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
+    assert err <= tol, f"{name}: relative error {err} > {tol}"  # NaN <= tol is False
+
+
+def poisoned_rows(B, n, pad=3, dtype=torch.float32):
+    """A (B, n) view into rows of a wider NaN buffer, as the fused core's step buffers are."""
+    return torch.full((B, n + pad), float("nan"), dtype=dtype, device=DEVICE)[:, 1 : n + 1]
+
+
+def inputs(B, H, dk, dv, dtype, seed=0):
+    """Memory-step inputs: M (float32, or float64) and the vectors in `dtype`; v and gate as
+    column slices of one wider row, as the fused core's projection output holds them."""
+    g = torch.Generator().manual_seed(seed)
+    state = torch.float64 if dtype == torch.float64 else torch.float32
+    r = lambda *s: torch.randn(*s, generator=g, dtype=state).to(DEVICE)  # noqa: E731
+    unit = lambda x: torch.relu(x) / torch.relu(x).norm(dim=-1, keepdim=True).clamp_min(1e-6)  # noqa: E731
+    row = r(B, 2 * H * dv + 5)
+    return dict(M=r(B, H, dk, dv), k=unit(r(B, H, dk)).to(dtype), v=row[:, 2 : 2 + H * dv].to(dtype).view(B, H, dv),
+                beta=torch.sigmoid(r(B, H)), decay=torch.exp(-r(B, H).abs()), q=unit(r(B, H, dk)).to(dtype),
+                gate=row[:, 3 + H * dv : 3 + 2 * H * dv].to(dtype))
+
+
+def widened(x: dict) -> dict:
+    """The twin's inputs: everything in M's dtype (the kernels widen on load the same way)."""
+    return {n: t.to(x["M"].dtype) for n, t in x.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:4])))
+def test_forward_matches_twin(shape, dtype, monkeypatch):
+    B, H, dk, dv, tile = shape
+    monkeypatch.setattr(K, "TILE", tile)
+    x = inputs(B, H, dk, dv, dtype)
+    ref = T.memory_step(**widened(x))
+    # Once into fresh buffers, once into poisoned strided out= buffers (the core's layout).
+    wide_o = torch.full((B, H * dv + 3), float("nan"), device=DEVICE)
+    outs = dict(out_e=torch.full((B, H, dv), float("nan"), device=DEVICE), out_o=wide_o[:, 1 : H * dv + 1],
+                out_y=poisoned_rows(B, H * dv))
+    for kwargs in ({}, outs):
+        got = K.memory_step(**x, **kwargs)
+        for name, a, b in zip(("M", "e", "o", "y"), got, ref):
+            check(a, b, dtype, name)
+    for name, buf in outs.items():
+        assert got[list(outs).index(name) + 1] is buf, name
+    assert torch.isnan(wide_o[:, 0]).all() and torch.isnan(wide_o[:, -2:]).all()  # nothing written outside the rows
+
+    M_t = ref[0]
+    o_ref, y_ref = T.memory_read(M_t, widened(x)["q"], widened(x)["gate"])
+    o, y = K.memory_read(M_t, x["q"], x["gate"], out_o=poisoned_rows(B, H * dv), out_y=poisoned_rows(B, H * dv))
+    check(o, o_ref, dtype, "read o")
+    check(y, y_ref, dtype, "read y")
+
+    delta = (x["beta"][..., None] * ref[1]).to(dtype)
+    check(K.decay_and_write(x["M"], x["k"], delta, x["decay"]),
+          T.decay_and_write(x["M"], widened(x)["k"], delta.to(x["M"].dtype), x["decay"]), dtype, "decay_and_write")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:4])))
+def test_backward_matches_twin(shape, dtype, monkeypatch):
+    B, H, dk, dv, tile = shape
+    monkeypatch.setattr(K, "TILE", tile)
+    x = inputs(B, H, dk, dv, dtype, seed=1)
+    w = widened(x)
+    M_t, e, o, _ = T.memory_step(**w)
+    f = T.read_factors(o, w["gate"])
+    g = torch.Generator().manual_seed(2)
+    dM = torch.randn(M_t.shape, generator=g, dtype=M_t.dtype).to(DEVICE)
+    dy = torch.randn(o.shape, generator=g).to(DEVICE).to(dtype)
+    delta = w["beta"][..., None] * e
+    names = ("dM_prev", "dk", "dv", "dbeta", "ddecay", "dq", "dgate")
+    ref = T.memory_step_backward(w["M"], M_t, w["k"], w["beta"], w["decay"], e, delta, w["q"], f, dM, dy.to(M_t.dtype))
+    outs = dict(out_dk=torch.full((B, H, dk), float("nan"), device=DEVICE), out_dq=torch.full((B, H, dk), float("nan"), device=DEVICE),
+                out_dbeta=torch.full((B, H), float("nan"), device=DEVICE), out_ddecay=torch.full((B, H), float("nan"), device=DEVICE),
+                out_dgate=poisoned_rows(B, H * dv))
+    for kwargs in ({}, outs):
+        got = K.memory_step_backward(x["M"], M_t, x["k"], x["beta"], x["decay"], e, delta, x["q"], f, dM, dy, **kwargs)
+        for name, a, b in zip(names, got, ref):
+            check(a, b, dtype, name)
+
+    ref = T.memory_read_backward(M_t, w["q"], f, dy.to(M_t.dtype), dM)
+    got = K.memory_read_backward(M_t, x["q"], f, dy, dM, out_dq=torch.full((B, H, dk), float("nan"), device=DEVICE),
+                                 out_dgate=poisoned_rows(B, H * dv))
+    for name, a, b in zip(("read dq", "read dgate", "read dM"), got, ref):
+        check(a, b, dtype, name)
+
+
+def test_float64_follows_m():
+    """In float64 the kernels compute in float64: they agree with the twin to rounding."""
+    x = inputs(3, 4, 6, 9, torch.float64, seed=3)
+    for name, a, b in zip(("M", "e", "o", "y"), K.memory_step(**x), T.memory_step(**x)):
+        assert a.dtype == torch.float64
+        check(a, b, torch.float64, name)
+
+
+def test_nan_inputs_are_not_hidden():
+    """A NaN in M reaches the outputs (masked loads must not replace real elements)."""
+    x = inputs(1, 1, 5, 7, torch.float32)
+    x["M"][0, 0, 4, 6] = float("nan")
+    M_t, e, o, y = K.memory_step(**x)
+    assert torch.isnan(M_t[0, 0, :, 6]).all() and torch.isnan(e[0, 0, 6]) and torch.isnan(o).any()
+    with pytest.raises(AssertionError):
+        check(M_t, T.memory_step(**inputs(1, 1, 5, 7, torch.float32))[0], torch.float32, "M")
+
+
+# ---- the step's elementwise groups ------------------------------------------------------------
+
+
+def run_both(name, make, dtype):
+    """Call kernels.elementwise.NAME and its twin on the same inputs; `make(poison)` returns
+    (args, kwargs, outs): inputs, and the out buffers the call writes (NaN-filled for the
+    kernel, zeros for the twin). Compares the outs and the return values."""
+    results = []
+    for impl, poison in ((E, True), (S, False)):
+        args, kwargs, outs = make(poison)
+        ret = getattr(impl, name)(*args, **kwargs)
+        results.append((ret, outs))
+    (ret, outs), (ret_ref, outs_ref) = results
+    for i, (a, b) in enumerate(zip(outs, outs_ref)):
+        check(a, b, dtype, f"{name} out {i}")
+    if ret_ref is not None:
+        check(ret, ret_ref, dtype, f"{name} result")
+
+
+def buf(poison, *shape, dtype=torch.float32):
+    return torch.full(shape, float("nan") if poison else 0.0, dtype=dtype, device=DEVICE)
+
+
+def rand(*shape, seed, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+# (B, d, F, n_blocks, H, dk, block): block 16 runs the row loops over several partial blocks.
+EW_SHAPES = [(1, 37, 45, 1, 1, 5, E.BLOCK), (3, 22, 19, 2, 3, 5, 16), (3, 9, 33, 1, 4, 6, 16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", ["ffn", "heads", "all"])
+@pytest.mark.parametrize("shape", EW_SHAPES, ids=lambda s: "x".join(map(str, s[:6])))
+def test_post_projection_matches_twin(shape, groups, dtype, monkeypatch):
+    B, d, nf, nb, H, dk, block = shape
+    monkeypatch.setattr(E, "BLOCK", block)
+    hk = nb * H * dk
+    Y = rand(B, hk + 2 * H + 2 * nf + 3, seed=4) * 2  # [heads | beta | a | h1 | h2 | pad], as the core's projection row
+    A = -torch.exp(rand(H, seed=5))
+
+    def make(poison):
+        y = Y.to(dtype) if poison else Y.to(dtype).float()  # the twin sees the same (rounded) values in float32
+        ffn = buf(poison, B, nf + 4)[:, 2 : nf + 2]
+        kw, outs = {}, [ffn]
+        if groups != "ffn":
+            nq, nn = buf(poison, nb, B, H, dk).transpose(0, 1), buf(poison, nb, B, H, 1).transpose(0, 1)
+            kw.update(heads=y[:, :hk].view(B, nb, H, dk), out_heads=nq, out_norms=nn)
+            outs += [nq, nn]
+        if groups == "all":
+            gates = [buf(poison, B, H) for _ in range(3)]
+            kw.update(beta=y[:, hk : hk + H], a=y[:, hk + H : hk + 2 * H], A=A, out_beta=gates[0], out_gamma=gates[1], out_decay=gates[2])
+            outs += gates
+        h = y[:, hk + 2 * H :]
+        return (h[:, :nf], h[:, nf : 2 * nf], ffn), kw, outs
+
+    run_both("post_projection", make, dtype)
+
+
+def test_softplus_keeps_digits_for_tiny_and_large_inputs():
+    """The write's decay rate softplus(a) is ~1e-3..1e-1 at init and can be far smaller."""
+    a = torch.tensor([[-30.0, -16.0, -9.0, -3.0, 0.0, 0.5, 19.0, 21.0, 60.0]], device=DEVICE)
+    H = a.shape[1]
+    out = [torch.full((1, H), float("nan"), device=DEVICE) for _ in range(3)]
+    ffn = torch.empty(1, 1, device=DEVICE)
+    E.post_projection(ffn, ffn, ffn, beta=a, a=a, A=torch.ones(H, device=DEVICE), out_beta=out[0], out_gamma=out[1], out_decay=out[2])
+    want = torch.nn.functional.softplus(a.double())
+    assert ((out[1].double() - want).abs() / want).max() < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", EW_SHAPES, ids=lambda s: "x".join(map(str, s[:6])))
+def test_residual_rms_and_ground_match_twin(shape, dtype):
+    B, d = shape[:2]
+    Y = rand(B, 2 * d + 3, seed=6)
+    c, u = rand(B, d, seed=7), rand(B, d, seed=8)
+
+    def make_residual(poison, to_out=True):
+        y = Y.to(dtype) if poison else Y.to(dtype).float()
+        out, hat, r = buf(poison, 2, B, d)[1], buf(poison, B, d + 3)[:, 1 : d + 1], buf(poison, B, 1)
+        return (y[:, :d], y[:, d + 1 : 2 * d + 1], c, out if to_out else None, hat, r), {}, [hat, r] + ([out] if to_out else [])
+
+    run_both("residual_rms", make_residual, dtype)
+    run_both("residual_rms", lambda p: make_residual(p, to_out=False), dtype)
+
+    def make_ground(poison, with_hat=True):
+        fg = (Y.to(dtype) if poison else Y.to(dtype).float())[:, 1 : d + 1].float().clone()  # the core's FG slot, read in place
+        hat, r = buf(poison, B, d + 3)[:, 2 : d + 2], buf(poison, B, 1)
+        return (fg, c, u, fg, hat if with_hat else None, r if with_hat else None), {}, [fg] + ([hat, r] if with_hat else [])
+
+    run_both("ground", make_ground, dtype)
+    run_both("ground", lambda p: make_ground(p, with_hat=False), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", EW_SHAPES, ids=lambda s: "x".join(map(str, s[:6])))
+def test_backward_groups_match_twin(shape, dtype, monkeypatch):
+    B, d, nf, nb, H, dk, block = shape
+    monkeypatch.setattr(E, "BLOCK", block)
+    x = rand(B, d, seed=9)
+    x_hat, r = x / x.square().mean(-1, keepdim=True).add(1e-6).sqrt(), x.square().mean(-1, keepdim=True).add(1e-6).sqrt()
+    dX = rand(B, d + 2, seed=10)
+    dc, gate, extra = rand(B, d, seed=11), torch.sigmoid(rand(B, d, seed=12)), rand(B, d, seed=13)
+
+    def make_rms(poison, with_extra):
+        dx = (dX.to(dtype) if poison else dX.to(dtype).float())[:, 1 : d + 1]
+        out = buf(poison, B, d)
+        return (x_hat, r, dx, dc, gate, extra if with_extra else None), dict(out=out), [out]
+
+    run_both("residual_rms_backward", lambda p: make_rms(p, True), dtype)
+    run_both("residual_rms_backward", lambda p: make_rms(p, False), dtype)
+
+    dZ, fac, pg_fac = rand(B, nf + d + 1, seed=14), rand(B, 2, nf, seed=15), rand(B, d, seed=16)
+
+    def make_gates(poison):
+        dz = dZ.to(dtype) if poison else dZ.to(dtype).float()
+        dffn, dpg = buf(poison, B, 2 * nf + d + 1)[:, 1 : 2 * nf + 1].view(B, 2, nf), buf(poison, B, d)
+        return (dz[:, None, :nf], fac, dffn, dc, pg_fac, dpg), {}, [dffn, dpg]
+
+    run_both("gate_grads", make_gates, dtype)
+
+    z = torch.relu(rand(nb, B, H, dk, seed=17)).transpose(0, 1)
+    norm = (z.square().sum(-1, keepdim=True) + 1e-12).sqrt()
+    y, mask = z / norm, (z > 0) / norm
+    dQ = rand(B, nb * H * dk + 2, seed=18)
+
+    def make_l2n(poison):
+        dq = (dQ.to(dtype) if poison else dQ.to(dtype).float())[:, 1 : nb * H * dk + 1].view(B, nb, H, dk)
+        out = buf(poison, B, nb * H * dk + 3)[:, 2 : nb * H * dk + 2].view(B, nb, H, dk)
+        return (y, mask, dq), dict(out=out), [out]
+
+    run_both("l2n_relu_backward", make_l2n, dtype)
+    run_both("l2n_relu_backward", lambda p: ((y[:, 0], mask[:, 0], dQ[:, : H * dk].view(B, H, dk)), {}, []), torch.float32)
+
+
+# ---- the whole model: kernel = triton against kernel = torch ----------------------------------
+
+ODD = GPNConfig(vocab_size=29, d_state=14, d_emb=6, d_ffn=9, n_heads=3, d_key=5, d_val=4, core_chunk=3)
+
+
+@pytest.mark.parametrize("mode", ["float64", "float32", "bf16"])
+@pytest.mark.parametrize("case", [dict(family="gpn", n_layers=1), dict(n_layers=1), dict(n_layers=2, bptt=4)],
+                         ids=["gpn_1l", "gpn_m_1l", "gpn_m_2l_bptt"])
+def test_model_with_triton_kernels_matches_torch(case, mode, monkeypatch):
+    """Loss, carried state, and the gradients of every parameter and of the incoming state."""
+    calls = []
+    for module, names in ((K, ("memory_step", "memory_read", "decay_and_write", "memory_step_backward", "memory_read_backward")),
+                          (E, ("post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads", "l2n_relu_backward"))):
+        for name in names:
+            fn = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(*a, **kw))
+    dtype = torch.float64 if mode == "float64" else torch.float32
+    torch.manual_seed(0)
+    model = GPN(dataclasses.replace(ODD, **case)).to(DEVICE, dtype)
+    with torch.no_grad():  # move the zero-initialised gates and out-projections: every path live
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        carried = model(torch.randint(0, ODD.vocab_size, (2, 4), device=DEVICE)).state
+    tokens = torch.randint(0, ODD.vocab_size, (2, 7), device=DEVICE)
+    results = {}
+    for kernel in ("torch", "triton"):
+        model.config.kernel = kernel
+        model.zero_grad()
+        state = GPNState(*(None if x is None else x.clone().requires_grad_() for x in carried))
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=mode == "bf16"):
+            out = model(tokens, state=state)
+        total = out.loss + out.state.s.square().mean() + (out.state.M.square().mean() if out.state.M is not None else 0)
+        total.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads.update({f"state.{n}": x.grad for n, x in zip(("s", "prev_s", "M"), state) if x is not None and x.grad is not None})
+        results[kernel] = (out, grads)
+    (a, ga), (b, gb) = results["triton"], results["torch"]
+    tol = {"float64": 1e-10, "float32": 1e-4, "bf16": 2e-2}[mode]
+    check(a.loss, b.loss, dtype, "loss", tol)
+    for name, x, y in zip(("s", "prev_s", "M"), a.state, b.state):
+        if y is not None:
+            check(x, y, dtype, name, tol)
+    assert ga.keys() == gb.keys() and "state.s" in gb and ("state.M" in gb) == model.config.memory
+    for name in gb:
+        check(ga[name], gb[name], dtype, name, tol)
+    assert {"post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads"} <= set(calls)
+    if model.config.memory:  # the kernels ran, in the forward and the reverse sweep
+        assert {"memory_step", "decay_and_write", "memory_step_backward", "l2n_relu_backward"} <= set(calls)
+        assert ("memory_read" in calls) == ("memory_read_backward" in calls) == (model.config.n_layers > 1)
+
+
+def test_kernel_is_validated(monkeypatch):
+    with pytest.raises(ValueError, match="kernel: expected one of"):
+        GPNConfig(kernel="cuda")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = GPN(dataclasses.replace(ODD, kernel="triton"))
+    with pytest.raises(ValueError, match="runs only in Triton's interpreter"):
+        model(torch.zeros(1, 3, dtype=torch.long))
