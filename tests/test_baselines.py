@@ -361,6 +361,8 @@ def test_flops_per_token_counts_what_parameters_do_not():
     g = build_model(TINY_G)
     n_g = sum(p.numel() for p in g.parameters())
     assert flops_per_token(g, 16) == flops_per_token(g, 2048) == 6 * n_g + 3 * 2 * 6 * 2 * 8 * 12
+    m = build_model(model_config("gpn_m_tiny"))  # GPN+M's count is unchanged: one write, one read per layer
+    assert flops_per_token(m, 16) == 6 * sum(p.numel() for p in m.parameters()) + 3 * (4 + 2) * 4 * 16 * 16
 
 
 def test_model_info_cli_runs_as_a_subprocess():
