@@ -18,7 +18,7 @@ from gpn_scale.cli import main as cli
 from gpn_scale.config import model_config
 from gpn_scale.errors import UserError
 from gpn_scale.models import GatedDeltaNet, GDNConfig, Transformer, TransformerConfig, build_model, param_count
-from gpn_scale.models.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from gpn_scale.models.gdn import _fla_chunk_kernel, chunk_gated_delta_rule, recurrent_gated_delta_rule
 from gpn_scale.native import load_model, save_native
 from gpn_scale.train.metrics import flops_per_token
 
@@ -148,6 +148,21 @@ def test_gdn_model_chunk_and_recurrent_cores_agree_on_loss_and_every_gradient(dt
     for name in ref_grads:
         assert ref_grads[name].abs().max() > 0, f"{name} has no gradient: the comparison would be empty"
         assert_rel(grads[name], ref_grads[name], tol, name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or _fla_chunk_kernel() is None,
+                    reason="flash-linear-attention's kernel runs on CUDA only, with the fla package installed")
+def test_fla_kernel_matches_the_torch_chunk_form_on_cuda():
+    model = make(TINY_G, dtype=torch.float32, noise=0.0, d_model=128, d_key=64, d_val=64, chunk_size=64).cuda()
+    tokens = torch.randint(0, TINY_G.vocab_size, (2, 200), device="cuda")  # three chunks and a ragged tail
+    results = {}
+    for kernel in ("torch", "auto"):  # the model's layers share its config object
+        model.config.kernel = kernel
+        results[kernel] = loss_and_grads(model, tokens)
+    (ref, ref_grads), (out, grads) = results["torch"], results["auto"]
+    assert_rel(out.token_losses, ref.token_losses, 1e-3, "token_losses")  # the kernel may use TF32 matmuls
+    for name in ref_grads:
+        assert_rel(grads[name], ref_grads[name], 1e-2, name)
 
 
 # ---- independent twins of the whole models ------------------------------------------------------------------
