@@ -134,6 +134,25 @@ def test_recurrent_form_is_the_published_update():
     assert_rel(S, S_ref, 1e-12, "S")
 
 
+@pytest.mark.parametrize("form", ["recurrent", "chunk"])
+def test_delta_rule_recalls_and_overwrites_associations(form):
+    """Closed form: with beta = 1 and no decay, writing (k, v) replaces whatever k held, so a query
+    with an orthonormal key returns exactly the last value written under it."""
+    n, K, V = 4, 6, 3
+    keys = torch.linalg.qr(torch.randn(K, K, dtype=torch.float64))[0][:n]  # orthonormal rows
+    first, last = torch.randn(n, V, dtype=torch.float64), torch.randn(n, V, dtype=torch.float64)
+    zeros_k = torch.zeros(n, K, dtype=torch.float64)
+    # Writes of `first`, then `last` under the same keys, then n reads (k = 0 writes nothing).
+    k = torch.cat([keys, keys, zeros_k])[None, :, None]
+    v = torch.cat([first, last, torch.zeros(n, V, dtype=torch.float64)])[None, :, None]
+    q = torch.cat([zeros_k, zeros_k, keys])[None, :, None]
+    beta, g = torch.ones(1, 3 * n, 1, dtype=torch.float64), torch.zeros(1, 3 * n, 1, dtype=torch.float64)
+    S0 = torch.randn(1, 1, K, V, dtype=torch.float64)  # old contents under the keys are replaced too
+    args = (q, k, v, g, beta, S0)
+    o, _ = recurrent_gated_delta_rule(*args) if form == "recurrent" else chunk_gated_delta_rule(*args, chunk=5)
+    assert_rel(o[0, 2 * n :, 0], last, 1e-12, "recalled values")
+
+
 # float32 rounding, amplified through the backward of the strongly perturbed model, reaches ~2e-5 in
 # either form alone (measured against float64): there the forms are compared in float64, and in
 # float32 on the initialised model (A_log lowered), where each form is within ~3e-6 of float64.
