@@ -9,15 +9,30 @@ import torch
 from gpn_scale.config import model_config, parse_overrides
 from gpn_scale.models import build_model
 
-# Which part of the model each top-level parameter name belongs to; everything else is the loop.
+# Which part of a GPN each top-level parameter name belongs to; everything else is the loop.
 _GROUPS = {"embedding": "embedding (tied)", "fuse": "input projection", "decode": "decoder"}
+# The layered baselines: what `layers.{i}.mixer` is; the blocks' norms count with the final norm and `start`.
+_MIXERS = {"transformer": "attention", "gdn": "gated delta rule"}
+
+
+def _group(name: str, family: str) -> str:
+    if name.startswith("embedding"):
+        return "embedding (tied)"
+    if family in _MIXERS:
+        part = name.split(".")[2] if name.startswith("layers.") else None
+        return {"mixer": _MIXERS[family], "mlp": "MLP (SwiGLU)"}.get(part, "norms, start")
+    return next((g for prefix, g in _GROUPS.items() if name.startswith(prefix)), "loop")
 
 
 def parameter_groups(model: torch.nn.Module) -> dict[str, int]:
-    counts = {"embedding (tied)": 0, "input projection": 0, "loop": 0, "decoder": 0}
+    family = model.config.family
+    if family in _MIXERS:
+        order = ["embedding (tied)", _MIXERS[family], "MLP (SwiGLU)", "norms, start"]
+    else:
+        order = ["embedding (tied)", "input projection", "loop", "decoder"]
+    counts = dict.fromkeys(order, 0)
     for name, p in model.named_parameters():
-        group = next((g for prefix, g in _GROUPS.items() if name.startswith(prefix)), "loop")
-        counts[group] += p.numel()
+        counts[_group(name, family)] += p.numel()
     return counts
 
 

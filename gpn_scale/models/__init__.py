@@ -1,14 +1,37 @@
-"""Model zoo. Imports only torch (and numpy): benchmark machines have nothing else installed."""
+"""Model zoo. Imports only torch (and numpy): benchmark machines have nothing else installed.
 
+Every family takes `model(tokens, state=None, return_logits=False)` and returns a `ModelOutput`
+whose `token_losses[b, t]` scores token t given the tokens before it (the first from an empty
+context), so losses and perplexities compare across families.
+"""
+
+import torch
+
+from gpn_scale.models.gdn import GatedDeltaNet, GDNConfig, GDNState
 from gpn_scale.models.gpn import GPN, GPNConfig, GPNState, ModelOutput
+from gpn_scale.models.transformer import Transformer, TransformerConfig, TransformerState
 
-MODEL_FAMILIES = {"gpn": (GPNConfig, GPN), "gpn_m": (GPNConfig, GPN)}
+MODEL_FAMILIES = {
+    "gpn": (GPNConfig, GPN),
+    "gpn_m": (GPNConfig, GPN),
+    "transformer": (TransformerConfig, Transformer),
+    "gdn": (GDNConfig, GatedDeltaNet),
+}
 
 
-def build_model(config) -> "GPN":
+def build_model(config) -> torch.nn.Module:
     """A freshly initialised model for a config object (e.g. a `GPNConfig`)."""
     _, model_cls = MODEL_FAMILIES[config.family]
     return model_cls(config)
 
 
-__all__ = ["GPN", "GPNConfig", "GPNState", "ModelOutput", "MODEL_FAMILIES", "build_model"]
+def param_count(config) -> int:
+    """Parameters of a config's model, without allocating them (the tied embedding counts once)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(config).parameters())
+
+
+__all__ = [
+    "GPN", "GPNConfig", "GPNState", "GatedDeltaNet", "GDNConfig", "GDNState", "Transformer", "TransformerConfig",
+    "TransformerState", "ModelOutput", "MODEL_FAMILIES", "build_model", "param_count",
+]

@@ -126,7 +126,7 @@ class Trainer:
         import deepspeed
 
         from gpn_scale.config import model_config
-        from gpn_scale.models import build_model
+        from gpn_scale.models import GPN, build_model
         from gpn_scale.train.data import TrainStream
 
         cfg = self.cfg
@@ -155,9 +155,10 @@ class Trainer:
             model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
             config=deepspeed_config(cfg, self.grad_accum, universal),
         )
-        if cfg.zero.stage == 3:
-            # The fused recurrent core reads every layer's weights inside the model's own forward,
+        if cfg.zero.stage == 3 and isinstance(self.model, GPN):
+            # GPN's fused recurrent core reads every layer's weights inside the model's own forward,
             # not through the layers' forward: ZeRO-3 must gather them with the top-level module.
+            # The layered baselines call their layers, so ZeRO-3 gathers each layer on its own.
             from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
             for module in self.model.modules():
@@ -287,7 +288,7 @@ class Trainer:
         stop_at = t.stop_at_step or t.total_steps
         if self.is_main and cfg.data.log_sample_ids:
             truncate_jsonl(self.run_dir / "samples.jsonl", self.step)
-        flops_token, peak = flops_per_token(self.model), peak_flops(cfg.logging.peak_tflops)
+        peak = peak_flops(cfg.logging.peak_tflops)
         n_params = sum(p.numel() for p in self.model.parameters())
         self._say(
             f"training {cfg.model['family']} ({n_params:,} parameters) on {self.world} rank(s), ZeRO-{cfg.zero.stage}, "
@@ -310,7 +311,8 @@ class Trainer:
                     samples_file.write(f'{{"step": {self.step}, "samples": {sorted(sum(every_rank, []))}}}\n')
                     samples_file.flush()
             tokens_per_s = step_tokens / (time.perf_counter() - began)
-            mfu = tokens_per_s * flops_token / (peak * self.world) if peak else None
+            seq_len = step_tokens // self.global_batch
+            mfu = tokens_per_s * flops_per_token(self.model, seq_len) / (peak * self.world) if peak else None
             log.log({"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
                      "tokens_per_s": tokens_per_s, "mfu": mfu})
             log.progress(self.step, loss, tokens_per_s)

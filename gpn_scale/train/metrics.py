@@ -23,17 +23,23 @@ def peak_flops(configured_tflops: float | None) -> float | None:
     return None  # unknown (e.g. CPU): MFU is not reported
 
 
-def flops_per_token(model: torch.nn.Module) -> float:
-    """Training FLOPs per token: 6 per parameter (the tied embedding counts once, as the decoder's
-    matmul), plus the matrix memory's write and reads (about 2 FLOPs per cell each way, x3 for the
-    backward)."""
-    n = sum(p.numel() for p in model.parameters())
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token of windows of `seq_len`: 6 per parameter (the tied embedding counts
+    once, as the decoder's matmul), plus what no parameter accounts for, x3 for the backward:
+    GPN+M's matrix memory (a write and a read per layer, about 2 FLOPs per cell each way), GDN's
+    per-layer delta rule on S (the same write and one read), and the Transformer's attention
+    (q.k and the weighted sum of v, 2 FLOPs each per key, over (seq_len + 1) / 2 keys on average)."""
+    n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 keeps only a shard
     cfg = model.config
-    memory = 0
-    if getattr(cfg, "memory", False):
-        cells = cfg.n_heads * cfg.d_key * cfg.d_val
-        memory = 3 * (4 + 2 * cfg.n_layers) * cells
-    return 6.0 * n + memory
+    if cfg.family == "gpn_m":
+        extra = (4 + 2 * cfg.n_layers) * cfg.n_heads * cfg.d_key * cfg.d_val
+    elif cfg.family == "gdn":
+        extra = cfg.n_layers * (4 + 2) * cfg.n_heads * cfg.d_key * cfg.d_val
+    elif cfg.family == "transformer":
+        extra = cfg.n_layers * 4 * cfg.d_model * (seq_len + 1) / 2
+    else:
+        extra = 0
+    return 6.0 * n + 3 * extra
 
 
 def truncate_jsonl(path: Path, after_step: int) -> None:
