@@ -1,6 +1,6 @@
 """Model zoo. Imports only torch (and numpy): benchmark machines have nothing else installed."""
 
-from gpn_scale.models.gpn import GPN, GPNConfig, GPNState, ModelOutput
+from gpn_scale.models.gpn import GPN, GPNConfig, GPNState, ModelOutput, StepHooks
 
 MODEL_FAMILIES = {"gpn": (GPNConfig, GPN), "gpn_m": (GPNConfig, GPN)}
 
@@ -11,4 +11,4 @@ def build_model(config) -> "GPN":
     return model_cls(config)
 
 
-__all__ = ["GPN", "GPNConfig", "GPNState", "ModelOutput", "MODEL_FAMILIES", "build_model"]
+__all__ = ["GPN", "GPNConfig", "GPNState", "ModelOutput", "StepHooks", "MODEL_FAMILIES", "build_model"]
