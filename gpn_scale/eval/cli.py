@@ -158,5 +158,5 @@ def generate_main(argv: list[str]) -> int:
     for token, _ in generate_tokens(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed):
         sys.stdout.write(stream.push(token))
         sys.stdout.flush()
-    sys.stdout.write("\n")
+    sys.stdout.write(stream.flush() + "\n")
     return 0

@@ -63,8 +63,18 @@ class TextStream:
         self.pending.append(token)
         before = self.codec.decode(self.context)
         text = self.codec.decode(self.context + self.pending)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its remaining bytes
+        # An incomplete UTF-8 character: wait for its remaining bytes, but not forever (a character
+        # has at most 4 bytes; anything longer is invalid and is emitted as it decodes).
+        if text.endswith("\ufffd") and len(self.pending) < 4:
             return ""
         self.context = (self.context + self.pending)[-self.CONTEXT:]
+        self.pending = []
+        return text[len(before):] if text.startswith(before) else text
+
+    def flush(self) -> str:
+        """Whatever is still held back, decoded as it is."""
+        if not self.pending:
+            return ""
+        before, text = self.codec.decode(self.context), self.codec.decode(self.context + self.pending)
         self.pending = []
         return text[len(before):] if text.startswith(before) else text
