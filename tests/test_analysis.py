@@ -15,7 +15,6 @@ from gpn_scale.eval import geometry, horizons, memory
 from gpn_scale.eval.ablations import ProjectOut, SilenceHeads, run_ablations
 from gpn_scale.eval.heldout import evaluate_windows
 from gpn_scale.eval.states import Recorder, record
-from gpn_scale.models import StepHooks
 from gpn_scale.native import save_native
 
 
@@ -173,7 +172,9 @@ def test_projecting_out_sbar_leaves_no_component_along_it(trained):
     sbar = record(model, windows).predictions.reshape(-1, 32).mean(0)
 
     class ProjectAndRecord(ProjectOut):
-        seen = []
+        def __init__(self, direction):
+            super().__init__(direction)
+            self.seen = []
 
         def prediction(self, c):
             c = super().prediction(c)
@@ -217,7 +218,7 @@ def test_analyze_writes_the_report_and_every_figure(trained, tmp_path, capsys):
 
 
 def test_analyze_says_what_does_not_apply_to_a_gpn_without_memory(trained, tmp_path):
-    root, data, windows, _ = trained
+    _, data, _, _ = trained
     save_native(tiny_model(64, family="gpn"), tmp_path / "gpn")
     assert main(["analyze", str(tmp_path / "gpn"), "--data", str(data), "--out", str(tmp_path / "r"), "--windows", "6"]) == 0
     report = json.loads((tmp_path / "r" / "report.json").read_text())

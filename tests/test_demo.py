@@ -21,6 +21,17 @@ def test_demo_learns_well_below_the_unigram_entropy(tmp_path):
     assert report["heldout"]["tokens"] == report["data"]["splits"]["val"]["windows"] * 128  # every held-out position
     assert (out / "report.md").read_text().count("held-out loss") == 1
 
+    # The analysis of the trained model's states and memory, linked from the report.
+    analysis = json.loads((out / "analysis" / "report.json").read_text())
+    assert "[analysis/report.md](analysis/report.md)" in (out / "report.md").read_text()
+    assert report["analysis"]["memory"]["half_lives"] == analysis["memory"]["half_lives"]
+    assert len(analysis["memory"]["half_lives"]) == report["model"]["n_heads"]
+    assert analysis["geometry"]["states"] == 32 * 128 and analysis["geometry"]["dead_dims"] == 0
+    assert len(analysis["figures"]) == 8 and all((out / "analysis" / f).stat().st_size > 10_000 for f in analysis["figures"])
+    abl = analysis["ablations"]
+    assert abl["memory_reads_off"]["loss"] > abl["intact"]["loss"]  # a trained GPN+M uses its memory
+    assert abl["sbar_projected_out"]["loss"] > abl["intact"]["loss"]
+
     # Running it again resumes every stage instead of redoing or failing.
     again = subprocess.run([sys.executable, "-m", "gpn_scale", "demo", "--out", str(out)], capture_output=True,
                            text=True, timeout=600, env=dict(os.environ, WANDB_MODE="disabled"))

@@ -11,9 +11,9 @@ from eval_fixtures import make_prep, make_tokenizer, tiny_model, train
 from tokenizers import Tokenizer
 
 from gpn_scale.cli import main
+from gpn_scale.errors import UserError
 from gpn_scale.eval.data import check_model_fits, open_data, read_windows
 from gpn_scale.eval.lambada import split_last_word
-from gpn_scale.errors import UserError
 from gpn_scale.native import save_native
 
 
@@ -73,7 +73,7 @@ LAMBADA_TEXTS = [
 
 
 def test_lambada_matches_a_hand_computation(setup, tmp_path, capsys):
-    root, tok_path, prep, model = setup
+    root, tok_path, _, model = setup
     path = tmp_path / "lambada.jsonl"
     path.write_text("\n".join(json.dumps({"text": t, "extra": 1}) for t in LAMBADA_TEXTS) + "\n\n")
     code, out, _ = run(capsys, "eval", root / "ckpt", "--lambada", path, "--tokenizer", tok_path, "--json",

@@ -5,7 +5,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,10 +54,8 @@ def test_streamed_text_is_the_decoded_tokens(setup, capsys):
 
 
 def test_text_stream_reassembles_multibyte_text():
-    import tempfile
-
     with tempfile.TemporaryDirectory() as d:
-        codec = Codec(make_tokenizer(__import__("pathlib").Path(d) / "t.json"))
+        codec = Codec(make_tokenizer(Path(d) / "t.json"))
     text = "naïve café — 東京 🚀 " + SENTENCES[1]
     ids = codec.encode(text)
     stream = TextStream(codec)
@@ -68,7 +68,7 @@ def test_first_and_second_distributions_equal_the_forward_logits(setup):
     _, tok, model = setup
     prompt = Codec(tok).encode("the dog sat on")
     steps = generate_tokens(model, prompt, 2, temperature=1.0, top_p=1.0, seed=0)
-    (t1, p1), (t2, p2) = next(steps), next(steps)
+    (t1, p1), (_, p2) = next(steps), next(steps)
     with torch.no_grad():  # logits[:, t] are the distribution of token t given the ones before it
         logits = model(torch.tensor([prompt + [t1, 7]]), return_logits=True).logits[0].double()
     torch.testing.assert_close(p1, torch.softmax(logits[len(prompt)], -1), atol=1e-6, rtol=1e-5)

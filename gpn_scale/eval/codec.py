@@ -69,7 +69,7 @@ class TextStream:
             return ""
         self.context = (self.context + self.pending)[-self.CONTEXT:]
         self.pending = []
-        return text[len(before):] if text.startswith(before) else text
+        return text.removeprefix(before)
 
     def flush(self) -> str:
         """Whatever is still held back, decoded as it is."""
@@ -77,4 +77,4 @@ class TextStream:
             return ""
         before, text = self.codec.decode(self.context), self.codec.decode(self.context + self.pending)
         self.pending = []
-        return text[len(before):] if text.startswith(before) else text
+        return text.removeprefix(before)
