@@ -136,6 +136,9 @@ def test_bad_generate_inputs_give_one_line_errors(setup, tmp_path, capsys):
     code = main(["generate", str(root / "ckpt"), "--prompt", "x"])  # a native checkpoint records no tokenizer
     err = capsys.readouterr().err
     assert code == 2 and "no tokenizer recorded with it; pass --tokenizer" in err and err.count("\n") == 1
+    code = main(["generate", str(root / "ckpt"), "--prompt", "x", "--tokenizer", str(tok), "--device", "abacus"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == "error: --device: 'abacus' is not a torch device\n"
     save_native(tiny_model(100), tmp_path / "small")
     code = main(["generate", str(tmp_path / "small"), "--prompt", "x", "--tokenizer", str(tok)])
     err = capsys.readouterr().err

@@ -21,7 +21,7 @@ class ProjectOut(StepHooks):
         self.u = direction / direction.norm()
 
     def prediction(self, c):
-        u = self.u.to(c.dtype)
+        u = self.u.to(c)
         return c - (c @ u)[:, None] * u
 
 

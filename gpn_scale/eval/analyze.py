@@ -24,8 +24,9 @@ def decode_direction(model, sbar: np.ndarray, codec=None, unigram: np.ndarray | 
     logits with the unigram counts. The control does the same with the mean token embedding in place
     of the decoded s-bar: tied embeddings of frequent tokens share a direction, so part of any
     correlation with frequency comes from the embedding alone."""
-    emb = model.embedding.detach().double()
-    h = model.decode_hidden(torch.as_tensor(sbar, dtype=model.embedding.dtype)[None]).double()[0]
+    emb = model.embedding.detach().double().cpu()
+    sbar = torch.as_tensor(sbar, dtype=model.embedding.dtype, device=model.embedding.device)
+    h = model.decode_hidden(sbar[None]).double().cpu()[0]
     logits = (emb @ h).numpy()
     control = (emb @ emb.mean(0)).numpy()
     top = np.argsort(-logits)[:TOP_K]

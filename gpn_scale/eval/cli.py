@@ -18,12 +18,22 @@ from gpn_scale.eval.data import PrepData, check_model_fits, open_data, read_wind
 STATES_TARGET = 16384  # analyze: enough windows for this many states by default (the paper used 16k)
 
 
-def load_checkpoint(path: str):
+def load_checkpoint(path: str, device: str = "cpu"):
+    import torch
+
     from gpn_scale.native import load_model
 
     if not Path(path).exists():
         raise UserError(f"{path}: no such checkpoint")
-    return load_model(path)
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"--device: {device!r} is not a torch device") from None
+    return load_model(path, device)
+
+
+def _device_flag(ap) -> None:
+    ap.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda (default: cpu)")
 
 
 def _bos(prep: PrepData | None) -> int | None:
@@ -70,13 +80,14 @@ def eval_main(argv: list[str]) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--out", default="eval", help="where metrics.json and the loss-by-position curve go (default: eval)")
     ap.add_argument("--json", action="store_true", help="print one JSON object with the metrics")
+    _device_flag(ap)
     args = ap.parse_args(argv)
     if not args.data and not args.lambada:
         ap.error("nothing to evaluate: pass --data and/or --lambada")
     from gpn_scale.eval.heldout import evaluate_windows
     from gpn_scale.eval.lambada import make_examples, read_lambada, score_lambada
 
-    model = load_checkpoint(args.checkpoint)
+    model = load_checkpoint(args.checkpoint, args.device)
     metrics, data = {}, None
     out = Path(args.out)
     if args.data:
@@ -115,11 +126,12 @@ def analyze_main(argv: list[str]) -> int:
     ap.add_argument("--windows", type=int, default=None,
                     help=f"analyse the first N windows (default: enough for {STATES_TARGET} states)")
     ap.add_argument("--batch", type=int, default=16)
+    _device_flag(ap)
     args = ap.parse_args(argv)
     from gpn_scale.eval.analyze import analyze
     from gpn_scale.eval.report import write_report
 
-    model = load_checkpoint(args.checkpoint)
+    model = load_checkpoint(args.checkpoint, args.device)
     if args.windows is None:
         data = open_data(args.data)
         seq_len = data.stats["seq_len"] if data.stats else len(read_windows(data, 1)[0])
@@ -143,13 +155,14 @@ def generate_main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", help="tokenizer file (default: the one recorded with --data or the training data)")
     ap.add_argument("--data", help="a prep output whose recorded tokenizer to use")
+    _device_flag(ap)
     args = ap.parse_args(argv)
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 0:
         ap.error("expected --temperature >= 0, 0 < --top-p <= 1 and --max-new-tokens >= 0")
     from gpn_scale.eval.codec import TextStream
     from gpn_scale.eval.generate import generate_tokens
 
-    model = load_checkpoint(args.checkpoint)
+    model = load_checkpoint(args.checkpoint, args.device)
     codec, prep = resolve_tokenizer(args.checkpoint, args.tokenizer, open_data(args.data) if args.data else None, model)
     bos = _bos(prep)
     prompt = ([] if bos is None else [bos]) + codec.encode(args.prompt)

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 import torch
 
+from gpn_scale.eval.heldout import model_device
+
 PLACEHOLDER = 0  # any id: the logits at a position do not depend on the token fed there
 
 
@@ -33,8 +35,8 @@ def sampling_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float 
 
 @torch.no_grad()
 def next_token_logits(model, state) -> torch.Tensor:
-    placeholder = torch.full((1, 1), PLACEHOLDER, dtype=torch.long)
-    return model(placeholder, state=state, return_logits=True).logits[0, -1]
+    placeholder = torch.full((1, 1), PLACEHOLDER, dtype=torch.long, device=model_device(model))
+    return model(placeholder, state=state, return_logits=True).logits[0, -1].cpu()
 
 
 @torch.no_grad()
@@ -42,13 +44,14 @@ def generate_tokens(model, prompt: list[int], max_new_tokens: int, temperature: 
                     seed: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
     """Yields (token, the probabilities it was sampled from) one at a time."""
     model.eval()
-    generator = torch.Generator().manual_seed(seed)
-    state = model(torch.tensor([prompt])).state if prompt else None
+    device = model_device(model)
+    generator = torch.Generator().manual_seed(seed)  # sampling runs on the CPU: the same text on any device
+    state = model(torch.tensor([prompt], device=device)).state if prompt else None
     for _ in range(max_new_tokens):
         probs = sampling_probs(next_token_logits(model, state), temperature, top_p)
         token = int(torch.multinomial(probs, 1, generator=generator))
         yield token, probs
-        state = model(torch.tensor([[token]]), state=state).state
+        state = model(torch.tensor([[token]], device=device), state=state).state
 
 
 @torch.no_grad()
@@ -66,7 +69,7 @@ def score_texts(model, encode, texts: list[str], batch: int = 8, bos_id: int | N
         tokens = torch.zeros(len(rows), length, dtype=torch.long)
         for r, i in enumerate(rows):
             tokens[r, : len(ids[i])] = torch.tensor(ids[i], dtype=torch.long)
-        losses = model(tokens).token_losses.double()
+        losses = model(tokens.to(model_device(model))).token_losses.double().cpu()
         for r, i in enumerate(rows):
             total = float(losses[r, first : len(ids[i])].sum())
             n = len(ids[i]) - first

@@ -24,6 +24,10 @@ class HeldOut:
         return math.exp(self.loss)
 
 
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
 @torch.no_grad()
 def evaluate_windows(model, windows: torch.Tensor, batch: int = 16, **forward) -> HeldOut:
     """Mean CE of `model` over (N, T) windows, each from the empty state; `forward` goes to the model
@@ -31,6 +35,7 @@ def evaluate_windows(model, windows: torch.Tensor, batch: int = 16, **forward) -
     model.eval()
     sums = torch.zeros(windows.shape[1], dtype=torch.float64)
     for start in range(0, len(windows), batch):
-        sums += model(windows[start : start + batch], **forward).token_losses.double().sum(0)
+        tokens = windows[start : start + batch].to(model_device(model))
+        sums += model(tokens, **forward).token_losses.double().sum(0).cpu()
     n = len(windows)
     return HeldOut(float(sums.sum() / (n * windows.shape[1])), n * windows.shape[1], (sums / n).numpy())

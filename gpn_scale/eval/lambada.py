@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from gpn_scale.errors import UserError
+from gpn_scale.eval.heldout import model_device
 
 
 @dataclass
@@ -87,7 +88,7 @@ def score_lambada(model, examples: list[Example], batch: int = 8) -> dict:
         for row, e in enumerate(group):
             ids = e.context + e.target
             tokens[row, : len(ids)] = torch.tensor(ids)
-        out = model(tokens, return_logits=True)
+        out = model(tokens.to(model_device(model)), return_logits=True)
         for row, (i, e) in enumerate(zip(order[start : start + batch], group)):
             first, end = len(e.context), len(e.context) + len(e.target)
             correct[i] = int(out.logits[row, first].argmax()) == e.target[0]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpn_scale.eval.heldout import model_device
 from gpn_scale.models import GPN, StepHooks
 
 
@@ -24,10 +25,10 @@ class Recorder(StepHooks):
         self.predictions, self.decays = [], []
 
     def decay(self, gamma):
-        self.decays.append(gamma.detach().float())
+        self.decays.append(gamma.detach().float().cpu())
 
     def prediction(self, c):
-        self.predictions.append(c.detach().float())
+        self.predictions.append(c.detach().float().cpu())
         return c
 
 
@@ -43,7 +44,7 @@ def record(model, windows: torch.Tensor, batch: int = 16) -> Trace:
     predictions, decays = [], []
     for start in range(0, len(windows), batch):
         rec = Recorder()
-        model(windows[start : start + batch], hooks=rec)
+        model(windows[start : start + batch].to(model_device(model)), hooks=rec)
         predictions.append(torch.stack(rec.predictions, 1))
         if rec.decays:
             decays.append(torch.stack(rec.decays, 1))
