@@ -140,7 +140,7 @@ def analyze_main(argv: list[str]) -> int:
     codec = Codec(data.tokenizer_path) if data.tokenizer_path is not None else None
     results, arrays = analyze(model, windows, codec, data.unigram(), args.batch)
     path = write_report(results, arrays, args.out, f"`{args.checkpoint}` on `{data.split_dir}`")
-    print(f"report: {path.resolve()} (and report.json, {len(json.loads((path.parent / 'report.json').read_text())['figures'])} figures)")
+    print(f"report: {path.resolve()} (and report.json and the figures beside it)")
     return 0
 
 

@@ -21,12 +21,16 @@ def _pyplot():
 
 
 def _plain_log_ticks(axis) -> None:
-    """Log-axis tick labels as plain numbers (1.5, 40) rather than 1.5 x 10^0."""
-    from matplotlib.ticker import FuncFormatter
+    """Log-axis tick labels as plain numbers (1.5, 40) rather than 1.5 x 10^0: every tick when the data
+    span less than a decade, else 1, 2 and 5 of each decade (all of them would crowd)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     fmt = FuncFormatter(lambda v, _: f"{v:g}")
+    lo, hi = axis.get_data_interval()
+    if hi >= 10 * lo:
+        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     axis.set_major_formatter(fmt)
-    axis.set_minor_formatter(fmt)
+    axis.set_minor_formatter(fmt if hi < 10 * lo else NullFormatter())
 
 
 def _save(fig, path: Path) -> str:
