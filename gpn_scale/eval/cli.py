@@ -41,10 +41,11 @@ def _bos(prep: PrepData | None) -> int | None:
     return stats["bos_id"] if stats and stats.get("add_bos") else None
 
 
-def resolve_tokenizer(checkpoint: str, tokenizer: str | None, data: PrepData | None, model) -> tuple[Codec, PrepData | None]:
+def resolve_tokenizer(checkpoint: str, trained: PrepData | None, tokenizer: str | None, data: PrepData | None,
+                      model) -> tuple[Codec, PrepData | None]:
     """The codec for text in and out: --tokenizer, else the one recorded with --data, else the one of the
-    data the checkpoint was trained on. Returns it with the prep output it came from (for BOS), if any."""
-    trained = training_prep(checkpoint)
+    data the checkpoint was trained on (`trained`). Returns it with the prep output it came from (for
+    BOS), if any."""
     if tokenizer:
         codec, prep = Codec(tokenizer), data or trained
     elif data is not None and data.tokenizer_path is not None:
@@ -62,10 +63,9 @@ def resolve_tokenizer(checkpoint: str, tokenizer: str | None, data: PrepData | N
     return codec, prep
 
 
-def _open_checked(args, model):
+def _open_checked(args, model, trained: PrepData | None):
     data = open_data(args.data)
     windows = read_windows(data, args.windows)
-    trained = training_prep(args.checkpoint)
     check_model_fits(model, data, windows, trained.tokenizer_sha256 if trained else None)
     return data, windows
 
@@ -88,10 +88,11 @@ def eval_main(argv: list[str]) -> int:
     from gpn_scale.eval.lambada import make_examples, read_lambada, score_lambada
 
     model = load_checkpoint(args.checkpoint, args.device)
+    trained = training_prep(args.checkpoint)  # the data (and tokenizer) the model was trained on, when recorded
     metrics, data = {}, None
     out = Path(args.out)
     if args.data:
-        data, windows = _open_checked(args, model)
+        data, windows = _open_checked(args, model, trained)
         held = evaluate_windows(model, windows, args.batch)
         metrics.update(ppl=held.ppl, loss=held.loss, tokens=held.tokens, windows=len(windows))
         out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +101,7 @@ def eval_main(argv: list[str]) -> int:
         metrics["loss_by_position"] = str(out / "loss_by_position.csv")
     if args.lambada:
         texts = read_lambada(args.lambada)
-        codec, prep = resolve_tokenizer(args.checkpoint, args.tokenizer, data, model)
+        codec, prep = resolve_tokenizer(args.checkpoint, trained, args.tokenizer, data, model)
         lam = score_lambada(model, make_examples(texts, codec.encode, _bos(prep), args.lambada), args.batch)
         metrics.update({k: v for k, v in lam.items() if k != "per_example"})
     out.mkdir(parents=True, exist_ok=True)
@@ -136,7 +137,7 @@ def analyze_main(argv: list[str]) -> int:
         data = open_data(args.data)
         seq_len = data.stats["seq_len"] if data.stats else len(read_windows(data, 1)[0])
         args.windows = math.ceil(STATES_TARGET / seq_len)
-    data, windows = _open_checked(args, model)
+    data, windows = _open_checked(args, model, training_prep(args.checkpoint))
     codec = Codec(data.tokenizer_path) if data.tokenizer_path is not None else None
     results, arrays = analyze(model, windows, codec, data.unigram(), args.batch)
     path = write_report(results, arrays, args.out, f"`{args.checkpoint}` on `{data.split_dir}`")
@@ -163,7 +164,8 @@ def generate_main(argv: list[str]) -> int:
     from gpn_scale.eval.generate import generate_tokens
 
     model = load_checkpoint(args.checkpoint, args.device)
-    codec, prep = resolve_tokenizer(args.checkpoint, args.tokenizer, open_data(args.data) if args.data else None, model)
+    data = open_data(args.data) if args.data else None
+    codec, prep = resolve_tokenizer(args.checkpoint, training_prep(args.checkpoint), args.tokenizer, data, model)
     bos = _bos(prep)
     prompt = ([] if bos is None else [bos]) + codec.encode(args.prompt)
     stream = TextStream(codec)
