@@ -140,3 +140,27 @@ def test_token_ids_beyond_the_model_and_another_tokenizer_are_refused(setup, tmp
         check_model_fits(tiny_model(300), data, read_windows(data))
     with pytest.raises(UserError, match="tokenizer sha256 .* differs from the one the model was trained with"):
         check_model_fits(tiny_model(300), open_data(prep), trained_on="0" * 64)
+
+
+def test_a_run_records_its_tokenizer_and_refuses_another(setup, tmp_path):
+    """A run directory's training record (trainer_state.json under a committed checkpoint) names its
+    training data; its prep's tokenizer is found from it, and any other tokenizer is refused."""
+    from gpn_scale.eval.cli import resolve_tokenizer
+    from gpn_scale.eval.codec import Codec
+    from gpn_scale.eval.data import training_prep
+    from gpn_scale.train import checkpoint as ckpt
+
+    root, tok_path, prep, model = setup
+    tag = tmp_path / "run" / "checkpoints" / ckpt.tag_for(10)
+    tag.mkdir(parents=True)
+    (tag / ckpt.TRAINER_STATE).write_text(json.dumps({"config": {"data": {"train": str(prep / "train")}}}))
+    ckpt.write_manifest(tag)
+    trained = training_prep(tmp_path / "run")
+    assert trained.root == prep and trained.tokenizer_sha256 == Codec(tok_path).sha256
+
+    codec, found = resolve_tokenizer("run", trained, None, None, model)
+    assert codec.sha256 == trained.tokenizer_sha256 and found is trained
+    other = make_tokenizer(tmp_path / "other.json", vocab=280)
+    with pytest.raises(UserError, match="other.json: not the tokenizer the model was trained with"):
+        resolve_tokenizer("run", trained, str(other), None, model)
+    assert training_prep(root / "ckpt") is None  # a native checkpoint records no training data
