@@ -49,6 +49,6 @@ def run_ablations(model, windows: torch.Tensor, sbar: torch.Tensor, slow: list[i
         r = evaluate_windows(model, windows, batch, hooks=hooks)
         results[name] = {"loss": r.loss, "ppl": r.ppl}
     base = results["intact"]
-    for name, r in results.items():
+    for r in results.values():
         r["delta_loss"], r["delta_ppl"] = r["loss"] - base["loss"], r["ppl"] - base["ppl"]
     return results
