@@ -19,6 +19,9 @@ COMMANDS = {
     "train": ("gpn_scale.train.engine:main", "train with DeepSpeed ZeRO from MDS shards (resumable)"),
     "launch": ("gpn_scale.launch:main", "print and run the torchrun command for a training run"),
     "ckpt": ("gpn_scale.train.checkpoint:main", "checkpoint tools: verify, to-universal"),
+    "eval": ("gpn_scale.eval.cli:eval_main", "held-out perplexity (by position) and LAMBADA of a checkpoint"),
+    "analyze": ("gpn_scale.eval.cli:analyze_main", "state geometry, horizons, memory half-lives and ablations"),
+    "generate": ("gpn_scale.eval.cli:generate_main", "sample text from a checkpoint, streamed, O(1) memory"),
     "demo": ("gpn_scale.demo:main", "the README's main job on the embedded corpus"),
 }
 

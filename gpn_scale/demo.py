@@ -3,8 +3,9 @@
 1. write the corpus (CPython's bundled documentation topics) as FineWeb-Edu-schema parquet,
 2. train a byte-level BPE tokenizer on it and prepare MDS shards (train, and the last file as val),
 3. train a small GPN+M with DeepSpeed (configs/train/demo.yaml),
-4. evaluate it on the held-out split against the corpus's unigram entropy,
-5. write report.md / report.json and print where they are.
+4. evaluate it on the held-out split against the corpus's unigram entropy (`gpn_scale.eval`),
+5. analyse its states and memory on held-out windows (`gpn-scale analyze`'s report, linked) and
+   write report.md / report.json and print where they are.
 
 Every stage is resumable: running the demo again continues where it stopped.
 """
@@ -18,32 +19,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from gpn_scale.config import CONFIG_ROOT
 
 DEMO_CONFIG = CONFIG_ROOT / "train" / "demo.yaml"
+ANALYSIS_WINDOWS = 32  # 4,096 states: the analysis and its ablations in seconds
 
 
 def _stage(title: str) -> None:
     print(f"\n== {title}", flush=True)
-
-
-@torch.no_grad()
-def heldout_loss(model, data_dir: Path, batch: int = 16) -> tuple[float, int]:
-    """Mean CE over every position of every held-out window (position 1 from the empty state)."""
-    from streaming import StreamingDataset
-
-    dataset = StreamingDataset(local=str(data_dir), shuffle=False, batch_size=batch)
-    total, count = 0.0, 0
-    model.eval()
-    for start in range(0, len(dataset), batch):
-        tokens = torch.stack([torch.from_numpy(dataset[i]["tokens"].astype(np.int64))
-                              for i in range(start, min(start + batch, len(dataset)))])
-        losses = model(tokens).token_losses
-        total += losses.double().sum().item()
-        count += losses.numel()
-    return total / count, count
 
 
 def unigram_entropy(counts: np.ndarray) -> float:
@@ -95,17 +79,29 @@ def main(argv: list[str]) -> int:
         return status
 
     _stage("4/5 evaluation on the held-out split")
+    from gpn_scale.eval.data import open_data, read_windows
+    from gpn_scale.eval.heldout import evaluate_windows
     from gpn_scale.native import load_model
 
     model = load_model(run_dir)
-    val_loss, val_tokens = heldout_loss(model, data / "val")
+    prepared = open_data(data)  # its val split, stats.json, tokenizer copy and unigram counts
+    windows = read_windows(prepared)
+    held = evaluate_windows(model, windows)
+    val_loss, val_tokens = held.loss, held.tokens
     entropy = unigram_entropy(np.load(data / "unigram.npy"))
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [m for m in metrics if "loss" in m]
     print(f"held-out loss {val_loss:.4f} nats (PPL {math.exp(val_loss):.2f}) over {val_tokens:,} tokens; "
           f"unigram entropy of the training split {entropy:.4f} nats")
 
-    _stage("5/5 report")
+    _stage(f"5/5 analysis of the states and memory ({ANALYSIS_WINDOWS} held-out windows) and the report")
+    from gpn_scale.eval.analyze import analyze
+    from gpn_scale.eval.codec import Codec
+    from gpn_scale.eval.report import write_report
+
+    results, arrays = analyze(model, windows[:ANALYSIS_WINDOWS], Codec(prepared.tokenizer_path), prepared.unigram())
+    analysis = write_report(results, arrays, out / "analysis", f"the demo model on `{data / 'val'}`")
+    print(f"analysis: {analysis.resolve()}")
     report = {
         "model": model.config.to_dict(),
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -115,10 +111,11 @@ def main(argv: list[str]) -> int:
                   "median_tokens_per_s": float(np.median([m["tokens_per_s"] for m in train_rows]))},
         "heldout": {"loss": val_loss, "ppl": math.exp(val_loss), "tokens": val_tokens},
         "unigram_entropy": entropy,
+        "analysis": {"report": str(analysis), **{k: results[k] for k in ("geometry", "memory", "ablations")}},
         "seconds": time.time() - began,
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    t, h = report["train"], report["heldout"]
+    t, h, abl = report["train"], report["heldout"], results["ablations"]
     (out / "report.md").write_text(f"""# gpn-scale demo report
 
 A {model.config.family} model ({report['parameters']:,} parameters, d_state {model.config.d_state}) trained
@@ -130,6 +127,11 @@ with DeepSpeed for {t['steps']} steps ({t['tokens']:,} tokens) on CPython's docu
 | training loss, first step | {t['first_loss']:.4f} | {math.exp(t['first_loss']):.1f} |
 | training loss, last step | {t['final_loss']:.4f} | {math.exp(t['final_loss']):.1f} |
 | **held-out loss** (all positions of {h['tokens']:,} tokens) | **{h['loss']:.4f}** | **{h['ppl']:.1f}** |
+
+The model's states and memory, analysed as in the paper (geometry, the mean direction, horizons,
+memory half-lives) with ablations on {ANALYSIS_WINDOWS} held-out windows: [analysis/report.md](analysis/report.md).
+PPL on those windows: {abl['intact']['ppl']:.1f} intact, {abl['sbar_projected_out']['ppl']:.1f} with s-bar
+projected out of the state, {abl['memory_reads_off']['ppl']:.1f} with the memory reads off.
 
 Median training throughput: {t['median_tokens_per_s']:,.0f} tokens/s. Total time: {report['seconds']:.0f} s.
 

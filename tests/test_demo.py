@@ -21,6 +21,28 @@ def test_demo_learns_well_below_the_unigram_entropy(tmp_path):
     assert report["heldout"]["tokens"] == report["data"]["splits"]["val"]["windows"] * 128  # every held-out position
     assert (out / "report.md").read_text().count("held-out loss") == 1
 
+    # The analysis of the trained model's states and memory, linked from the report.
+    analysis = json.loads((out / "analysis" / "report.json").read_text())
+    assert "[analysis/report.md](analysis/report.md)" in (out / "report.md").read_text()
+    assert report["analysis"]["memory"]["half_lives"] == analysis["memory"]["half_lives"]
+    assert len(analysis["memory"]["half_lives"]) == report["model"]["n_heads"]
+    assert analysis["geometry"]["states"] == 32 * 128 and analysis["geometry"]["dead_dims"] == 0
+    assert len(analysis["figures"]) == 8 and all((out / "analysis" / f).stat().st_size > 10_000 for f in analysis["figures"])
+    abl = analysis["ablations"]
+    assert abl["memory_reads_off"]["loss"] > abl["intact"]["loss"]  # a trained GPN+M uses its memory
+    assert abl["sbar_projected_out"]["loss"] > abl["intact"]["loss"]
+
+    # The run directory evaluates and generates on its own: the tokenizer is found through its training data.
+    env = dict(os.environ, WANDB_MODE="disabled")
+    ev = subprocess.run([sys.executable, "-m", "gpn_scale", "eval", str(out / "train"), "--data", str(out / "data"),
+                         "--json", "--out", str(tmp_path / "eval")], capture_output=True, text=True, env=env, timeout=600)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert json.loads(ev.stdout.splitlines()[-1])["ppl"] == pytest.approx(report["heldout"]["ppl"], rel=1e-6)
+    gen = subprocess.run([sys.executable, "-m", "gpn_scale", "generate", str(out / "train"), "--prompt", "The class",
+                          "--max-new-tokens", "20", "--temperature", "0"], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert gen.returncode == 0 and gen.stdout.startswith("The class") and len(gen.stdout) > len("The class\n") + 20
+
     # Running it again resumes every stage instead of redoing or failing.
     again = subprocess.run([sys.executable, "-m", "gpn_scale", "demo", "--out", str(out)], capture_output=True,
                            text=True, timeout=600, env=dict(os.environ, WANDB_MODE="disabled"))

@@ -8,7 +8,7 @@ context), so losses and perplexities compare across families.
 import torch
 
 from gpn_scale.models.gdn import GatedDeltaNet, GDNConfig, GDNState
-from gpn_scale.models.gpn import GPN, GPNConfig, GPNState, ModelOutput
+from gpn_scale.models.gpn import GPN, GPNConfig, GPNState, ModelOutput, StepHooks
 from gpn_scale.models.transformer import Transformer, TransformerConfig, TransformerState
 
 MODEL_FAMILIES = {
@@ -33,5 +33,5 @@ def param_count(config) -> int:
 
 __all__ = [
     "GPN", "GPNConfig", "GPNState", "GatedDeltaNet", "GDNConfig", "GDNState", "Transformer", "TransformerConfig",
-    "TransformerState", "ModelOutput", "MODEL_FAMILIES", "build_model", "param_count",
+    "TransformerState", "ModelOutput", "StepHooks", "MODEL_FAMILIES", "build_model", "param_count",
 ]

@@ -104,6 +104,25 @@ class ModelOutput(NamedTuple):
     logits: torch.Tensor | None = None  # (B, T, V), only when asked for
 
 
+class StepHooks:
+    """Observation and intervention points inside the time loop, for analyses and ablations.
+
+    Only the naive core calls them (a model run with hooks uses it whatever `core` says); the
+    defaults change nothing, so a subclass overrides just the points it needs.
+    """
+
+    def decay(self, gamma: torch.Tensor) -> None:
+        """This step's memory write decays: gamma (B, H), the write keeps exp(gamma) of M."""
+
+    def read(self, o: torch.Tensor) -> torch.Tensor:
+        """A predict layer's normalised memory read, per head (B, H, d_val); returns the one used."""
+        return o
+
+    def prediction(self, c: torch.Tensor) -> torch.Tensor:
+        """The predicted state s^p_t (B, d); returns the one decoded and grounded."""
+        return c
+
+
 def _zeros_param(*shape) -> nn.Parameter:
     return nn.Parameter(torch.zeros(*shape))
 
@@ -153,16 +172,18 @@ class PredictLayer(nn.Module):
             yield from [(self.read_W_gate_k, lecun_normal_), (self.read_out_norm_w, ones)]
             yield self.read_W_o_k, lambda w: nn.init.normal_(w, 0.0, 0.02)
 
-    def forward(self, c: torch.Tensor, M: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, c: torch.Tensor, M: torch.Tensor | None, hooks: StepHooks | None = None) -> torch.Tensor:
         g, u = (rms_norm(c, self.ffn_norm_w) @ self.ffn_w1_k).chunk(2, dim=-1)
         update = (nn.functional.silu(g) * u) @ self.ffn_w2_k
         if self.memory:
             r = rms_norm(c, self.read_norm_w)
             B = c.shape[0]
             q = l2_normalize(torch.relu(r @ self.read_W_q_k + self.read_W_q_b).view(B, self.n_heads, -1))
-            o = read_memory(M, q).reshape(B, -1)
+            o = rms_norm(read_memory(M, q).reshape(B, -1), self.read_out_norm_w)
+            if hooks is not None:
+                o = hooks.read(o.view(B, self.n_heads, -1)).reshape(B, -1)
             gate = nn.functional.silu(r @ self.read_W_gate_k)
-            update = update + (gate * rms_norm(o, self.read_out_norm_w).to(gate.dtype)) @ self.read_W_o_k
+            update = update + (gate * o.to(gate.dtype)) @ self.read_W_o_k
         return _gate(c, self.pg_norm_w, self.pg_gate_k, self.pg_gate_b) * c + update
 
 
@@ -246,7 +267,7 @@ class GPN(nn.Module):
         M = torch.zeros(batch, cfg.n_heads, cfg.d_key, cfg.d_val, device=device, dtype=dtype) if cfg.memory else None
         return GPNState(zeros, zeros.clone(), M)
 
-    def _write(self, g_prev: torch.Tensor, g: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    def _write(self, g_prev: torch.Tensor, g: torch.Tensor, M: torch.Tensor, hooks: StepHooks | None = None):
         """One memory write: the key from the previous grounded state, the value from the current."""
         B, H = g.shape[0], self.config.n_heads
         a_prev, a = rms_norm(g_prev, self.write_norm_w), rms_norm(g, self.write_norm_w)
@@ -255,9 +276,11 @@ class GPN(nn.Module):
         beta = torch.sigmoid(a @ self.write_W_beta_k)
         dt = nn.functional.softplus(at_least_f32(a @ self.write_W_a_k) + at_least_f32(self.write_dt_bias))
         gamma = -torch.exp(at_least_f32(self.write_A_log)) * dt
+        if hooks is not None:
+            hooks.decay(gamma)
         return write_memory(M, k, v, beta, gamma)
 
-    def _run_steps(self, u: torch.Tensor, state: GPNState, t0: int) -> tuple[torch.Tensor, GPNState]:
+    def _run_steps(self, u: torch.Tensor, state: GPNState, t0: int, hooks: StepHooks | None = None):
         """Steps t0 .. t0+len(u)-1 of the loop. u: (B, T, d) input projections. Returns s^p (B, T, d)."""
         g, g_prev, M = state
         bptt = self.config.bptt
@@ -266,15 +289,19 @@ class GPN(nn.Module):
             if bptt and i + t0 > 0 and (i + t0) % bptt == 0:
                 g, g_prev, M = GPNState(g, g_prev, M).detach()
             if M is not None:
-                M = self._write(g_prev, g, M)
+                M = self._write(g_prev, g, M, hooks)
             c = g
             for layer in self.layers:
-                c = layer(c, M)
+                c = layer(c, M, hooks)
+            if hooks is not None:
+                c = hooks.prediction(c)
             predictions.append(c)
             g_prev, g = g, _gate(c, self.fg_norm_w, self.fg_gate_k, self.fg_gate_b) * c + u[:, i].to(g.dtype)
         return torch.stack(predictions, 1), GPNState(g, g_prev, M)
 
-    def _recurrence(self, u: torch.Tensor, state: GPNState, core: str) -> tuple[torch.Tensor, GPNState]:
+    def _recurrence(self, u, state: GPNState, core: str, hooks: StepHooks | None) -> tuple[torch.Tensor, GPNState]:
+        if hooks is not None:  # hooks must see every step exactly once: no fused core, no recomputation
+            return self._run_steps(u, state, 0, hooks)
         if core == "fused":
             predictions, state = fused_recurrence(self, u, state)
             return predictions, GPNState(*state)
@@ -295,9 +322,15 @@ class GPN(nn.Module):
         return h if self.decode_bias is None else h + self.decode_bias
 
     def forward(
-        self, tokens: torch.Tensor, state: GPNState | None = None, return_logits: bool = False, core: str | None = None
+        self,
+        tokens: torch.Tensor,
+        state: GPNState | None = None,
+        return_logits: bool = False,
+        core: str | None = None,
+        hooks: StepHooks | None = None,
     ) -> ModelOutput:
-        """Loss (and state, logits) of a window. `core` overrides `config.core` for this call."""
+        """Loss (and state, logits) of a window. `core` overrides `config.core` for this call;
+        `hooks` observe or change the loop's steps (and imply the naive core)."""
         core = core or self.config.core
         if core not in CORES:
             raise ValueError(f"core: expected one of {CORES}, got {core!r}")
@@ -306,7 +339,7 @@ class GPN(nn.Module):
         B, T = tokens.shape
         state = self.initial_state(B, tokens.device) if state is None else GPNState(*state)
         u = rms_norm(self.embedding[tokens], self.fuse_norm_w) @ self.fuse_proj_k
-        predictions, state = self._recurrence(u, state, core)
+        predictions, state = self._recurrence(u, state, core, hooks)
         h = self.decode_hidden(predictions).reshape(B * T, -1)
         token_losses = linear_cross_entropy(h, self.embedding, tokens.reshape(-1), self.config.ce_chunk)
         logits = at_least_f32(h @ self.embedding.T).view(B, T, -1) if return_logits else None

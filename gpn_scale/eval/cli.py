@@ -1,0 +1,177 @@
+"""`gpn-scale eval | analyze | generate`: argument parsing and the checks between a checkpoint, its
+data and its tokenizer; the work is in the modules beside this one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from gpn_scale.errors import UserError
+from gpn_scale.eval.codec import Codec
+from gpn_scale.eval.data import PrepData, check_model_fits, open_data, read_windows, training_prep
+
+STATES_TARGET = 16384  # analyze: enough windows for this many states by default (the paper used 16k)
+
+
+def load_checkpoint(path: str, device: str = "cpu"):
+    import torch
+
+    from gpn_scale.native import load_model
+
+    if not Path(path).exists():
+        raise UserError(f"{path}: no such checkpoint")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"--device: {device!r} is not a torch device") from None
+    return load_model(path, device)
+
+
+def _device_flag(ap) -> None:
+    ap.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda (default: cpu)")
+
+
+def _bos(prep: PrepData | None) -> int | None:
+    stats = prep.stats if prep is not None else None
+    return stats["bos_id"] if stats and stats.get("add_bos") else None
+
+
+def resolve_tokenizer(checkpoint: str, trained: PrepData | None, tokenizer: str | None, data: PrepData | None,
+                      model) -> tuple[Codec, PrepData | None]:
+    """The codec for text in and out: --tokenizer, else the one recorded with --data, else the one of the
+    data the checkpoint was trained on (`trained`). Returns it with the prep output it came from (for
+    BOS), if any."""
+    if tokenizer:
+        codec, prep = Codec(tokenizer), data or trained
+    elif data is not None and data.tokenizer_path is not None:
+        codec, prep = Codec(data.tokenizer_path), data
+    elif trained is not None:
+        codec, prep = Codec(trained.tokenizer_path), trained
+    else:
+        raise UserError(f"{checkpoint}: no tokenizer recorded with it; pass --tokenizer FILE or --data PREP_DIR")
+    if codec.vocab_size > model.config.vocab_size:
+        raise UserError(f"{codec.path}: tokenizer vocabulary {codec.vocab_size} exceeds the model's vocab_size "
+                        f"{model.config.vocab_size}")
+    if trained is not None and trained.tokenizer_sha256 != codec.sha256:
+        raise UserError(f"{codec.path}: not the tokenizer the model was trained with (sha256 differs from "
+                        f"{trained.root / 'stats.json'})")
+    return codec, prep
+
+
+def _open_checked(args, model, trained: PrepData | None):
+    data = open_data(args.data)
+    windows = read_windows(data, args.windows)
+    check_model_fits(model, data, windows, trained.tokenizer_sha256 if trained else None)
+    return data, windows
+
+
+def eval_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="gpn-scale eval", description="held-out perplexity and LAMBADA of a checkpoint")
+    ap.add_argument("checkpoint", help="a native checkpoint, a training checkpoint or a run directory")
+    ap.add_argument("--data", help="held-out MDS windows: a prep output (its val split) or a split directory")
+    ap.add_argument("--windows", type=int, default=None, help="evaluate the first N windows (default: all)")
+    ap.add_argument("--lambada", help="LAMBADA jsonl (one {\"text\": ...} per line)")
+    ap.add_argument("--tokenizer", help="tokenizer for --lambada (default: the one recorded with the data)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--out", default="eval", help="where metrics.json and the loss-by-position curve go (default: eval)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object with the metrics")
+    _device_flag(ap)
+    args = ap.parse_args(argv)
+    if not args.data and not args.lambada:
+        ap.error("nothing to evaluate: pass --data and/or --lambada")
+    from gpn_scale.eval.heldout import evaluate_windows
+    from gpn_scale.eval.lambada import make_examples, read_lambada, score_lambada
+
+    model = load_checkpoint(args.checkpoint, args.device)
+    trained = training_prep(args.checkpoint)  # the data (and tokenizer) the model was trained on, when recorded
+    metrics, data = {}, None
+    out = Path(args.out)
+    if args.data:
+        data, windows = _open_checked(args, model, trained)
+        held = evaluate_windows(model, windows, args.batch)
+        metrics.update(ppl=held.ppl, loss=held.loss, tokens=held.tokens, windows=len(windows))
+        out.mkdir(parents=True, exist_ok=True)
+        np.savetxt(out / "loss_by_position.csv", np.c_[np.arange(1, len(held.per_position) + 1), held.per_position],
+                   delimiter=",", header="position,mean_loss", comments="", fmt=["%d", "%.6f"])
+        metrics["loss_by_position"] = str(out / "loss_by_position.csv")
+    if args.lambada:
+        texts = read_lambada(args.lambada)
+        codec, prep = resolve_tokenizer(args.checkpoint, trained, args.tokenizer, data, model)
+        lam = score_lambada(model, make_examples(texts, codec.encode, _bos(prep), args.lambada), args.batch)
+        metrics.update({k: v for k, v in lam.items() if k != "per_example"})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    if args.json:
+        print(json.dumps(metrics))
+    else:
+        if "ppl" in metrics:
+            print(f"held-out: loss {metrics['loss']:.4f} nats, PPL {metrics['ppl']:.3f} over {metrics['tokens']:,} tokens "
+                  f"({metrics['windows']} windows); loss by position in {metrics['loss_by_position']}")
+        if "lambada_acc" in metrics:
+            print(f"LAMBADA: accuracy {metrics['lambada_acc']:.4f}, PPL {metrics['lambada_ppl']:.3f} "
+                  f"over {metrics['lambada_examples']} examples")
+    return 0
+
+
+def analyze_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="gpn-scale analyze", description="the paper's state and memory analyses, "
+                                 "plus ablations, on held-out data: report.json, report.md and figures")
+    ap.add_argument("checkpoint", help="a native checkpoint, a training checkpoint or a run directory")
+    ap.add_argument("--data", required=True, help="held-out MDS windows: a prep output (its val split) or a split")
+    ap.add_argument("--out", required=True, help="the report's directory")
+    ap.add_argument("--windows", type=int, default=None,
+                    help=f"analyse the first N windows (default: enough for {STATES_TARGET} states)")
+    ap.add_argument("--batch", type=int, default=16)
+    _device_flag(ap)
+    args = ap.parse_args(argv)
+    from gpn_scale.eval.analyze import analyze
+    from gpn_scale.eval.report import write_report
+
+    model = load_checkpoint(args.checkpoint, args.device)
+    if args.windows is None:
+        data = open_data(args.data)
+        seq_len = data.stats["seq_len"] if data.stats else len(read_windows(data, 1)[0])
+        args.windows = math.ceil(STATES_TARGET / seq_len)
+    data, windows = _open_checked(args, model, training_prep(args.checkpoint))
+    codec = Codec(data.tokenizer_path) if data.tokenizer_path is not None else None
+    results, arrays = analyze(model, windows, codec, data.unigram(), args.batch)
+    path = write_report(results, arrays, args.out, f"`{args.checkpoint}` on `{data.split_dir}`")
+    print(f"report: {path.resolve()} (and report.json and the figures beside it)")
+    return 0
+
+
+def generate_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="gpn-scale generate", description="sample text from a checkpoint, streamed "
+                                 "as it is produced, with constant memory per token")
+    ap.add_argument("checkpoint", help="a native checkpoint, a training checkpoint or a run directory")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", help="tokenizer file (default: the one recorded with --data or the training data)")
+    ap.add_argument("--data", help="a prep output whose recorded tokenizer to use")
+    _device_flag(ap)
+    args = ap.parse_args(argv)
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 0:
+        ap.error("expected --temperature >= 0, 0 < --top-p <= 1 and --max-new-tokens >= 0")
+    from gpn_scale.eval.codec import TextStream
+    from gpn_scale.eval.generate import generate_tokens
+
+    model = load_checkpoint(args.checkpoint, args.device)
+    data = open_data(args.data) if args.data else None
+    codec, prep = resolve_tokenizer(args.checkpoint, training_prep(args.checkpoint), args.tokenizer, data, model)
+    bos = _bos(prep)
+    prompt = ([] if bos is None else [bos]) + codec.encode(args.prompt)
+    stream = TextStream(codec)
+    sys.stdout.write(args.prompt)
+    for token, _ in generate_tokens(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed):
+        sys.stdout.write(stream.push(token))
+        sys.stdout.flush()
+    sys.stdout.write(stream.flush() + "\n")
+    return 0

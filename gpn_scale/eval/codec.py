@@ -1,0 +1,80 @@
+"""Text <-> token ids through the tokenizer a prep output records (its copy beside stats.json)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from gpn_scale.errors import UserError
+
+
+class Codec:
+    """A Hugging Face `tokenizer.json` or a sentencepiece `.model`: encode without special tokens,
+    decode ids back to text."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise UserError(f"{path}: cannot read tokenizer ({e.strerror})") from None
+        self.path, self.sha256 = path, hashlib.sha256(raw).hexdigest()
+        if path.suffix == ".model":
+            import sentencepiece as spm
+
+            sp = spm.SentencePieceProcessor()
+            try:
+                sp.LoadFromSerializedProto(raw)
+            except Exception:
+                raise UserError(f"{path}: not a sentencepiece model") from None
+            self._encode, self._decode = lambda text: sp.encode(text, out_type=int), sp.decode
+            self.vocab_size = sp.vocab_size()
+        elif path.suffix == ".json":
+            from tokenizers import Tokenizer
+
+            try:
+                tok = Tokenizer.from_str(raw.decode("utf-8"))
+            except Exception as e:
+                raise UserError(f"{path}: not a Hugging Face tokenizer.json ({str(e)[:120]})") from None
+            self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
+            self._decode = lambda ids: tok.decode(ids, skip_special_tokens=False)
+            self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        else:
+            raise UserError(f"{path}: unknown tokenizer format; expected a sentencepiece .model or a tokenizer.json")
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return self._decode(list(ids))
+
+
+class TextStream:
+    """Decodes a growing token sequence piece by piece with O(1) memory: each new token is decoded
+    together with a few tokens before it and only the new suffix is emitted (tokenizers drop leading
+    spaces or split a character's bytes across tokens, so tokens do not decode one by one)."""
+
+    CONTEXT = 4
+
+    def __init__(self, codec: Codec):
+        self.codec, self.context, self.pending = codec, [], []
+
+    def push(self, token: int) -> str:
+        self.pending.append(token)
+        before = self.codec.decode(self.context)
+        text = self.codec.decode(self.context + self.pending)
+        # An incomplete UTF-8 character: wait for its remaining bytes, but not forever (a character
+        # has at most 4 bytes; anything longer is invalid and is emitted as it decodes).
+        if text.endswith("\ufffd") and len(self.pending) < 4:
+            return ""
+        self.context = (self.context + self.pending)[-self.CONTEXT:]
+        self.pending = []
+        return text.removeprefix(before)
+
+    def flush(self) -> str:
+        """Whatever is still held back, decoded as it is."""
+        if not self.pending:
+            return ""
+        before, text = self.codec.decode(self.context), self.codec.decode(self.context + self.pending)
+        self.pending = []
+        return text.removeprefix(before)

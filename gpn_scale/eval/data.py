@@ -1,0 +1,110 @@
+"""Held-out windows of a `gpn-scale prep` output, its tokenizer, and the checks that a model fits them.
+
+`--data` may name a prep output directory (its `val` split is used) or one of its split directories
+(`OUT/val`, `OUT/train`); either way `stats.json` and the tokenizer copy sit in the output directory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpn_scale.errors import UserError
+
+
+@dataclass
+class PrepData:
+    split_dir: Path  # the MDS directory the windows are read from
+    stats: dict | None  # the prep's stats.json, when the directory has one
+    root: Path | None  # the prep output directory holding stats.json
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        if self.stats is None:
+            return None
+        return self.root / self.stats["tokenizer"]["copy"]
+
+    @property
+    def tokenizer_sha256(self) -> str | None:
+        return None if self.stats is None else self.stats["tokenizer"]["sha256"]
+
+    def unigram(self) -> np.ndarray | None:
+        path = None if self.root is None else self.root / "unigram.npy"
+        return np.load(path) if path is not None and path.is_file() else None
+
+
+def open_data(path: str | Path) -> PrepData:
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{path}: no such data directory (expected an MDS split or a `gpn-scale prep` output)")
+    if (path / "stats.json").is_file() and (path / "val" / "index.json").is_file():
+        split, root = path / "val", path
+    elif (path / "index.json").is_file():
+        split, root = path, (path.parent if (path.parent / "stats.json").is_file() else None)
+    else:
+        raise UserError(f"{path}: not an MDS directory (no index.json) nor a prep output with a val split")
+    stats = None
+    if root is not None:
+        try:
+            stats = json.loads((root / "stats.json").read_text())
+        except json.JSONDecodeError as e:
+            raise UserError(f"{root / 'stats.json'}: not valid JSON ({e})") from None
+    return PrepData(split, stats, root)
+
+
+def read_windows(data: PrepData, limit: int | None = None) -> torch.Tensor:
+    """The first `limit` windows (all when None) of the split, in order, as int64 (N, T)."""
+    from streaming import StreamingDataset
+
+    dataset = StreamingDataset(local=str(data.split_dir), shuffle=False, batch_size=1)
+    n = len(dataset) if limit is None else min(limit, len(dataset))
+    if n == 0:
+        raise UserError(f"{data.split_dir}: no windows")
+    try:
+        rows = [np.asarray(dataset[i]["tokens"], dtype=np.int64) for i in range(n)]
+    except KeyError:
+        raise UserError(f"{data.split_dir}: samples have no `tokens` column (not written by `gpn-scale prep`)") from None
+    return torch.from_numpy(np.stack(rows))
+
+
+def check_model_fits(model, data: PrepData, windows: torch.Tensor | None = None, trained_on: str | None = None):
+    """One-line errors when the model and the data (or its tokenizer) do not belong together.
+
+    trained_on: sha256 of the tokenizer the model was trained with, when the checkpoint records it.
+    """
+    vocab = model.config.vocab_size
+    # A model's vocabulary may be padded beyond its tokenizer's; a larger tokenizer cannot be its own.
+    if data.stats is not None and data.stats["vocab_size"] > vocab:
+        raise UserError(f"{data.root / 'stats.json'}: tokenizer vocabulary {data.stats['vocab_size']} exceeds the "
+                        f"model's vocab_size {vocab}; the data was made with another tokenizer")
+    if trained_on and data.tokenizer_sha256 and trained_on != data.tokenizer_sha256:
+        raise UserError(f"{data.root / 'stats.json'}: tokenizer sha256 {data.tokenizer_sha256[:12]}... differs from "
+                        f"the one the model was trained with ({trained_on[:12]}...)")
+    if windows is not None and int(windows.max()) >= vocab:
+        raise UserError(f"{data.split_dir}: token id {int(windows.max())} is outside the model's vocabulary "
+                        f"({vocab}); the data was made with another tokenizer")
+
+
+def training_prep(checkpoint: str | Path) -> PrepData | None:
+    """The prep output a training run read, when CKPT is a run or training checkpoint whose recorded
+    training data is still there; None otherwise (e.g. a native checkpoint)."""
+    from gpn_scale.train import checkpoint as ckpt
+
+    path = Path(checkpoint)
+    if not (path / ckpt.TRAINER_STATE).is_file():
+        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        tag = ckpt.newest_complete(root, warn=lambda *_: None) if root.is_dir() else None
+        if tag is None:
+            return None
+        path = root / tag
+    train_dir = ckpt.read_trainer_state(path)["config"].get("data", {}).get("train")
+    if not train_dir:
+        return None
+    for root in (Path(train_dir), Path(train_dir).parent):
+        if (root / "stats.json").is_file():
+            return PrepData(Path(train_dir), json.loads((root / "stats.json").read_text()), root)
+    return None
