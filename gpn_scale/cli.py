@@ -18,6 +18,7 @@ COMMANDS = {
     "prep": ("data_prep.cli:main", "tokenize and pack text into MDS shards"),
     "train": ("gpn_scale.train.engine:main", "train with DeepSpeed ZeRO from MDS shards (resumable)"),
     "launch": ("gpn_scale.launch:main", "print and run the torchrun command for a training run"),
+    "sweep": ("gpn_scale.sweep.cli:main", "scaling sweeps: size, run (local or SLURM), collect and fit"),
     "ckpt": ("gpn_scale.train.checkpoint:main", "checkpoint tools: verify, to-universal"),
     "eval": ("gpn_scale.eval.cli:eval_main", "held-out perplexity (by position) and LAMBADA of a checkpoint"),
     "analyze": ("gpn_scale.eval.cli:analyze_main", "state geometry, horizons, memory half-lives and ablations"),

@@ -49,11 +49,23 @@ def _check_type(value, annotation, where: str):
         raise errors[0]
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if annotation is float and isinstance(value, str):
+        number = yaml_number(value)  # YAML 1.1 reads 1e5 (no sign, no dot) as a string
+        if number is not None:
+            return number
     if annotation in (int, float, str, bool) and not (
         isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
     ):
         raise UserError(f"{where}: expected {annotation.__name__}, got {type(value).__name__} {value!r}")
     return value
+
+
+def yaml_number(text: str) -> float | None:
+    """`text` as a float if it spells one in scientific notation, else None."""
+    try:
+        return float(text) if text.strip().lower().lstrip("+-")[:1].isdigit() else None
+    except ValueError:
+        return None
 
 
 def build_dataclass(cls, data: dict, where: str, prefix: str = ""):

@@ -5,6 +5,8 @@ whose `token_losses[b, t]` scores token t given the tokens before it (the first 
 context), so losses and perplexities compare across families.
 """
 
+import contextlib
+
 import torch
 
 from gpn_scale.models.gdn import GatedDeltaNet, GDNConfig, GDNState
@@ -25,9 +27,26 @@ def build_model(config) -> torch.nn.Module:
     return model_cls(config)
 
 
+_INITIALISERS = ("normal_", "trunc_normal_", "uniform_", "zeros_", "ones_", "constant_", "xavier_uniform_",
+                 "xavier_normal_", "kaiming_uniform_", "kaiming_normal_")
+
+
+@contextlib.contextmanager
+def _initialisers_skipped():
+    """Initialisers as no-ops: on the meta device they only cost time (sizing sweeps build many models)."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INITIALISERS}
+    try:
+        for name in _INITIALISERS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def param_count(config) -> int:
     """Parameters of a config's model, without allocating them (the tied embedding counts once)."""
-    with torch.device("meta"):
+    with torch.device("meta"), _initialisers_skipped():
         return sum(p.numel() for p in build_model(config).parameters())
 
 

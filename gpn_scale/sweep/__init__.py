@@ -1,0 +1,1 @@
+"""Scaling sweeps: size models to target parameter counts, run them, fit scaling laws."""

@@ -1,0 +1,154 @@
+"""Sweeps: the sizing rule, the plan, the scaling-law fit, and a small sweep run and collected."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from gpn_scale.errors import UserError
+from gpn_scale.sweep import sizing
+from gpn_scale.sweep.fit import fit_power_law
+from gpn_scale.sweep.spec import load_spec, plan, write_point
+from gpn_scale.train.config import load_train_config
+from mds_fixture import write_windows
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("family", sorted(sizing.RULES))
+def test_sizing_rule_lands_within_3_percent_of_every_target(family):
+    for target, vocab in ((4e4, 512), (2e7, 32000), (1.3e8, 32000), (1.3e9, 32000)):
+        model, n = sizing.size(family, target, vocab)
+        assert abs(n - target) / target < 0.03, (family, target, n, model)
+        assert model["vocab_size"] == vocab
+    small, n = sizing.size(family, 4e4, 512)
+    from gpn_scale.config import model_config
+    from gpn_scale.models import build_model
+
+    built = build_model(model_config(small))  # the meta-device count is the real model's
+    assert sum(p.numel() for p in built.parameters()) == n
+
+
+def test_sizing_rule_grows_the_width_and_refuses_targets_below_its_smallest_model():
+    small, _ = sizing.size("gpn_m_1l", 2e7, 32000)
+    big, _ = sizing.size("gpn_m_1l", 1.3e9, 32000)
+    assert big["d_state"] > small["d_state"] and big["d_ffn"] > small["d_ffn"]
+    with pytest.raises(UserError, match="below the smallest model"):
+        sizing.size("transformer", 1e4, 32000)
+    with pytest.raises(UserError, match="family: expected one of"):
+        sizing.size("mamba", 1e6, 512)
+
+
+def test_fit_recovers_a_known_law_and_its_interval_covers_it():
+    x = np.geomspace(1e5, 3.2e6, 6)
+    exact = fit_power_law(x, 1.7 + 40 * x ** -0.34, bootstrap=100)
+    assert (exact.E, exact.A, exact.alpha) == pytest.approx((1.7, 40, 0.34), rel=1e-6)
+    noisy_y = 1.7 + 40 * x ** -0.34 + np.random.default_rng(1).normal(0, 0.005, len(x))
+    noisy = fit_power_law(noisy_y * 0 + x, noisy_y, bootstrap=300)
+    lo, hi = noisy.interval["alpha"]
+    assert lo < 0.34 < hi and lo < noisy.alpha < hi
+    flat = fit_power_law(x, np.full(len(x), 3.0), bootstrap=50)  # no improvement with x: A = 0, E = the loss
+    assert flat.A == 0 and flat.E == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="3 distinct"):
+        fit_power_law([1, 1, 2], [3, 3, 2])
+
+
+def write_spec(tmp_path, data, **extra) -> Path:
+    spec = {
+        "train": str(ROOT / "configs" / "train" / "gpn_m_tiny.yaml"),
+        "overrides": {"data.train": str(data / "train"), "data.val": str(data / "val"), "train.micro_batch": 4,
+                      "eval.batches": 2},
+        "families": ["gpn_m_1l", "transformer"], "params": ["40e3", 60000, 90000], "tokens_per_param": [0.05],
+        "seq_len": 32, "global_batch": 4, "lr": {"base": 3.0e-3, "ref_params": 6.0e4, "power": 0.5},
+        "seeds": [0], "out": str(tmp_path / "sweep"), **extra,
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    write_windows(root / "train", 200, 32, 512)
+    write_windows(root / "val", 8, 32, 512, seed=1)
+    return root
+
+
+def test_plan_sizes_schedules_and_writes_each_point(tmp_path, data):
+    spec, out = load_spec(write_spec(tmp_path, data, tokens_per_param=[0.05, 0.1], seeds=[0, 1]))
+    points = plan(spec)
+    assert len(points) == 2 * 3 * 2 * 2 and len({p.name for p in points}) == len(points)
+    for p in points:
+        assert abs(p.params - p.target_params) / p.target_params < 0.03
+        assert p.steps == math.ceil(p.tokens_per_param * p.params / (32 * 4)) and p.tokens == p.steps * 128
+        assert p.lr == pytest.approx(3e-3 * (p.params / 6e4) ** -0.5)
+    run_dir = write_point(spec, points[0], out)
+    cfg = load_train_config(run_dir / "train.yaml")
+    assert cfg.run.dir == str(run_dir) and cfg.model["family"] == "gpn_m" and cfg.seed == points[0].seed
+    assert cfg.train.total_steps == points[0].steps and cfg.train.global_batch == 4 and cfg.train.lr == points[0].lr
+    assert cfg.data.train == str(data / "train")
+    assert json.loads((run_dir / "point.json").read_text())["params"] == points[0].params
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"families": ["mamba"]}, "families: 'mamba' is not one of"),
+    ({"params": []}, "params: expected a non-empty list"),
+    ({"global_batch": 0}, "global_batch: expected a positive integer"),
+    ({"lr": {"base": 1e-3, "warmup": 3}}, "lr.warmup: unknown key"),
+    ({"tokens_per_params": [1]}, "tokens_per_params: unknown key"),
+])
+def test_bad_specs_are_one_line_errors(tmp_path, data, bad, message):
+    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "sweep", str(write_spec(tmp_path, data, **bad)),
+                           "--dry-run"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_slurm_backend_dry_run_prints_one_sbatch_per_point_chained(tmp_path, data):
+    spec = write_spec(tmp_path, data, slurm={"sbatch_args": ["--time=01:00:00"], "chain": True})
+    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "sweep", str(spec), "--backend", "slurm", "--dry-run"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    sbatch = [line for line in proc.stdout.splitlines() if line.startswith("+ sbatch")]
+    assert len(sbatch) == 6 and all("launchers/slurm/train.sbatch" in s and "--time=01:00:00" in s for s in sbatch)
+    assert "--dependency" not in sbatch[0] and all("--dependency=afterany:" in s for s in sbatch[1:])
+    assert not (tmp_path / "sweep").exists()  # a dry run writes nothing
+
+
+@pytest.mark.slow
+def test_local_sweep_runs_every_point_and_collect_fits_and_plots(tmp_path, data):
+    spec = write_spec(tmp_path, data)
+    run = subprocess.run([sys.executable, "-m", "gpn_scale", "sweep", str(spec)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=1200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = tmp_path / "sweep"
+    again = subprocess.run([sys.executable, "-m", "gpn_scale", "sweep", str(spec)], capture_output=True, text=True,
+                           cwd=ROOT, timeout=300)
+    assert again.returncode == 0 and again.stdout.count("already finished") == 6
+
+    collect = subprocess.run([sys.executable, "-m", "gpn_scale", "sweep", "collect", str(out)], capture_output=True,
+                             text=True, cwd=ROOT, timeout=300)
+    assert collect.returncode == 0, collect.stderr
+    import csv
+
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert len(rows) == 6 and all(r["status"] == "finished" for r in rows)
+    for r in rows:
+        metrics = [json.loads(l) for l in (out / r["name"] / "metrics.jsonl").read_text().splitlines()]
+        assert float(r["val_loss"]) == [m for m in metrics if "val_loss" in m][-1]["val_loss"]
+        assert int(r["tokens"]) == int(json.loads((out / r["name"] / "point.json").read_text())["tokens"])
+        assert float(r["flops"]) > 6 * int(r["params"]) * int(r["tokens"]) * 0.99
+    fits = json.loads((out / "fits.json").read_text())
+    for family in ("gpn_m_1l", "transformer"):
+        for key in ("L(N)", "L(C)"):
+            fit = fits[family][key]
+            lo, hi = fit["interval_95"]["alpha"]
+            assert fit["points"] == 3 and lo <= fit["alpha"] <= hi
+    for png in ("loss_vs_params.png", "loss_vs_compute.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
