@@ -72,15 +72,7 @@ LAMBADA_TEXTS = [
 ]
 
 
-def test_lambada_matches_a_hand_computation(setup, tmp_path, capsys):
-    root, tok_path, _, model = setup
-    path = tmp_path / "lambada.jsonl"
-    path.write_text("\n".join(json.dumps({"text": t, "extra": 1}) for t in LAMBADA_TEXTS) + "\n\n")
-    code, out, _ = run(capsys, "eval", root / "ckpt", "--lambada", path, "--tokenizer", tok_path, "--json",
-                       "--batch", 2, "--out", tmp_path)
-    assert code == 0
-    metrics = json.loads(out)
-
+def lambada_by_hand(model, tok_path) -> tuple[list[int], list[float]]:
     tok = Tokenizer.from_file(str(tok_path))
     hits, ces = [], []
     for text in LAMBADA_TEXTS:
@@ -92,6 +84,19 @@ def test_lambada_matches_a_hand_computation(setup, tmp_path, capsys):
         logp = torch.log_softmax(logits[len(ctx):], -1)
         ces.append(-logp[torch.arange(len(tgt)), torch.tensor(tgt)].mean().item())
         hits.append(int(logits[len(ctx)].argmax()) == tgt[0])
+    return hits, ces
+
+
+def test_lambada_matches_a_hand_computation(setup, tmp_path, capsys):
+    root, tok_path, _, model = setup
+    path = tmp_path / "lambada.jsonl"
+    path.write_text("\n".join(json.dumps({"text": t, "extra": 1}) for t in LAMBADA_TEXTS) + "\n\n")
+    code, out, _ = run(capsys, "eval", root / "ckpt", "--lambada", path, "--tokenizer", tok_path, "--json",
+                       "--batch", 2, "--out", tmp_path)
+    assert code == 0
+    metrics = json.loads(out)
+
+    hits, ces = lambada_by_hand(model, tok_path)
     assert metrics["lambada_examples"] == len(LAMBADA_TEXTS)
     assert metrics["lambada_acc"] == pytest.approx(sum(hits) / len(hits))
     assert 0 < metrics["lambada_acc"] < 1  # the trained model gets the corpus' sentences, not the odd one
@@ -164,3 +169,29 @@ def test_a_run_records_its_tokenizer_and_refuses_another(setup, tmp_path):
     with pytest.raises(UserError, match="other.json: not the tokenizer the model was trained with"):
         resolve_tokenizer("run", trained, str(other), None, model)
     assert training_prep(root / "ckpt") is None  # a native checkpoint records no training data
+
+
+@pytest.mark.parametrize("family", ["transformer", "gdn"])
+def test_baselines_get_the_same_ppl_and_lambada_protocol(setup, tmp_path, capsys, family):
+    from gpn_scale.config import model_config
+    from gpn_scale.models import build_model
+
+    root, tok_path, prep, _ = setup
+    vocab = json.loads((prep / "stats.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    model = build_model(model_config(f"{family}_tiny", {"vocab_size": vocab}))
+    model = train(model, read_windows(open_data(prep / "train")), steps=40)
+    save_native(model, tmp_path / "ckpt")
+    lambada = tmp_path / "lambada.jsonl"
+    lambada.write_text("\n".join(json.dumps({"text": t}) for t in LAMBADA_TEXTS) + "\n")
+    code, out, err = run(capsys, "eval", tmp_path / "ckpt", "--data", prep, "--lambada", lambada, "--tokenizer",
+                         tok_path, "--json", "--batch", 3, "--out", tmp_path)
+    assert code == 0, err
+    metrics = json.loads(out)
+    windows = read_windows(open_data(prep / "val"))
+    with torch.no_grad():
+        losses = model(windows).token_losses.double()
+    assert metrics["ppl"] == pytest.approx(math.exp(losses.mean().item()), rel=1e-5)
+    hits, ces = lambada_by_hand(model, tok_path)
+    assert metrics["lambada_acc"] == pytest.approx(sum(hits) / len(hits))
+    assert metrics["lambada_ppl"] == pytest.approx(math.exp(sum(ces) / len(ces)), rel=1e-5)
