@@ -53,9 +53,10 @@ def overrides(data, run_dir, steps, save_every=3):
             "train.grad_accum=null", "train.global_batch=4"]
 
 
-def reference(data, run_dir, steps):
+def reference(data, run_dir, steps, save_every=3):
     """An uninterrupted 2-process run on this node, through `gpn-scale launch`."""
-    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "launch", str(CONFIG), *overrides(data, run_dir, steps),
+    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "launch", str(CONFIG),
+                           *overrides(data, run_dir, steps, save_every),
                            "--nproc", "2"], env=env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stdout.startswith("+ ") and "torch.distributed.run --standalone" in proc.stdout
@@ -169,15 +170,17 @@ def wait_for(cluster, job_id: str, timeout: float = 900) -> dict:
 
 @pytest.mark.slow
 def test_slurm_job_checkpoints_at_the_time_limit_signal_requeues_and_finishes(data, cluster, tmp_path):
-    steps = 30  # long enough that the forwarded signal lands mid-run (the script polls every 2 s)
-    ref = reference(data, tmp_path / "ref", steps)  # also builds DeepSpeed's CPU ops before the timed job
+    # slurmctld sends the warning signal from a periodic check, anywhere in the job's first 30 s here:
+    # the training must outlast that (300 tiny steps take >= 35 s on two cores).
+    steps = 300
+    ref = reference(data, tmp_path / "ref", steps, save_every=100)  # also builds DeepSpeed's CPU ops first
     run_dir, log = tmp_path / "run", tmp_path / "job.log"
     # A 2-minute limit with USR1 115 s before it: the warning comes at once, before the trainers
     # are even up; the batch script keeps forwarding it until they checkpoint.
     submit = cluster.run(
         "sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--time=2", "--signal=B:USR1@115",
         f"--output={log}", str(ROOT / "launchers" / "slurm" / "train.sbatch"), str(CONFIG),
-        *overrides(data, run_dir, steps), env=env(RDZV_PORT=str(_port())))
+        *overrides(data, run_dir, steps, save_every=100), env=env(RDZV_PORT=str(_port())))
     state = wait_for(cluster, submit.stdout.strip().split(";")[0])
     text = log.read_text()
     assert state.get("JobState") == "COMPLETED", text[-6000:]
