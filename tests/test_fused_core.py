@@ -224,3 +224,36 @@ def test_memory_read_backward_matches_autograd():
     torch.testing.assert_close(dq, ref[0])
     torch.testing.assert_close(dgate, ref[1])
     torch.testing.assert_close(dM, dM_in + ref[2])
+
+
+def test_memory_functions_write_into_given_buffers():
+    """The core keeps M and dL/dM in two buffers written in turn: with out_M / out_dM the results
+    land in the buffer given, equal to a fresh computation, and the input is left as it was."""
+    x = _memory_inputs(seed=2)
+    M_in = x["M"].clone()
+    ref = memory_step(**x)
+    buf = torch.full_like(x["M"], float("nan"))
+    got = memory_step(**x, out_M=buf)
+    assert got[0] is buf
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(x["M"], M_in, rtol=0, atol=0)
+
+    M, e, o, _ = ref
+    f = read_factors(o, x["gate"])
+    dM, dy = torch.randn_like(M), torch.randn_like(o)
+    args = (x["M"], M, x["k"], x["beta"], x["decay"], e, x["beta"][..., None] * e, x["q"], f, dM.clone(), dy)
+    want = memory_step_backward(*args)
+    buf = torch.full_like(M, float("nan"))
+    got = memory_step_backward(*args, out_dM=buf)
+    assert got[0] is buf
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(args[9], dM, rtol=0, atol=0)  # the incoming dM is not overwritten
+
+    want = memory_read_backward(M, x["q"], f, dy, dM)
+    buf = torch.full_like(M, float("nan"))
+    got = memory_read_backward(M, x["q"], f, dy, dM, out_dM=buf)
+    assert got[2] is buf
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
