@@ -12,13 +12,15 @@ needs (DESIGN.md, "Where the time goes", points 2-4):
   third. `fuse_weights` builds the fused matrices from the parameters with ordinary autograd
   ops, so the parameters keep the paper's layout and the norm weights get their gradients from
   the chain rule of one elementwise product.
-- Small saved state. The forward saves the narrow per-step vectors (normalised layer inputs,
-  keys, queries, raw reads, the write's prediction errors and gates, fuse gates) and M at the
-  start of every `chunk` steps. The wide ones (projection outputs, second-GEMM inputs) are
-  recomputed per chunk in the backward, with one GEMM over the chunk's rows.
+- Small saved state. Per step the forward saves the normalised layer inputs (and their rms)
+  and the write's gates, M at the start of every `chunk` steps, and its output P. Everything
+  else lives in two-slot work buffers (M too) and is recomputed per chunk in the backward: the
+  projections with one GEMM over the chunk's rows, keys and queries from them, the fuse gates'
+  inputs from P, the write's errors and the reads while M is rebuilt.
 - Reverse sweep for the input-gradient chain only, chunk by chunk from the end. Step by step,
-  back through the fuse gate, the layers and the memory, carrying dL/dg and dL/dM; M is rebuilt
-  inside each chunk from the chunk's saved start. The gradients w.r.t. each GEMM's output are
+  back through the fuse gate, the layers and the memory, carrying dL/dg and dL/dM (in two
+  buffers written in turn); M is rebuilt inside each chunk from the chunk's saved start, into
+  one buffer that every chunk reuses. The gradients w.r.t. each GEMM's output are
   kept for the chunk (dY rows), and the weight gradients are GEMMs over the chunk's B*chunk rows
   (dW += X^T dY), so the backward's working memory is a chunk's, not the window's.
 
