@@ -229,7 +229,7 @@ def memory_step(M, k, v, beta, decay, q, gate, *, out_e=None, out_o=None, out_y=
 
 
 def decay_and_write(M, k, delta, decay, *, out_M=None):
-    """decay M + k delta^T per head (the reverse sweep's rebuild of M), into `out_M` when given."""
+    """decay M + k delta^T per head (the write alone), into `out_M` when given."""
     M = _check_m(M)
     B, H, n_k, n_v = M.shape
     bk, bv = _blocks(n_k, n_v)

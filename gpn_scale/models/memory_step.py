@@ -52,8 +52,9 @@ def scalar_tensors(like: torch.Tensor, *values: float) -> tuple[torch.Tensor, ..
 def decay_and_write(M, k, delta, decay, *, out_M=None):
     """decay M + k delta^T per head, delta = beta (v - M^T k), into `out_M` (never M itself).
 
-    The reverse sweep rebuilds M inside a chunk with this same function from the saved k, delta
-    and decay, so the rebuilt M is bit-identical to the forward's.
+    The write of `memory_step`, which the reverse sweep also replays to rebuild M inside a chunk.
+    The outer product is an elementwise addcmul over broadcast views: a baddbmm would first copy
+    its input into a fresh output.
     """
     B, H, n_k, n_v = M.shape
     return torch.mul(M, decay.view(B, H, 1, 1), out=out_M).addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))
