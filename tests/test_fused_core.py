@@ -257,3 +257,32 @@ def test_memory_functions_write_into_given_buffers():
     assert got[2] is buf
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _fused_node(loss):
+    """The FusedCore node of loss's graph (a custom Function's node is its ctx)."""
+    todo, seen = [loss.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        if type(node).__name__ == "FusedCoreBackward":
+            return node
+        seen.add(node)
+        todo.extend(f for f, _ in node.next_functions)
+    raise AssertionError("no FusedCore node in the graph")
+
+
+@pytest.mark.parametrize("case", ["gpn_2l", "gpn_m_2l"])
+def test_fused_core_saves_only_narrow_per_step_vectors(case):
+    """Per step the forward keeps the normalised layer inputs, their rms and the write's three
+    gates; everything else is recomputed per chunk. M is kept once per chunk."""
+    model = make(**CASES[case])
+    cfg, (B, T) = model.config, (2, 21)
+    S = _fused_node(model(torch.randint(0, ODD.vocab_size, (B, T))).loss).S
+    tensors = [x for v in vars(S).values() for x in (v if isinstance(v, list) else [v]) if isinstance(x, torch.Tensor)]
+    per_step = sum(x.numel() for x in tensors if x.dim() and x.shape[0] == T and x is not S.P)
+    assert per_step == T * B * (cfg.n_layers * (cfg.d_state + 1) + (3 * cfg.n_heads if cfg.memory else 0))
+    assert S.P.shape == (T, B, cfg.d_state)
+    if cfg.memory:
+        assert len(S.M) == -(-T // cfg.core_chunk)
