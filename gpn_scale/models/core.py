@@ -153,8 +153,10 @@ def _buffers(spec: Spec, layers, T, B, like):
     new = lambda *shape: like.new_empty((T, B) + shape)  # noqa: E731
     ring = lambda *shape: like.new_empty((2, B) + shape)  # noqa: E731
     S = SimpleNamespace(
-        X=[new(d) for _ in layers],  # normalised layer inputs
-        R=[new(1) for _ in layers],  # their rms
+        # Normalised layer inputs and their rms. Layer 0's is the grounded state's, which the
+        # backward forms again from u, P and the fuse gates: it lives in the work ring.
+        X=[ring(d)] + [new(d) for _ in layers[1:]],
+        R=[ring(1)] + [new(1) for _ in layers[1:]],
         # Everything else is recomputed per chunk in the backward: the projections with one GEMM,
         # keys and queries from them, the fuse gates' inputs from the predictions, the write's
         # errors and the reads while M is rebuilt. The loop keeps only the current step's.
@@ -222,6 +224,7 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
         v0 = V[0]
     # Each layer's normalised input is written by the group before it: the previous layer's
     # residual_rms, or (layer 0) the previous step's ground; the first step's here.
+    S.u, S.g0 = u, g
     ew.rms_hat(g, V[0]["x"][0], V[0]["r"][0])
     for t in range(T):
         s, w = (t if save else t % 2), t % 2  # saved and work-ring slots
@@ -229,7 +232,7 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
             S.M.append(M)
         c = g
         for i, (L, v) in enumerate(zip(layers, V)):
-            _mm(v["x"][s], L.W, v["y"][w], L.b)
+            _mm(v["x"][w if i == 0 else s], L.W, v["y"][w], L.b)
             if not spec.memory:
                 ew.post_projection(v["h1"][w], v["h2"][w], v["z_ffn"][w])
             elif i == 0:
@@ -245,8 +248,7 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
             x_next, r_next = (XP[w], RP[w]) if last else (V[i + 1]["x"][s], V[i + 1]["r"][s])
             c = ew.residual_rms(_mm(v["z"][w], L.W2o), v["pg"][w], c, Ps[t] if last else None, x_next, r_next)
         _mm(XP[w], fg_W, FG[w], fg_b)
-        nxt = (t + 1) if save else (t + 1) % 2
-        x_next, r_next = (V[0]["x"][nxt], V[0]["r"][nxt]) if t < T - 1 else (None, None)
+        x_next, r_next = (V[0]["x"][1 - w], V[0]["r"][1 - w]) if t < T - 1 else (None, None)
         g_prev, g = g, ew.ground(FG[w], c, us[t], FG[w], x_next, r_next)
     return P, g, g_prev, M, (S if save else None)
 
@@ -254,7 +256,16 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
 # ---- backward --------------------------------------------------------------------------------
 
 
-def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_first):
+def _workspace(spec: Spec, layers, L, B, like):
+    """Per layer, the chunk's widest buffers (projections, second GEMM inputs, their gradients,
+    the SwiGLU factors), made once for the sweep and reused by every chunk: fresh ones per chunk
+    leave the heap fragmented, and the process's resident memory creeping up chunk by chunk."""
+    new = lambda *shape: like.new_empty((L, B) + shape)  # noqa: E731
+    return [dict(Y=new(W.W.shape[1]), dY=new(W.W.shape[1]), Z=new(W.W2o.shape[0]), dZ=new(W.W2o.shape[0]),
+                 ffn_fac=new(2, spec.F)) for W in layers]
+
+
+def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_first, X0, R0, XP, RP, fg, work):
     """Per-step views of one chunk's gradient buffers and of its derivative factors.
 
     The factors are the parts of the elementwise derivatives that do not depend on the incoming
@@ -262,27 +273,26 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
     GEMMs. Buffers live for one chunk, so the backward's working memory is a chunk's, not T's.
     GPN+M: the keys and queries are normalised again from the recomputed projections (k_first:
     the key of the chunk's first step, which the step before projected); the reads and the
-    write's errors are left to the rebuild of M and `_chunk_reads`.
+    write's errors are left to the rebuild of M and `_chunk_reads`. X0, R0, XP, RP, fg: the
+    chunk's layer-0 inputs, normalised predictions and fuse gates (`_grounded_rows`). work: the
+    per-layer buffers of `_workspace`, of which the chunk uses its first L rows.
     """
-    XP, RP = rms_hat(S.P[sl])
     L, B, d = XP.shape
     H, dk, Fd = spec.H, spec.dk, spec.F
     empty = lambda *shape: XP.new_empty(shape)  # noqa: E731
     C = []
-    for i, (W, col) in enumerate(zip(layers, cols)):
-        x_hat, r = S.X[i][sl], S.R[i][sl]
-        Y = _mm(x_hat.reshape(L * B, d), W.W, bias=W.b).view(L, B, -1)  # as the forward's, one GEMM
-        Z = empty(L, B, W.W2o.shape[0])
-        dY, dZ = empty(L, B, W.W.shape[1]), empty(L, B, W.W2o.shape[0])  # every row is written
+    for i, (W, col, ws) in enumerate(zip(layers, cols, work)):
+        x_hat, r = (X0, R0) if i == 0 else (S.X[i][sl], S.R[i][sl])
+        Y, Z, dY, dZ, ffn_fac = (ws[n][:L] for n in ("Y", "Z", "dY", "dZ", "ffn_fac"))  # every row is written
+        _mm(x_hat.reshape(L * B, d), W.W, Y.view(L * B, -1), W.b)  # as the forward's, one GEMM
         pg = torch.sigmoid(Y[..., col["pg"]])
         pg_fac = (x_hat * r).mul_(pg).mul_(1 - pg)
         h1, h2 = Y[..., col["ffn"]].chunk(2, -1)
-        ffn_fac = empty(L, B, 2, Fd)  # (dL/dh1, dL/dh2) = dL/d(silu(h1) h2) * ffn_fac
-        s1 = torch.sigmoid(h1)
+        s1 = torch.sigmoid(h1)  # (dL/dh1, dL/dh2) = dL/d(silu(h1) h2) * ffn_fac
         silu = torch.mul(h1, s1, out=ffn_fac[:, :, 1])
         torch.mul(torch.addcmul(s1 + silu, silu, s1, value=-1.0), h2, out=ffn_fac[:, :, 0])  # silu'(h1) h2
         torch.mul(silu, h2, out=Z[..., :Fd])
-        c = dict(Y=Y, Z_full=Z, dY_full=dY, dZ_full=dZ, dU_full=empty(L, B, d), pg_gate=_steps(pg), pg_fac=_steps(pg_fac),
+        c = dict(X_full=x_hat, x=_steps(x_hat), r=_steps(r), Y=Y, Z_full=Z, dY_full=dY, dZ_full=dZ, dU_full=empty(L, B, d), pg_gate=_steps(pg), pg_fac=_steps(pg_fac),
                  ffn_fac=_steps(ffn_fac), dY=_steps(dY), dZ=_steps(dZ), dffn=_steps(dY[..., col["ffn"]], 2, Fd),
                  dpg=_steps(dY[..., col["pg"]]), dz_ffn=_steps(dZ[..., None, :Fd]), dz_read=_steps(dZ[..., Fd:]))
         c["dU"] = _steps(c["dU_full"])
@@ -297,7 +307,6 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
                 c.update(keys=[k_first] + list(_steps(nq[:-1, :, 0])), v=_steps(Y[..., col["v"]], H, spec.dv))
         C.append(c)
     dYfg = empty(L, B, d)
-    fg = torch.sigmoid(_mm(XP.reshape(L * B, d), fg_W, bias=fg_b)).view(L, B, d)
     G = dict(dYfg_full=dYfg, dYfg=_steps(dYfg), fg=_steps(fg), fg_fac=_steps((XP * RP).mul_(fg).mul_(1 - fg)),
              XP=XP, xp=_steps(XP), rp=_steps(RP))
     if spec.memory:
@@ -313,6 +322,22 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
                  dv=_steps(dY0[..., col0["v"]], H, spec.dv), dkn=_steps(dY0[..., col0["k"]]), dKQ_full=dKQ,
                  dKQ=_steps(dKQ.transpose(1, 2)), dk_out=_steps(dKQ[:, 0]), dq_out=_steps(dKQ[:, 1]))
     return C, G
+
+
+def _grounded_rows(S, lo: int, hi: int, fg_W, fg_b):
+    """The forward's per-step vectors around the grounded state, formed again from the
+    predictions P and the inputs u, time-major: for steps lo..hi-1 the normalised predictions,
+    their rms and the fuse gates fg = sigmoid(xp W_fg + b) (one GEMM); layer 0's normalised
+    input and its rms, from g_t = u_{t-1} + fg_{t-1} P_{t-1}, for steps lo+1..hi-1 (0..hi-1
+    when lo is 0: step 0's is the incoming state's). Returns (XP, RP, fg, X0, R0)."""
+    XP, RP = rms_hat(S.P[lo:hi])
+    L, B, d = XP.shape
+    fg = torch.sigmoid(_mm(XP.reshape(L * B, d), fg_W, bias=fg_b)).view(L, B, d)
+    g = torch.addcmul(S.u[lo : hi - 1].to(XP.dtype), fg[:-1], S.P[lo : hi - 1])
+    if lo == 0:
+        g = torch.cat([S.g0[None], g])
+    X0, R0 = rms_hat(g)
+    return XP, RP, fg, X0, R0
 
 
 def _chunk_reads(spec: Spec, S, sl: slice, C, G, Ms):
@@ -339,18 +364,22 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
     layers, fg_W, fg_b = _cast(spec, layers, fg_W, fg_b)
     cols = [columns(spec, i == 0) for i in range(nl)]
     WT, W2oT, fg_WT = [L.W.T for L in layers], [L.W2o.T for L in layers], fg_W.T
-    V = [_layer_steps(spec, S, i, cols[i]) for i in range(nl)]
     du = S.P.new_empty((T, B, d))
     dus, dPs = _steps(du), (_steps(dP) if dP is not None else None)
     dg = S.P.new_zeros((B, d)) if dg is None else dg
 
-    def gemm(X, G):  # X^T G over all rows, in the compute dtype, the result in the state dtype
-        return (X.reshape(-1, X.shape[-1]).to(cd).T @ G.reshape(-1, G.shape[-1]).to(cd)).to(sd)
+    def gemm(acc, X, G):  # acc += X^T G over all rows, the GEMM in the compute dtype
+        X, G = X.reshape(-1, X.shape[-1]).to(cd), G.reshape(-1, G.shape[-1]).to(cd)
+        if cd == sd:  # accumulate in place: no (in x out) temporary
+            acc.addmm_(X.T, G)
+        else:
+            acc += (X.T @ G).to(sd)
 
     grads = [[torch.zeros_like(L.W, dtype=sd), torch.zeros_like(L.b, dtype=sd), torch.zeros_like(L.W2o, dtype=sd)] for L in layers]
     dfg_W, dfg_b = torch.zeros_like(fg_W, dtype=sd), torch.zeros_like(fg_b, dtype=sd)
     A = None
     ew = step_ops(spec.kernel)
+    work = _workspace(spec, layers, min(spec.chunk, T), B, S.P)
     if spec.memory:
         mem = memory_ops(spec.kernel)
         col0 = cols[0]
@@ -368,11 +397,17 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
 
     for c0 in reversed(range(0, T, spec.chunk)):
         c1 = min(c0 + spec.chunk, T)
-        sl = slice(c0, c1)
+        # From two steps back: the gate of step c0 - 2 forms the input of step c0 - 1, whose
+        # projection holds the key of step c0.
+        sl, lo = slice(c0, c1), max(c0 - 2, 0)
+        XP, RP, fg, X0, R0 = _grounded_rows(S, lo, c1, fg_W, fg_b)
+        first = 0 if lo == 0 else lo + 1  # the step of X0[0]
         k_first = None
-        if spec.memory:  # the key of step c0 was projected at step c0 - 1
-            k_first = S.k0 if c0 == 0 else l2n_relu(_mm(S.X[0][c0 - 1], W_k, bias=b_k).view(B, H, dk))[0]
-        C, G = _chunk_buffers(spec, S, sl, layers, cols, fg_W, fg_b, A, k_first)
+        if spec.memory:
+            k_first = S.k0 if c0 == 0 else l2n_relu(_mm(X0[c0 - 1 - first], W_k, bias=b_k).view(B, H, dk))[0]
+        X0, R0 = X0[c0 - first :], R0[c0 - first :]
+        C, G = _chunk_buffers(spec, S, sl, layers, cols, fg_W, fg_b, A, k_first, X0, R0, XP[c0 - lo :], RP[c0 - lo :],
+                              fg[c0 - lo :], work)
         if spec.memory:  # Ms[j] = M before step c0 + j, rebuilt from the chunk's start, with layer 0's reads
             Ms, c = [S.M[c0 // spec.chunk]] + list(_steps(Mbuf[: c1 - c0])), C[0]
             for j, t in enumerate(range(c0, c1)):
@@ -387,7 +422,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
             dxp = _mm(torch.mul(dg, G["fg_fac"][j], out=G["dYfg"][j]), fg_WT)
             dc = ew.residual_rms_backward(G["xp"][j], G["rp"][j], dxp, dg, G["fg"][j], None if dPs is None else dPs[t], out=C[-1]["dU"][j])
             for i in reversed(range(nl)):
-                v, c = V[i], C[i]
+                c = C[i]
                 _mm(dc, W2oT[i], c["dZ"][j])  # into the dZ rows of the chunk
                 ew.gate_grads(c["dz_ffn"][j], c["ffn_fac"][j], c["dffn"][j], dc, c["pg_fac"][j], c["dpg"][j])
                 if spec.memory:
@@ -409,7 +444,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
                 dx = _mm(c["dY"][j], WT[i])
                 if i == 0 and spec.memory and not kn_flows:  # the next key's gradient reaches the weights only
                     dx -= _mm(G["dkn"][j], W_kT)
-                dc = ew.residual_rms_backward(v["x"][t], v["r"][t], dx, dc, c["pg_gate"][j], out=C[i - 1]["dU"][j] if i > 0 else None)
+                dc = ew.residual_rms_backward(c["x"][j], c["r"][j], dx, dc, c["pg_gate"][j], out=C[i - 1]["dU"][j] if i > 0 else None)
             dg = dc if (t < T - 1 or dg_prev is None) else dc + dg_prev
             if spec.bptt and t > 0 and t % spec.bptt == 0:  # where the naive core detaches the state
                 dg = torch.zeros_like(dg)
@@ -419,10 +454,10 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
             elif spec.memory:
                 kn_flows = True
         for i, c in enumerate(C):
-            grads[i][0] += gemm(S.X[i][sl], c["dY_full"])
+            gemm(grads[i][0], c["X_full"], c["dY_full"])
             grads[i][1] += c["dY_full"].sum((0, 1))
-            grads[i][2] += gemm(c["Z_full"], c["dU_full"])
-        dfg_W += gemm(G["XP"], G["dYfg_full"])
+            gemm(grads[i][2], c["Z_full"], c["dU_full"])
+        gemm(dfg_W, G["XP"], G["dYfg_full"])
         dfg_b += G["dYfg_full"].sum((0, 1))
         if spec.memory:
             dA_log += (G["dBD_full"][:, 1] * S.DECAY[sl] * S.GAMMA[sl]).sum((0, 1))
@@ -433,7 +468,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
         return du, dg, None, None, None, grads, dfg_W, dfg_b
     # The first key comes from the incoming previous state.
     dk0 = ew.l2n_relu_backward(S.k0, (S.k0 > 0) / S.k0n, dk_next).flatten(1)
-    grads[0][0][:, col0["k"]] += gemm(S.x_prev, dk0)
+    gemm(grads[0][0][:, col0["k"]], S.x_prev, dk0)
     grads[0][1][col0["k"]] += dk0.sum(0)
     dg_prev0 = ew.rms_hat_backward(S.x_prev, S.r_prev, _mm(dk0, W_kT))
     return du, dg, dg_prev0, dM, dA_log, grads, dfg_W, dfg_b
