@@ -196,7 +196,7 @@ def _layer_steps(spec: Spec, S, i, col):
 def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bool):
     """The loop over u (T, B, d), time-major. Returns (P (T, B, d), g, g_prev, M, saved or None).
 
-    Without `save` the buffers hold one step (two for the key, which lives into the next step).
+    Without `save` the per-step buffers are two-slot work rings like the rest.
     """
     T, B, d = u.shape
     H, dk, nl = spec.H, spec.dk, len(layers)
@@ -222,9 +222,9 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
         S.k0, S.k0n = ew.l2n_relu(kpre.view(B, H, dk))
         k = S.k0
         v0 = V[0]
+    S.u, S.g0 = u, g  # the backward forms layer 0's inputs again from them
     # Each layer's normalised input is written by the group before it: the previous layer's
     # residual_rms, or (layer 0) the previous step's ground; the first step's here.
-    S.u, S.g0 = u, g
     ew.rms_hat(g, V[0]["x"][0], V[0]["r"][0])
     for t in range(T):
         s, w = (t if save else t % 2), t % 2  # saved and work-ring slots
@@ -292,7 +292,8 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
         silu = torch.mul(h1, s1, out=ffn_fac[:, :, 1])
         torch.mul(torch.addcmul(s1 + silu, silu, s1, value=-1.0), h2, out=ffn_fac[:, :, 0])  # silu'(h1) h2
         torch.mul(silu, h2, out=Z[..., :Fd])
-        c = dict(X_full=x_hat, x=_steps(x_hat), r=_steps(r), Y=Y, Z_full=Z, dY_full=dY, dZ_full=dZ, dU_full=empty(L, B, d), pg_gate=_steps(pg), pg_fac=_steps(pg_fac),
+        c = dict(X_full=x_hat, x=_steps(x_hat), r=_steps(r), Y=Y, Z_full=Z, dY_full=dY, dZ_full=dZ, dU_full=empty(L, B, d),
+                 pg_gate=_steps(pg), pg_fac=_steps(pg_fac),
                  ffn_fac=_steps(ffn_fac), dY=_steps(dY), dZ=_steps(dZ), dffn=_steps(dY[..., col["ffn"]], 2, Fd),
                  dpg=_steps(dY[..., col["pg"]]), dz_ffn=_steps(dZ[..., None, :Fd]), dz_read=_steps(dZ[..., Fd:]))
         c["dU"] = _steps(c["dU_full"])
