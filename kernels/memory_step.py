@@ -207,8 +207,9 @@ def _check_m(M: torch.Tensor) -> torch.Tensor:
     return M
 
 
-def memory_step(M, k, v, beta, decay, q, gate, *, out_e=None, out_o=None, out_y=None):
-    """Write (k, v) into M, then read the new M with q. Returns (M_t, e, o, y), e = v - M^T k."""
+def memory_step(M, k, v, beta, decay, q, gate, *, out_e=None, out_o=None, out_y=None, out_M=None):
+    """Write (k, v) into M, then read the new M with q. Returns (M_t, e, o, y), e = v - M^T k.
+    M_t goes to `out_M` when given (contiguous, a buffer other than M)."""
     M = _check_m(M)
     B, H, n_k, n_v = M.shape
     bk, bv = _blocks(n_k, n_v)
@@ -217,7 +218,7 @@ def memory_step(M, k, v, beta, decay, q, gate, *, out_e=None, out_o=None, out_y=
     v, sv = layout.rows(v, H * n_v)
     beta, sbeta = layout.rows(beta, H)
     decay, sdecay = layout.rows(decay, H)
-    M_out = layout.empty(M, M.shape)
+    M_out = layout.empty(M, M.shape) if out_M is None else _check_m(out_M)
     e_w, e, se = layout.out(out_e, H * n_v, M, (B, H, n_v))
     o_w, o, so = layout.out(out_o, H * n_v, M, (B, H * n_v))
     _step_fwd[(B * H, triton.cdiv(n_v, bv))](M, M_out, k, v, q, beta, decay, e_w, o_w, sk, sv, sq, sbeta, sdecay, se, so,
@@ -227,15 +228,15 @@ def memory_step(M, k, v, beta, decay, q, gate, *, out_e=None, out_o=None, out_y=
     return M_out, e, o, _gated_rms(o, gate, out_y)
 
 
-def decay_and_write(M, k, delta, decay):
-    """decay M + k delta^T per head (the reverse sweep's rebuild of M)."""
+def decay_and_write(M, k, delta, decay, *, out_M=None):
+    """decay M + k delta^T per head (the write alone), into `out_M` when given."""
     M = _check_m(M)
     B, H, n_k, n_v = M.shape
     bk, bv = _blocks(n_k, n_v)
     k, sk = layout.rows(k, H * n_k)
     delta, sdelta = layout.rows(delta, H * n_v)
     decay, sdecay = layout.rows(decay, H)
-    M_out = layout.empty(M, M.shape)
+    M_out = layout.empty(M, M.shape) if out_M is None else _check_m(out_M)
     _write[(B * H, triton.cdiv(n_v, bv))](M, M_out, k, delta, decay, sk, sdelta, sdecay, H, n_k, n_v, BK=bk, BV=bv, num_warps=layout.warps(bk * bv))
     return M_out
 
@@ -276,24 +277,26 @@ def _read_grad(f: ReadFactors, dy, out_dgate):
     return do, layout.finish(dg_w, dgate)
 
 
-def memory_read_backward(M, q, f: ReadFactors, dy, dM, *, out_dq=None, out_dgate=None):
-    """Gradients of `memory_read` given dy. Returns (dq, dgate, dM + the read's share of dL/dM)."""
+def memory_read_backward(M, q, f: ReadFactors, dy, dM, *, out_dq=None, out_dgate=None, out_dM=None):
+    """Gradients of `memory_read` given dy. Returns (dq, dgate, dM + the read's share of dL/dM),
+    the last in `out_dM` when given (contiguous, a buffer other than dM)."""
     M = _check_m(M)
     B, H, n_k, n_v = M.shape
     bk, bv = _blocks(n_k, n_v)
     q, sq = layout.rows(q, H * n_k)
     do, dgate = _read_grad(f, dy, out_dgate)
-    dM_out = layout.empty(M, M.shape)
+    dM_out = layout.empty(M, M.shape) if out_dM is None else _check_m(out_dM)
     dq_w, dq, sdq = layout.out(out_dq, H * n_k, M, (B, H, n_k))
     _read_bwd[(B * H,)](M, q, do, dM.contiguous(), dM_out, dq_w, sq, do.stride(0), sdq, H, n_k, n_v, BK=bk, BV=bv, num_warps=layout.warps(bk * bv))
     return layout.finish(dq_w, dq), dgate, dM_out
 
 
 def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors, dM, dy, *,
-                         out_dk=None, out_dq=None, out_dbeta=None, out_ddecay=None, out_dgate=None):
+                         out_dk=None, out_dq=None, out_dbeta=None, out_ddecay=None, out_dgate=None, out_dM=None):
     """Gradients of `memory_step` given dM (w.r.t. M_t, from later steps) and dy.
 
-    Returns (dM_prev, dk, dv, dbeta, ddecay, dq, dgate). M, the memory after the write, is
+    Returns (dM_prev, dk, dv, dbeta, ddecay, dq, dgate), dM_prev in `out_dM` when given
+    (contiguous, a buffer other than dM). M, the memory after the write, is
     rebuilt in registers from M_prev, k and delta rather than read: one M-sized read fewer. It
     stays in the signature of the twin, which reads it.
     """
@@ -307,7 +310,7 @@ def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors,
     e, se = layout.rows(e, H * n_v)
     delta, sdelta = layout.rows(delta, H * n_v)
     do, dgate = _read_grad(f, dy, out_dgate)
-    dM_prev = layout.empty(M_prev, M_prev.shape)
+    dM_prev = layout.empty(M_prev, M_prev.shape) if out_dM is None else _check_m(out_dM)
     dv = layout.empty(M_prev, (B, H, n_v))
     dk_w, dk, sdk = layout.out(out_dk, H * n_k, M_prev, (B, H, n_k))
     dq_w, dq, sdq = layout.out(out_dq, H * n_k, M_prev, (B, H, n_k))

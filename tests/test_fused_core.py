@@ -224,3 +224,66 @@ def test_memory_read_backward_matches_autograd():
     torch.testing.assert_close(dq, ref[0])
     torch.testing.assert_close(dgate, ref[1])
     torch.testing.assert_close(dM, dM_in + ref[2])
+
+
+def test_memory_functions_write_into_given_buffers():
+    """The core keeps M and dL/dM in two buffers written in turn: with out_M / out_dM the results
+    land in the buffer given, equal to a fresh computation, and the input is left as it was."""
+    x = _memory_inputs(seed=2)
+    M_in = x["M"].clone()
+    ref = memory_step(**x)
+    buf = torch.full_like(x["M"], float("nan"))
+    got = memory_step(**x, out_M=buf)
+    assert got[0] is buf
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(x["M"], M_in, rtol=0, atol=0)
+
+    M, e, o, _ = ref
+    f = read_factors(o, x["gate"])
+    dM, dy = torch.randn_like(M), torch.randn_like(o)
+    args = (x["M"], M, x["k"], x["beta"], x["decay"], e, x["beta"][..., None] * e, x["q"], f, dM.clone(), dy)
+    want = memory_step_backward(*args)
+    buf = torch.full_like(M, float("nan"))
+    got = memory_step_backward(*args, out_dM=buf)
+    assert got[0] is buf
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(args[9], dM, rtol=0, atol=0)  # the incoming dM is not overwritten
+
+    want = memory_read_backward(M, x["q"], f, dy, dM)
+    buf = torch.full_like(M, float("nan"))
+    got = memory_read_backward(M, x["q"], f, dy, dM, out_dM=buf)
+    assert got[2] is buf
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _fused_node(loss):
+    """The FusedCore node of loss's graph (a custom Function's node is its ctx)."""
+    todo, seen = [loss.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        if type(node).__name__ == "FusedCoreBackward":
+            return node
+        seen.add(node)
+        todo.extend(f for f, _ in node.next_functions)
+    raise AssertionError("no FusedCore node in the graph")
+
+
+@pytest.mark.parametrize("case", ["gpn_2l", "gpn_m_2l"])
+def test_fused_core_saves_only_narrow_per_step_vectors(case):
+    """Per step the forward keeps the normalised inputs of layers after the first, their rms and
+    the write's three gates, besides references to its own input u and output P; everything else
+    (layer 0's input included) is recomputed per chunk. M is kept once per chunk."""
+    model = make(**CASES[case])
+    cfg, (B, T) = model.config, (2, 21)
+    S = _fused_node(model(torch.randint(0, ODD.vocab_size, (B, T))).loss).S
+    tensors = [x for v in vars(S).values() for x in (v if isinstance(v, list) else [v]) if isinstance(x, torch.Tensor)]
+    per_step = sum(x.numel() for x in tensors if x.dim() and x.shape[0] == T and x is not S.P and x is not S.u)
+    assert per_step == T * B * ((cfg.n_layers - 1) * (cfg.d_state + 1) + (3 * cfg.n_heads if cfg.memory else 0))
+    assert S.P.shape == S.u.shape == (T, B, cfg.d_state)
+    if cfg.memory:
+        assert len(S.M) == -(-T // cfg.core_chunk)

@@ -343,7 +343,8 @@ def test_model_with_triton_kernels_matches_torch(case, mode, monkeypatch):
         check(ga[name], gb[name], dtype, name, tol)
     assert {"post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads"} <= set(calls)
     if model.config.memory:  # the kernels ran, in the forward and the reverse sweep
-        assert {"memory_step", "decay_and_write", "memory_step_backward", "l2n_relu_backward"} <= set(calls)
+        assert {"memory_step", "memory_step_backward", "l2n_relu_backward"} <= set(calls)
+        assert calls.count("memory_step") > tokens.shape[1]  # the forward's steps and the rebuild's
         assert ("memory_read" in calls) == ("memory_read_backward" in calls) == (model.config.n_layers > 1)
 
 

@@ -12,13 +12,15 @@ needs (DESIGN.md, "Where the time goes", points 2-4):
   third. `fuse_weights` builds the fused matrices from the parameters with ordinary autograd
   ops, so the parameters keep the paper's layout and the norm weights get their gradients from
   the chain rule of one elementwise product.
-- Small saved state. The forward saves the narrow per-step vectors (normalised layer inputs,
-  keys, queries, raw reads, the write's prediction errors and gates, fuse gates) and M at the
-  start of every `chunk` steps. The wide ones (projection outputs, second-GEMM inputs) are
-  recomputed per chunk in the backward, with one GEMM over the chunk's rows.
+- Small saved state. Per step the forward saves the normalised layer inputs (and their rms)
+  and the write's gates, M at the start of every `chunk` steps, and its output P. Everything
+  else lives in two-slot work buffers (M too) and is recomputed per chunk in the backward: the
+  projections with one GEMM over the chunk's rows, keys and queries from them, the fuse gates'
+  inputs from P, the write's errors and the reads while M is rebuilt.
 - Reverse sweep for the input-gradient chain only, chunk by chunk from the end. Step by step,
-  back through the fuse gate, the layers and the memory, carrying dL/dg and dL/dM; M is rebuilt
-  inside each chunk from the chunk's saved start. The gradients w.r.t. each GEMM's output are
+  back through the fuse gate, the layers and the memory, carrying dL/dg and dL/dM (in two
+  buffers written in turn); M is rebuilt inside each chunk from the chunk's saved start, into
+  one buffer that every chunk reuses. The gradients w.r.t. each GEMM's output are
   kept for the chunk (dY rows), and the weight gradients are GEMMs over the chunk's B*chunk rows
   (dW += X^T dY), so the backward's working memory is a chunk's, not the window's.
 
@@ -37,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from gpn_scale.models.memory_step import ReadFactors, read_factors, rms
+from gpn_scale.models.step_ops import l2n_relu, rms_hat
 from kernels import memory_ops, resolve, step_ops
 from kernels.graph import core_graphs, signature
 
@@ -150,23 +153,26 @@ def _buffers(spec: Spec, layers, T, B, like):
     new = lambda *shape: like.new_empty((T, B) + shape)  # noqa: E731
     ring = lambda *shape: like.new_empty((2, B) + shape)  # noqa: E731
     S = SimpleNamespace(
-        X=[new(d) for _ in layers],  # normalised layer inputs
-        R=[new(1) for _ in layers],  # their rms
-        # The projections and second GEMM inputs are the widest per-step vectors; the backward
-        # recomputes them per chunk with one GEMM, so the loop keeps only the current step's.
+        # Normalised layer inputs and their rms. Layer 0's is the grounded state's, which the
+        # backward forms again from u, P and the fuse gates: it lives in the work ring.
+        X=[ring(d)] + [new(d) for _ in layers[1:]],
+        R=[ring(1)] + [new(1) for _ in layers[1:]],
+        # Everything else is recomputed per chunk in the backward: the projections with one GEMM,
+        # keys and queries from them, the fuse gates' inputs from the predictions, the write's
+        # errors and the reads while M is rebuilt. The loop keeps only the current step's.
         Y=[ring(L.W.shape[1]) for L in layers],  # fused projection outputs
         Z=[ring(L.W2o.shape[0]) for L in layers],  # second GEMM inputs [silu(h1) * h2 | read output]
-        XP=new(d), RP=new(1),  # normalised predictions, their rms
-        FG=ring(d),  # fuse gates (recomputed per chunk too)
+        XP=ring(d), RP=ring(1),  # normalised predictions, their rms
+        FG=ring(d),  # fuse gates
     )
     if spec.memory:
-        # Normalised [next key | query] of layer 0, [query] of later layers, and their norms;
-        # head-block-major so that each step's key and query are contiguous.
+        # Normalised [next key | query] of layer 0, [query] of later layers, and their norms.
         heads = [2] + [1] * (len(layers) - 1)
-        S.NQ = [like.new_empty((T, h, B, H, dk)) for h in heads]
-        S.NN = [like.new_empty((T, h, B, H, 1)) for h in heads]
-        S.O = [new(H * dv) for _ in layers]  # raw reads
-        S.E, S.BETA, S.GAMMA, S.DECAY = new(H, dv), new(H), new(H), new(H)  # the write's error and gates
+        S.NQ = [ring(h, H, dk) for h in heads]
+        S.NN = [ring(h, H, 1) for h in heads]
+        S.O = [ring(H * dv) for _ in layers]  # raw reads
+        S.E = ring(H, dv)  # the write's error
+        S.BETA, S.GAMMA, S.DECAY = new(H), new(H), new(H)  # the write's gates
         S.M = []  # M before every chunk
     return S
 
@@ -178,12 +184,11 @@ def _layer_steps(spec: Spec, S, i, col):
              h1=_steps(Y[..., col["ffn"]][..., :Fd]), h2=_steps(Y[..., col["ffn"]][..., Fd:]),
              z_ffn=_steps(S.Z[i][..., :Fd]), z_read=_steps(S.Z[i][..., Fd:]))
     if spec.memory:
-        nh = S.NQ[i].shape[1]
+        nh = S.NQ[i].shape[2]
         v.update(heads=_steps(Y[..., col["heads"]], nh, H, dk), gate=_steps(Y[..., col["gate"]]),
-                 nq=_steps(S.NQ[i].transpose(1, 2)), nn=_steps(S.NN[i].transpose(1, 2)), q=_steps(S.NQ[i][:, -1]),
-                 o=_steps(S.O[i]))
+                 nq=_steps(S.NQ[i]), nn=_steps(S.NN[i]), q=_steps(S.NQ[i][:, :, -1]), o=_steps(S.O[i]))
         if "k" in col:
-            v.update(next_key=_steps(S.NQ[i][:, 0]), v=_steps(Y[..., col["v"]], H, spec.dv),
+            v.update(next_key=_steps(S.NQ[i][:, :, 0]), v=_steps(Y[..., col["v"]], H, spec.dv),
                      beta=_steps(Y[..., col["beta"]]), a=_steps(Y[..., col["a"]]))
     return v
 
@@ -191,7 +196,7 @@ def _layer_steps(spec: Spec, S, i, col):
 def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bool):
     """The loop over u (T, B, d), time-major. Returns (P (T, B, d), g, g_prev, M, saved or None).
 
-    Without `save` the buffers hold one step (two for the key, which lives into the next step).
+    Without `save` the per-step buffers are two-slot work rings like the rest.
     """
     T, B, d = u.shape
     H, dk, nl = spec.H, spec.dk, len(layers)
@@ -200,19 +205,24 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
     S = _buffers(spec, layers, T if save else 2, B, g)
     V = [_layer_steps(spec, S, i, cols[i]) for i in range(nl)]
     XP, RP, FG = _steps(S.XP), _steps(S.RP), _steps(S.FG)
-    P = g.new_empty((T, B, d))
+    P = S.P = g.new_empty((T, B, d))
     Ps, us = _steps(P), _steps(u.to(g.dtype))
     ew = step_ops(spec.kernel)
     if spec.memory:
         mem = memory_ops(spec.kernel)
         A = -torch.exp(A_log.to(g.dtype))
         M = M.contiguous()
+        # M lives in two work buffers, written in turn; the one that starts a chunk gets its own.
+        Mring = _steps(M.new_empty((2,) + M.shape))
+        kept = [save and (t + 1) % spec.chunk == 0 for t in range(T)]
         E, BETA, GAMMA, DECAY = _steps(S.E), _steps(S.BETA), _steps(S.GAMMA), _steps(S.DECAY)
         S.x_prev, S.r_prev = ew.rms_hat(g_prev)
         k_col = cols[0]["k"]
         kpre = _mm(S.x_prev, layers[0].W[:, k_col], bias=layers[0].b[k_col])
         S.k0, S.k0n = ew.l2n_relu(kpre.view(B, H, dk))
         k = S.k0
+        v0 = V[0]
+    S.u, S.g0 = u, g  # the backward forms layer 0's inputs again from them
     # Each layer's normalised input is written by the group before it: the previous layer's
     # residual_rms, or (layer 0) the previous step's ground; the first step's here.
     ew.rms_hat(g, V[0]["x"][0], V[0]["r"][0])
@@ -222,26 +232,23 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
             S.M.append(M)
         c = g
         for i, (L, v) in enumerate(zip(layers, V)):
-            _mm(v["x"][s], L.W, v["y"][w], L.b)
-            groups = {}
-            if spec.memory:
-                groups = dict(heads=v["heads"][w], out_heads=v["nq"][s], out_norms=v["nn"][s])
-                if i == 0:
-                    groups.update(beta=v["beta"][w], a=v["a"][w], A=A, out_beta=BETA[s], out_gamma=GAMMA[s], out_decay=DECAY[s])
-            ew.post_projection(v["h1"][w], v["h2"][w], v["z_ffn"][w], **groups)
-            if spec.memory:
-                if i == 0:
-                    M, *_ = mem.memory_step(M, k, v["v"][w], BETA[s], DECAY[s], v["q"][s], v["gate"][w],
-                                            out_e=E[s], out_o=v["o"][s], out_y=v["z_read"][w])
-                    k = v["next_key"][s]
-                else:
-                    mem.memory_read(M, v["q"][s], v["gate"][w], out_o=v["o"][s], out_y=v["z_read"][w])
+            _mm(v["x"][w if i == 0 else s], L.W, v["y"][w], L.b)
+            if not spec.memory:
+                ew.post_projection(v["h1"][w], v["h2"][w], v["z_ffn"][w])
+            elif i == 0:
+                ew.post_projection(v["h1"][w], v["h2"][w], v["z_ffn"][w], v["heads"][w], v["nq"][w], v["nn"][w], v["beta"][w],
+                                   v["a"][w], A, BETA[s], GAMMA[s], DECAY[s])
+                M, *_ = mem.memory_step(M, k, v["v"][w], BETA[s], DECAY[s], v["q"][w], v["gate"][w], out_e=E[w],
+                                        out_o=v["o"][w], out_y=v["z_read"][w], out_M=M.new_empty(M.shape) if kept[t] else Mring[w])
+                k = v0["next_key"][w]
+            else:
+                ew.post_projection(v["h1"][w], v["h2"][w], v["z_ffn"][w], v["heads"][w], v["nq"][w], v["nn"][w])
+                mem.memory_read(M, v["q"][w], v["gate"][w], out_o=v["o"][w], out_y=v["z_read"][w])
             last = i == nl - 1
-            x_next, r_next = (XP[s], RP[s]) if last else (V[i + 1]["x"][s], V[i + 1]["r"][s])
+            x_next, r_next = (XP[w], RP[w]) if last else (V[i + 1]["x"][s], V[i + 1]["r"][s])
             c = ew.residual_rms(_mm(v["z"][w], L.W2o), v["pg"][w], c, Ps[t] if last else None, x_next, r_next)
-        _mm(XP[s], fg_W, FG[w], fg_b)
-        nxt = (t + 1) if save else (t + 1) % 2
-        x_next, r_next = (V[0]["x"][nxt], V[0]["r"][nxt]) if t < T - 1 else (None, None)
+        _mm(XP[w], fg_W, FG[w], fg_b)
+        x_next, r_next = (V[0]["x"][1 - w], V[0]["r"][1 - w]) if t < T - 1 else (None, None)
         g_prev, g = g, ew.ground(FG[w], c, us[t], FG[w], x_next, r_next)
     return P, g, g_prev, M, (S if save else None)
 
@@ -249,59 +256,102 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
 # ---- backward --------------------------------------------------------------------------------
 
 
-def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A):
+def _workspace(spec: Spec, layers, L, B, like):
+    """Per layer, the chunk's widest buffers (projections, second GEMM inputs, their gradients,
+    the SwiGLU factors), made once for the sweep and reused by every chunk: fresh ones per chunk
+    leave the heap fragmented, and the process's resident memory creeping up chunk by chunk."""
+    new = lambda *shape: like.new_empty((L, B) + shape)  # noqa: E731
+    return [dict(Y=new(W.W.shape[1]), dY=new(W.W.shape[1]), Z=new(W.W2o.shape[0]), dZ=new(W.W2o.shape[0]),
+                 ffn_fac=new(2, spec.F)) for W in layers]
+
+
+def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_first, X0, R0, XP, RP, fg, work):
     """Per-step views of one chunk's gradient buffers and of its derivative factors.
 
     The factors are the parts of the elementwise derivatives that do not depend on the incoming
     gradient, computed for the chunk's steps at once: the sweep is left with products, dots and
     GEMMs. Buffers live for one chunk, so the backward's working memory is a chunk's, not T's.
+    GPN+M: the keys and queries are normalised again from the recomputed projections (k_first:
+    the key of the chunk's first step, which the step before projected); the reads and the
+    write's errors are left to the rebuild of M and `_chunk_reads`. X0, R0, XP, RP, fg: the
+    chunk's layer-0 inputs, normalised predictions and fuse gates (`_grounded_rows`). work: the
+    per-layer buffers of `_workspace`, of which the chunk uses its first L rows.
     """
-    L, B, d = S.XP[sl].shape
+    L, B, d = XP.shape
     H, dk, Fd = spec.H, spec.dk, spec.F
-    empty = lambda *shape: S.XP.new_empty(shape)  # noqa: E731
+    empty = lambda *shape: XP.new_empty(shape)  # noqa: E731
     C = []
-    for i, (W, col) in enumerate(zip(layers, cols)):
-        x_hat, r = S.X[i][sl], S.R[i][sl]
-        Y = _mm(x_hat.reshape(L * B, d), W.W, bias=W.b).view(L, B, -1)  # as the forward's, one GEMM
-        Z = empty(L, B, W.W2o.shape[0])
-        dY, dZ = empty(L, B, W.W.shape[1]), empty(L, B, W.W2o.shape[0])  # every row is written
+    for i, (W, col, ws) in enumerate(zip(layers, cols, work)):
+        x_hat, r = (X0, R0) if i == 0 else (S.X[i][sl], S.R[i][sl])
+        Y, Z, dY, dZ, ffn_fac = (ws[n][:L] for n in ("Y", "Z", "dY", "dZ", "ffn_fac"))  # every row is written
+        _mm(x_hat.reshape(L * B, d), W.W, Y.view(L * B, -1), W.b)  # as the forward's, one GEMM
         pg = torch.sigmoid(Y[..., col["pg"]])
         pg_fac = (x_hat * r).mul_(pg).mul_(1 - pg)
         h1, h2 = Y[..., col["ffn"]].chunk(2, -1)
-        ffn_fac = empty(L, B, 2, Fd)  # (dL/dh1, dL/dh2) = dL/d(silu(h1) h2) * ffn_fac
-        s1 = torch.sigmoid(h1)
+        s1 = torch.sigmoid(h1)  # (dL/dh1, dL/dh2) = dL/d(silu(h1) h2) * ffn_fac
         silu = torch.mul(h1, s1, out=ffn_fac[:, :, 1])
         torch.mul(torch.addcmul(s1 + silu, silu, s1, value=-1.0), h2, out=ffn_fac[:, :, 0])  # silu'(h1) h2
         torch.mul(silu, h2, out=Z[..., :Fd])
-        if spec.memory:
-            O, gate = S.O[i][sl], Y[..., col["gate"]]
-            torch.mul(F.silu(gate), O / rms(O), out=Z[..., Fd:])
-        c = dict(Y=Y, Z_full=Z, dY_full=dY, dZ_full=dZ, dU_full=empty(L, B, d), pg_gate=_steps(pg), pg_fac=_steps(pg_fac),
+        c = dict(X_full=x_hat, x=_steps(x_hat), r=_steps(r), Y=Y, Z_full=Z, dY_full=dY, dZ_full=dZ, dU_full=empty(L, B, d),
+                 pg_gate=_steps(pg), pg_fac=_steps(pg_fac),
                  ffn_fac=_steps(ffn_fac), dY=_steps(dY), dZ=_steps(dZ), dffn=_steps(dY[..., col["ffn"]], 2, Fd),
                  dpg=_steps(dY[..., col["pg"]]), dz_ffn=_steps(dZ[..., None, :Fd]), dz_read=_steps(dZ[..., Fd:]))
         c["dU"] = _steps(c["dU_full"])
         if spec.memory:
-            rf = read_factors(S.O[i][sl], Y[..., col["gate"]])
-            nh = S.NQ[i].shape[1]
-            c.update(rf=[ReadFactors(*f) for f in zip(*map(_steps, rf))],
-                     nq_mask=_steps(((S.NQ[i][sl] > 0) / S.NN[i][sl]).transpose(1, 2)),
+            nh = S.NQ[i].shape[2]
+            nq, norms = l2n_relu(Y[..., col["heads"]].view(L, B, nh, H, dk))
+            O = empty(L, B, H * spec.dv)
+            c.update(nq=_steps(nq), q=_steps(nq[:, :, -1]), nq_mask=_steps((nq > 0) / norms), gate_full=Y[..., col["gate"]],
+                     gate=_steps(Y[..., col["gate"]]), O_full=O, o=_steps(O), z_read=_steps(Z[..., Fd:]),
                      dgate=_steps(dY[..., col["gate"]]), dheads=_steps(dY[..., col["heads"]], nh, H, dk))
+            if i == 0:
+                c.update(keys=[k_first] + list(_steps(nq[:-1, :, 0])), v=_steps(Y[..., col["v"]], H, spec.dv))
         C.append(c)
     dYfg = empty(L, B, d)
-    fg = torch.sigmoid(_mm(S.XP[sl].reshape(L * B, d), fg_W, bias=fg_b)).view(L, B, d)
-    G = dict(dYfg_full=dYfg, dYfg=_steps(dYfg), fg=_steps(fg), fg_fac=_steps((S.XP[sl] * S.RP[sl]).mul_(fg).mul_(1 - fg)))
+    G = dict(dYfg_full=dYfg, dYfg=_steps(dYfg), fg=_steps(fg), fg_fac=_steps((XP * RP).mul_(fg).mul_(1 - fg)),
+             XP=XP, xp=_steps(XP), rp=_steps(RP))
     if spec.memory:
         col0, dY0 = cols[0], C[0]["dY_full"]
         # dL/d(beta, a pre-activations) = (dL/dbeta, dL/ddecay) * gate_fac
         da_fac = A * torch.sigmoid(C[0]["Y"][..., col0["a"]]) * S.DECAY[sl]
         dBD = empty(L, 2, B, H)  # (dL/dbeta, dL/ddecay)
         dKQ = empty(L, 2, B, H, dk)  # dL/d(normalised [next key | query]) of layer 0
-        G.update(gate_fac=_steps(torch.stack([S.BETA[sl] * (1 - S.BETA[sl]), da_fac], 2)),
-                 delta=_steps(S.BETA[sl].unsqueeze(-1) * S.E[sl]), dBD_full=dBD, dBD=_steps(dBD.transpose(1, 2)),
+        E = empty(L, B, H, spec.dv)  # the write's errors, from the rebuild
+        G.update(E_full=E, e=_steps(E), gate_fac=_steps(torch.stack([S.BETA[sl] * (1 - S.BETA[sl]), da_fac], 2)),
+                 dBD_full=dBD, dBD=_steps(dBD.transpose(1, 2)),
                  dbeta=_steps(dBD[:, 0]), ddecay=_steps(dBD[:, 1]), dgates=_steps(dY0[..., col0["beta"].start : col0["a"].stop], 2, H),
                  dv=_steps(dY0[..., col0["v"]], H, spec.dv), dkn=_steps(dY0[..., col0["k"]]), dKQ_full=dKQ,
                  dKQ=_steps(dKQ.transpose(1, 2)), dk_out=_steps(dKQ[:, 0]), dq_out=_steps(dKQ[:, 1]))
     return C, G
+
+
+def _grounded_rows(S, lo: int, hi: int, fg_W, fg_b):
+    """The forward's per-step vectors around the grounded state, formed again from the
+    predictions P and the inputs u, time-major: for steps lo..hi-1 the normalised predictions,
+    their rms and the fuse gates fg = sigmoid(xp W_fg + b) (one GEMM); layer 0's normalised
+    input and its rms, from g_t = u_{t-1} + fg_{t-1} P_{t-1}, for steps lo+1..hi-1 (0..hi-1
+    when lo is 0: step 0's is the incoming state's). Returns (XP, RP, fg, X0, R0)."""
+    XP, RP = rms_hat(S.P[lo:hi])
+    L, B, d = XP.shape
+    fg = torch.sigmoid(_mm(XP.reshape(L * B, d), fg_W, bias=fg_b)).view(L, B, d)
+    g = torch.addcmul(S.u[lo : hi - 1].to(XP.dtype), fg[:-1], S.P[lo : hi - 1])
+    if lo == 0:
+        g = torch.cat([S.g0[None], g])
+    X0, R0 = rms_hat(g)
+    return XP, RP, fg, X0, R0
+
+
+def _chunk_reads(spec: Spec, S, sl: slice, C, G, Ms):
+    """The read factors of a chunk once M is rebuilt into Ms (L, B, H, dk, dv), the memory after
+    each step's write: layer 0's reads came out of the rebuild, later layers' are one batched
+    product each."""
+    L, B = Ms.shape[:2]
+    for c in C[1:]:
+        torch.matmul(torch.stack(c["q"]).unsqueeze(-2), Ms, out=c["O_full"].view(L, B, spec.H, 1, spec.dv))
+        torch.mul(F.silu(c["gate_full"]), c["O_full"] / rms(c["O_full"]), out=c["Z_full"][..., spec.F :])
+    for c in C:
+        c["rf"] = [ReadFactors(*f) for f in zip(*map(_steps, read_factors(c["O_full"], c["gate_full"])))]
+    G["delta"] = _steps(S.BETA[sl].unsqueeze(-1) * G["E_full"])
 
 
 def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
@@ -310,72 +360,92 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
     dP (T, B, d), dg, dg_prev, dM: gradients w.r.t. the outputs (None where unused). Returns
     (du (T, B, d), dg0, dg_prev0, dM0, dA_log, [per layer (dW, db, dW2o)], dfg_W, dfg_b).
     """
-    T, B, d = S.XP.shape
-    H, dk, nl, sd, cd = spec.H, spec.dk, len(layers), S.XP.dtype, spec.compute_dtype
+    T, B, d = S.P.shape
+    H, dk, nl, sd, cd = spec.H, spec.dk, len(layers), S.P.dtype, spec.compute_dtype
     layers, fg_W, fg_b = _cast(spec, layers, fg_W, fg_b)
     cols = [columns(spec, i == 0) for i in range(nl)]
     WT, W2oT, fg_WT = [L.W.T for L in layers], [L.W2o.T for L in layers], fg_W.T
-    V = [_layer_steps(spec, S, i, cols[i]) for i in range(nl)]
-    XP, RP = _steps(S.XP), _steps(S.RP)
-    du = S.XP.new_empty((T, B, d))
+    du = S.P.new_empty((T, B, d))
     dus, dPs = _steps(du), (_steps(dP) if dP is not None else None)
-    dg = S.XP.new_zeros((B, d)) if dg is None else dg
+    dg = S.P.new_zeros((B, d)) if dg is None else dg
 
-    def gemm(X, G):  # X^T G over all rows, in the compute dtype, the result in the state dtype
-        return (X.reshape(-1, X.shape[-1]).to(cd).T @ G.reshape(-1, G.shape[-1]).to(cd)).to(sd)
+    def gemm(acc, X, G):  # acc += X^T G over all rows, the GEMM in the compute dtype
+        X, G = X.reshape(-1, X.shape[-1]).to(cd), G.reshape(-1, G.shape[-1]).to(cd)
+        if cd == sd:  # accumulate in place: no (in x out) temporary
+            acc.addmm_(X.T, G)
+        else:
+            acc += (X.T @ G).to(sd)
 
     grads = [[torch.zeros_like(L.W, dtype=sd), torch.zeros_like(L.b, dtype=sd), torch.zeros_like(L.W2o, dtype=sd)] for L in layers]
     dfg_W, dfg_b = torch.zeros_like(fg_W, dtype=sd), torch.zeros_like(fg_b, dtype=sd)
     A = None
     ew = step_ops(spec.kernel)
+    work = _workspace(spec, layers, min(spec.chunk, T), B, S.P)
     if spec.memory:
         mem = memory_ops(spec.kernel)
         col0 = cols[0]
         A = -torch.exp(A_log.to(sd))
-        E, BETA, DECAY = _steps(S.E), _steps(S.BETA), _steps(S.DECAY)
-        keys = (S.k0,) + V[0]["next_key"][:-1]  # the key each step writes with
-        dM = S.XP.new_zeros((B, H, dk, spec.dv)) if dM is None else dM
-        dk_next = S.XP.new_zeros((B, H, dk))  # dL/d(normalised key) of the step after the chunk
+        BETA, DECAY = _steps(S.BETA), _steps(S.DECAY)
+        dM = S.P.new_zeros((B, H, dk, spec.dv)) if dM is None else dM
+        dMring = _steps(dM.new_empty((2,) + dM.shape))  # dL/dM, written into these in turn
+        # The memory after each step of a chunk, rebuilt into one buffer that every chunk reuses.
+        Mbuf = dM.new_empty((min(spec.chunk, T),) + dM.shape)
+        dk_next = S.P.new_zeros((B, H, dk))  # dL/d(normalised key) of the step after the chunk
         kn_flows = True
-        W_kT = layers[0].W[:, col0["k"]].T
+        W_k, b_k = layers[0].W[:, col0["k"]], layers[0].b[col0["k"]]
+        W_kT = W_k.T
         dA_log = torch.zeros_like(A)
 
     for c0 in reversed(range(0, T, spec.chunk)):
         c1 = min(c0 + spec.chunk, T)
-        C, G = _chunk_buffers(spec, S, slice(c0, c1), layers, cols, fg_W, fg_b, A)
-        if spec.memory:  # Ms[j] = M before step c0 + j, rebuilt from the chunk's start
-            Ms = [S.M[c0 // spec.chunk]]
+        # From two steps back: the gate of step c0 - 2 forms the input of step c0 - 1, whose
+        # projection holds the key of step c0.
+        sl, lo = slice(c0, c1), max(c0 - 2, 0)
+        XP, RP, fg, X0, R0 = _grounded_rows(S, lo, c1, fg_W, fg_b)
+        first = 0 if lo == 0 else lo + 1  # the step of X0[0]
+        k_first = None
+        if spec.memory:
+            k_first = S.k0 if c0 == 0 else l2n_relu(_mm(X0[c0 - 1 - first], W_k, bias=b_k).view(B, H, dk))[0]
+        X0, R0 = X0[c0 - first :], R0[c0 - first :]
+        C, G = _chunk_buffers(spec, S, sl, layers, cols, fg_W, fg_b, A, k_first, X0, R0, XP[c0 - lo :], RP[c0 - lo :],
+                              fg[c0 - lo :], work)
+        if spec.memory:  # Ms[j] = M before step c0 + j, rebuilt from the chunk's start, with layer 0's reads
+            Ms, c = [S.M[c0 // spec.chunk]] + list(_steps(Mbuf[: c1 - c0])), C[0]
             for j, t in enumerate(range(c0, c1)):
-                Ms.append(mem.decay_and_write(Ms[-1], keys[t], G["delta"][j], DECAY[t]))
+                mem.memory_step(Ms[j], c["keys"][j], c["v"][j], BETA[t], DECAY[t], c["q"][j], c["gate"][j], out_e=G["e"][j],
+                                out_o=c["o"][j], out_y=c["z_read"][j], out_M=Ms[j + 1])
+            _chunk_reads(spec, S, sl, C, G, Mbuf[: c1 - c0])
             G["dKQ_full"][-1, 0] = dk_next
             dk_next = torch.empty_like(dk_next)
         for t in reversed(range(c0, c1)):
             j = t - c0
             dus[t].copy_(dg)
             dxp = _mm(torch.mul(dg, G["fg_fac"][j], out=G["dYfg"][j]), fg_WT)
-            dc = ew.residual_rms_backward(XP[t], RP[t], dxp, dg, G["fg"][j], None if dPs is None else dPs[t], out=C[-1]["dU"][j])
+            dc = ew.residual_rms_backward(G["xp"][j], G["rp"][j], dxp, dg, G["fg"][j], None if dPs is None else dPs[t], out=C[-1]["dU"][j])
             for i in reversed(range(nl)):
-                v, c = V[i], C[i]
+                c = C[i]
                 _mm(dc, W2oT[i], c["dZ"][j])  # into the dZ rows of the chunk
                 ew.gate_grads(c["dz_ffn"][j], c["ffn_fac"][j], c["dffn"][j], dc, c["pg_fac"][j], c["dpg"][j])
                 if spec.memory:
                     if i == 0:
                         dM, _, dv, *_ = mem.memory_step_backward(
-                            Ms[j], Ms[j + 1], keys[t], BETA[t], DECAY[t], E[t], G["delta"][j], v["q"][t], c["rf"][j], dM,
+                            Ms[j], Ms[j + 1], c["keys"][j], BETA[t], DECAY[t], G["e"][j], G["delta"][j], c["q"][j], c["rf"][j], dM,
                             c["dz_read"][j], out_dk=G["dk_out"][j - 1] if j > 0 else dk_next, out_dq=G["dq_out"][j],
-                            out_dbeta=G["dbeta"][j], out_ddecay=G["ddecay"][j], out_dgate=c["dgate"][j])
+                            out_dbeta=G["dbeta"][j], out_ddecay=G["ddecay"][j], out_dgate=c["dgate"][j],
+                            out_dM=dMring[1] if dM is dMring[0] else dMring[0])
                         G["dv"][j].copy_(dv)
                         torch.mul(G["dBD"][j], G["gate_fac"][j], out=G["dgates"][j])
                         dq = G["dKQ"][j]
                     else:
-                        dq, _, dM = mem.memory_read_backward(Ms[j + 1], v["q"][t], c["rf"][j], c["dz_read"][j], dM,
-                                                         out_dgate=c["dgate"][j])
+                        dq, _, dM = mem.memory_read_backward(Ms[j + 1], c["q"][j], c["rf"][j], c["dz_read"][j], dM,
+                                                             out_dgate=c["dgate"][j],
+                                                             out_dM=dMring[1] if dM is dMring[0] else dMring[0])
                         dq = dq.unsqueeze(1)
-                    ew.l2n_relu_backward(v["nq"][t], c["nq_mask"][j], dq, out=c["dheads"][j])
+                    ew.l2n_relu_backward(c["nq"][j], c["nq_mask"][j], dq, out=c["dheads"][j])
                 dx = _mm(c["dY"][j], WT[i])
                 if i == 0 and spec.memory and not kn_flows:  # the next key's gradient reaches the weights only
                     dx -= _mm(G["dkn"][j], W_kT)
-                dc = ew.residual_rms_backward(v["x"][t], v["r"][t], dx, dc, c["pg_gate"][j], out=C[i - 1]["dU"][j] if i > 0 else None)
+                dc = ew.residual_rms_backward(c["x"][j], c["r"][j], dx, dc, c["pg_gate"][j], out=C[i - 1]["dU"][j] if i > 0 else None)
             dg = dc if (t < T - 1 or dg_prev is None) else dc + dg_prev
             if spec.bptt and t > 0 and t % spec.bptt == 0:  # where the naive core detaches the state
                 dg = torch.zeros_like(dg)
@@ -384,12 +454,11 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
                     kn_flows = False
             elif spec.memory:
                 kn_flows = True
-        sl = slice(c0, c1)
         for i, c in enumerate(C):
-            grads[i][0] += gemm(S.X[i][sl], c["dY_full"])
+            gemm(grads[i][0], c["X_full"], c["dY_full"])
             grads[i][1] += c["dY_full"].sum((0, 1))
-            grads[i][2] += gemm(c["Z_full"], c["dU_full"])
-        dfg_W += gemm(S.XP[sl], G["dYfg_full"])
+            gemm(grads[i][2], c["Z_full"], c["dU_full"])
+        gemm(dfg_W, G["XP"], G["dYfg_full"])
         dfg_b += G["dYfg_full"].sum((0, 1))
         if spec.memory:
             dA_log += (G["dBD_full"][:, 1] * S.DECAY[sl] * S.GAMMA[sl]).sum((0, 1))
@@ -400,7 +469,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
         return du, dg, None, None, None, grads, dfg_W, dfg_b
     # The first key comes from the incoming previous state.
     dk0 = ew.l2n_relu_backward(S.k0, (S.k0 > 0) / S.k0n, dk_next).flatten(1)
-    grads[0][0][:, col0["k"]] += gemm(S.x_prev, dk0)
+    gemm(grads[0][0][:, col0["k"]], S.x_prev, dk0)
     grads[0][1][col0["k"]] += dk0.sum(0)
     dg_prev0 = ew.rms_hat_backward(S.x_prev, S.r_prev, _mm(dk0, W_kT))
     return du, dg, dg_prev0, dM, dA_log, grads, dfg_W, dfg_b

@@ -49,15 +49,15 @@ def scalar_tensors(like: torch.Tensor, *values: float) -> tuple[torch.Tensor, ..
     return _SCALAR_TENSORS[key]
 
 
-def decay_and_write(M, k, delta, decay):
-    """decay M + k delta^T per head, delta = beta (v - M^T k).
+def decay_and_write(M, k, delta, decay, *, out_M=None):
+    """decay M + k delta^T per head, delta = beta (v - M^T k), into `out_M` (never M itself).
 
-    The reverse sweep rebuilds M inside a chunk with this same function from the saved k, delta
-    and decay, so the rebuilt M is bit-identical to the forward's.
+    The write of `memory_step`, which the reverse sweep also replays to rebuild M inside a chunk.
+    The outer product is an elementwise addcmul over broadcast views: a baddbmm would first copy
+    its input into a fresh output.
     """
     B, H, n_k, n_v = M.shape
-    decayed = (M * decay[..., None, None]).view(B * H, n_k, n_v)
-    return torch.baddbmm(decayed, k.reshape(B * H, n_k, 1), delta.reshape(B * H, 1, n_v)).view(B, H, n_k, n_v)
+    return torch.mul(M, decay.view(B, H, 1, 1), out=out_M).addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))
 
 
 def memory_read(M, q, gate, *, out_o=None, out_y=None):
@@ -68,11 +68,12 @@ def memory_read(M, q, gate, *, out_o=None, out_y=None):
     return o, torch.mul(F.silu(gate), torch.div(o, rms(o)), out=out_y)
 
 
-def memory_step(M, k, v, beta, decay, q, gate, *, out_e=None, out_o=None, out_y=None):
-    """Write (k, v) into M, then read the new M with q. Returns (M_t, e, o, y), e = v - M^T k."""
+def memory_step(M, k, v, beta, decay, q, gate, *, out_e=None, out_o=None, out_y=None, out_M=None):
+    """Write (k, v) into M, then read the new M with q. Returns (M_t, e, o, y), e = v - M^T k.
+    M_t goes to `out_M` when given (a buffer other than M)."""
     B, H, n_k, n_v = M.shape
     e = torch.sub(v, torch.bmm(k.reshape(B * H, 1, n_k), M.view(B * H, n_k, n_v)).view(B, H, n_v), out=out_e)
-    M = decay_and_write(M, k, beta.unsqueeze(-1) * e, decay)
+    M = decay_and_write(M, k, beta.unsqueeze(-1) * e, decay, out_M=out_M)
     o, y = memory_read(M, q, gate, out_o=out_o, out_y=out_y)
     return M, e, o, y
 
@@ -96,34 +97,36 @@ def read_factors(o, gate) -> ReadFactors:
     return ReadFactors(r, o_hat, gate * sg, o_hat * sg * (1 + gate * (1 - sg)))
 
 
-def memory_read_backward(M, q, f: ReadFactors, dy, dM, *, out_dq=None, out_dgate=None):
-    """Gradients of `memory_read` given dy. Returns (dq, dgate, dM + the read's share of dL/dM)."""
+def memory_read_backward(M, q, f: ReadFactors, dy, dM, *, out_dq=None, out_dgate=None, out_dM=None):
+    """Gradients of `memory_read` given dy. Returns (dq, dgate, dM + the read's share of dL/dM);
+    the last goes to `out_dM` when given (a buffer other than dM)."""
     B, H, n_k, n_v = M.shape
     dhat = dy * f.silu_gate
     dot = torch.linalg.vecdot(dhat, f.o_hat).unsqueeze(-1)
-    do = torch.addcmul(dhat, f.o_hat, dot, value=-1.0 / dhat.shape[-1]).div_(f.rms).view(B * H, 1, n_v)
-    dq = torch.bmm(M.view(B * H, n_k, n_v), do.transpose(1, 2), out=None if out_dq is None else out_dq.view(B * H, n_k, 1))
-    dM = torch.baddbmm(dM.reshape(B * H, n_k, n_v), q.reshape(B * H, n_k, 1), do).view(B, H, n_k, n_v)
-    return dq.view(B, H, n_k), torch.mul(dy, f.to_gate, out=out_dgate), dM
+    do = torch.addcmul(dhat, f.o_hat, dot, value=-1.0 / dhat.shape[-1]).div_(f.rms).view(B, H, 1, n_v)
+    # M times a vector as a dot over M's rows: on CPU several times faster than a batched GEMM
+    # with one column (products from the left, k^T M, are fast as bmm).
+    dq = torch.linalg.vecdot(M, do, out=out_dq)
+    dM = torch.addcmul(dM, q.unsqueeze(-1), do, out=out_dM)
+    return dq, torch.mul(dy, f.to_gate, out=out_dgate), dM
 
 
 def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors, dM, dy, *,
-                         out_dk=None, out_dq=None, out_dbeta=None, out_ddecay=None, out_dgate=None):
+                         out_dk=None, out_dq=None, out_dbeta=None, out_ddecay=None, out_dgate=None, out_dM=None):
     """Gradients of `memory_step` given dM (w.r.t. M_t, from later steps) and dy.
 
     M_prev and M are the memory before and after the write, delta = beta e. Returns
-    (dM_prev, dk, dv, dbeta, ddecay, dq, dgate).
+    (dM_prev, dk, dv, dbeta, ddecay, dq, dgate); dM_prev goes to `out_dM` when given (a buffer
+    other than dM).
     """
-    dq, dgate, dM = memory_read_backward(M, q, f, dy, dM, out_dq=out_dq, out_dgate=out_dgate)
+    dq, dgate, dM = memory_read_backward(M, q, f, dy, dM, out_dq=out_dq, out_dgate=out_dgate, out_dM=out_dM)
     # M = decay M_prev + k delta^T, delta = beta (v - M_prev^T k)
     B, H, n_k, n_v = M.shape
-    dMf, M_prevf, kf = dM.view(B * H, n_k, n_v), M_prev.view(B * H, n_k, n_v), k.reshape(B * H, 1, n_k)
-    d_delta = torch.bmm(kf, dMf).view(B, H, n_v)
-    dbeta = torch.linalg.vecdot(d_delta, e, out=out_dbeta)
-    dv = d_delta.mul_(beta.unsqueeze(-1))
-    dvf = dv.view(B * H, 1, n_v)
-    dk = torch.bmm(dMf, delta.reshape(B * H, n_v, 1))
-    dk = torch.baddbmm(dk, M_prevf, dvf.transpose(1, 2), alpha=-1.0, out=None if out_dk is None else out_dk.view(B * H, n_k, 1))
+    d_delta = torch.bmm(k.reshape(B * H, 1, n_k), dM.view(B * H, n_k, n_v)).view(B, H, 1, n_v)
+    dbeta = torch.linalg.vecdot(d_delta.squeeze(-2), e, out=out_dbeta)
+    dv = d_delta.mul_(beta.view(B, H, 1, 1))
+    dk = torch.linalg.vecdot(dM, delta.unsqueeze(-2), out=out_dk).sub_(torch.linalg.vecdot(M_prev, dv))
     ddecay = torch.linalg.vecdot(dM.view(B, H, -1), M_prev.view(B, H, -1), out=out_ddecay)
-    dM_prev = torch.baddbmm(dMf * decay.reshape(B * H, 1, 1), kf.transpose(1, 2), dvf, alpha=-1.0)
-    return dM_prev.view(B, H, n_k, n_v), dk.view(B, H, n_k), dv, dbeta, ddecay, dq, dgate
+    # dM_prev = decay dM - k dv^T, in dM's buffer: dM is not needed after this
+    dM.mul_(decay.view(B, H, 1, 1)).addcmul_(k.unsqueeze(-1), dv, value=-1.0)
+    return dM, dk, dv.view(B, H, n_v), dbeta, ddecay, dq, dgate
