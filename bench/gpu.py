@@ -219,7 +219,7 @@ def memory_kernel_figures(cfg, batch, device) -> dict:
     cases = {
         # write + read: M in, M_t out; k, q, v in; e, o out; gate in, y out
         "memory_step (fwd)": (lambda: K.memory_step(M, k, v, beta, decay, q, gate), 2 * m_bytes + 2 * kv + 4 * B * H * dv * 4),
-        "decay_and_write (rebuild)": (lambda: K.decay_and_write(M, k, delta, decay), 2 * m_bytes + kv),
+        "decay_and_write": (lambda: K.decay_and_write(M, k, delta, decay), 2 * m_bytes + kv),
         # M_prev and dM in, dM_prev out; the vectors and the read factors
         "memory_step_backward": (lambda: K.memory_step_backward(M, M_t, k, beta, decay, e, delta, q, f, dM, dy),
                                  3 * m_bytes + 2 * kv + 10 * B * H * dv * 4),
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
     print(f"\ncopy bandwidth (device to device, read + write): {copy_bps / 1e9:.1f} GB/s")
     if kernel:
         print(f"memory kernels at batch {kernel['batch']} ({kernel['m_bytes'] / 2**20:.0f} MiB of M):")
-        for k in ("memory_step (fwd)", "decay_and_write (rebuild)", "memory_step_backward"):
+        for k in ("memory_step (fwd)", "decay_and_write", "memory_step_backward"):
             print(f"  {k:28s} {kernel[k]['seconds'] * 1e6:10.1f} us  {kernel[k]['bytes_per_s'] / 1e9:8.1f} GB/s"
                   f"  ({kernel[k]['bytes_per_s'] / copy_bps:.0%} of copy)")
     print(f"step GEMMs at batch {kbatch}:")
