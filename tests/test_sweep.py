@@ -54,6 +54,10 @@ def test_fit_recovers_a_known_law_and_its_interval_covers_it():
     assert lo < 0.34 < hi and lo < noisy.alpha < hi
     flat = fit_power_law(x, np.full(len(x), 3.0), bootstrap=50)  # no improvement with x: A = 0, E = the loss
     assert flat.A == 0 and flat.E == pytest.approx(3.0)
+    assert exact.warning is None and noisy.warning is None
+    # Loss falling faster and faster with x (early training) is no power law: flagged, and E stays >= 0.
+    accelerating = fit_power_law(x, 6.5 - 0.5 * np.arange(len(x)) ** 1.5, bootstrap=50)
+    assert accelerating.warning and accelerating.E >= 0
     with pytest.raises(ValueError, match="3 distinct"):
         fit_power_law([1, 1, 2], [3, 3, 2])
 

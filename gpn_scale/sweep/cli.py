@@ -33,6 +33,8 @@ def _collect(argv: list[str]) -> int:
                 lo, hi = fit["interval_95"]["alpha"]
                 print(f"  {family:12s} {key}: E {fit['E']:.3f}, A {fit['A']:.4g}, alpha {fit['alpha']:.3f} "
                       f"(95% [{lo:.3f}, {hi:.3f}]), {fit['points']} points")
+                if fit["warning"]:
+                    print(f"    warning: {fit['warning']}")
             else:
                 print(f"  {family:12s} {key}: {fit}")
     print(f"fits: {out / 'fits.json'}; plots: {out / 'loss_vs_params.png'}, {out / 'loss_vs_compute.png'}")

@@ -66,7 +66,7 @@ def _plot(rows: list[dict], fitted: dict, x_name: str, key: str, xlabel: str, pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7.5, 5.5))
     for i, family in enumerate(sorted(fitted)):
         color = f"C{i}"
         done = [r for r in rows if r["family"] == family and r["val_loss"] is not None and r["status"] == "finished"]
@@ -79,6 +79,8 @@ def _plot(rows: list[dict], fitted: dict, x_name: str, key: str, xlabel: str, pa
         if isinstance(fit, dict):
             lo, hi = fit["interval_95"]["alpha"]
             label += f": {fit['E']:.2f} + {fit['A']:.3g} x^-{fit['alpha']:.3f} (alpha 95% [{lo:.2f}, {hi:.2f}])"
+            if fit["warning"]:
+                label += " - not a power-law regime, see fits.json"
             grid = np.geomspace(x.min() / 1.5, x.max() * 1.5, 200)
             ax.plot(grid, fit["E"] + fit["A"] * grid ** -fit["alpha"], color=color, label=label)
         else:
@@ -88,7 +90,7 @@ def _plot(rows: list[dict], fitted: dict, x_name: str, key: str, xlabel: str, pa
     ax.set_ylabel("final validation loss (nats/token)")
     ax.set_title(f"{key} = E + A x^-alpha, per family")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14))  # below the axes: never over a point
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -24,22 +24,26 @@ class Fit:
     rmse: float
     n: int
     interval: dict[str, tuple[float, float]]  # 95% bootstrap percentile intervals of E, A, alpha
+    warning: str | None = None  # set when the points do not pin down a power law
 
     def __call__(self, x):
         return self.E + self.A * np.asarray(x, dtype=float) ** -self.alpha
 
     def to_dict(self) -> dict:
         return {"E": self.E, "A": self.A, "alpha": self.alpha, "rmse": self.rmse, "points": self.n,
-                "interval_95": {k: list(v) for k, v in self.interval.items()}}
+                "interval_95": {k: list(v) for k, v in self.interval.items()}, "warning": self.warning}
 
 
 def _solve(logx: np.ndarray, y: np.ndarray, alphas: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Least-squares (E, A) and the sum of squared residuals at each alpha, with A >= 0 (a loss
-    that does not fall with x is fitted flat)."""
+    that does not fall with x is fitted flat) and E >= 0."""
     z = np.exp(-np.outer(alphas, logx))  # [alphas, points]
     zc, yc = z - z.mean(1, keepdims=True), y - y.mean()
     A = np.maximum((zc * yc).sum(1) / np.maximum((zc * zc).sum(1), 1e-300), 0.0)
     E = y.mean() - A * z.mean(1)
+    negative = E < 0  # a loss has no negative floor: fit A x^-alpha through zero instead
+    A = np.where(negative, np.maximum((z * y).sum(1) / (z * z).sum(1), 0.0), A)
+    E = np.where(negative, 0.0, E)
     sse = ((E[:, None] + A[:, None] * z - y) ** 2).sum(1)
     return E, A, sse
 
@@ -72,4 +76,11 @@ def fit_power_law(x, y, bootstrap: int = 1000, seed: int = 0) -> Fit:
     draws = np.array(draws)
     interval = {name: (float(np.percentile(draws[:, j], 2.5)), float(np.percentile(draws[:, j], 97.5)))
                 for j, name in enumerate(("E", "A", "alpha"))}
-    return Fit(E, A, alpha, float(np.sqrt(sse / len(x))), len(x), interval)
+    warning = None
+    if E == 0.0 and A > 0:
+        warning = ("the floor E sits at its bound 0: the points show no flattening yet, so E and alpha are not "
+                   "determined separately (train longer or over a wider range of x)")
+    if not ALPHAS[0] * 1.01 < alpha < ALPHAS[-1] * 0.99:
+        warning = (f"alpha at the edge of the search range [{ALPHAS[0]}, {ALPHAS[-1]}]: these points do not follow "
+                   "E + A x^-alpha (too early in training, or too narrow a range of x)")
+    return Fit(E, A, alpha, float(np.sqrt(sse / len(x))), len(x), interval, warning)
