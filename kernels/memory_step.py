@@ -73,7 +73,7 @@ def _step_fwd(M, M_out, K, V, Q, BETA, DECAY, E, O, sk, sv, sq, sbeta, sdecay, s
 
 @triton.jit
 def _write(M, M_out, K, DELTA, DECAY, sk, sdelta, sdecay, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
-    """M_out = decay M + k delta^T: the same arithmetic as `_step_fwd`, for the reverse sweep's rebuild."""
+    """M_out = decay M + k delta^T: the same arithmetic as `_step_fwd`, the write alone (`decay_and_write`)."""
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // H, bh % H
     M, M_out = M + bh * DK * DV, M_out + bh * DK * DV
