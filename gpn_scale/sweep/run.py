@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from gpn_scale.errors import UserError
+from gpn_scale.launch import torchrun_command
 from gpn_scale.sweep.spec import Point, SweepSpec
 
 
@@ -32,10 +33,9 @@ def final_val_loss(run_dir: Path) -> float | None:
 
 
 def train_command(run_dir: Path, nproc: int) -> list[str]:
-    train = ["-m", "gpn_scale", "train", str(run_dir / "train.yaml"), "--resume", "auto"]
-    if nproc == 1:
-        return [sys.executable, *train]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *train]
+    if nproc > 1:
+        return torchrun_command(str(run_dir / "train.yaml"), [], nproc)
+    return [sys.executable, "-m", "gpn_scale", "train", str(run_dir / "train.yaml"), "--resume", "auto"]
 
 
 def run_local(points: list[Point], out: Path, nproc: int, dry_run: bool) -> int:

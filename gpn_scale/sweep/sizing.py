@@ -19,7 +19,6 @@ Counts are exact (the model is built on the meta device) and include the (tied) 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 from gpn_scale.errors import UserError
@@ -61,18 +60,12 @@ def _gdn(d: int) -> dict:
             "d_val": 2 * d_key, "d_ffn": _round(8 / 3 * d, _ffn_step(d))}
 
 
-@dataclass(frozen=True)
-class Rule:
-    shape: Callable[[int], dict]
-    ffn_key: str = "d_ffn"
-
-
-RULES = {
-    "gpn_m_1l": Rule(_gpn_m(1, 8 / 3)),
-    "gpn_m_2l": Rule(_gpn_m(2, 2.0)),
-    "gpn_1l": Rule(_gpn),
-    "transformer": Rule(_transformer),
-    "gdn": Rule(_gdn),
+RULES = {  # family -> the model config at width d
+    "gpn_m_1l": _gpn_m(1, 8 / 3),
+    "gpn_m_2l": _gpn_m(2, 2.0),
+    "gpn_1l": _gpn,
+    "transformer": _transformer,
+    "gdn": _gdn,
 }
 WIDTH_STEP = 16
 MAX_WIDTH = 1 << 15
@@ -92,10 +85,10 @@ def size(family: str, target: float, vocab_size: int, **fixed) -> tuple[dict, in
     the rule sets."""
     if family not in RULES:
         raise UserError(f"family: expected one of {', '.join(RULES)}, got {family!r}")
-    rule = RULES[family]
+    shape = RULES[family]
 
     def config(d: int) -> dict:
-        return {**rule.shape(d), "vocab_size": vocab_size, **fixed}
+        return {**shape(d), "vocab_size": vocab_size, **fixed}
 
     lo, hi = WIDTH_STEP, MAX_WIDTH  # count(config(lo)) must fit, count(config(hi)) must not
     if count(config(lo)) > target:
@@ -107,7 +100,7 @@ def size(family: str, target: float, vocab_size: int, **fixed) -> tuple[dict, in
     best = config(lo)
     n = count(best)
     step = _ffn_step(lo)
-    wider = {**best, rule.ffn_key: best[rule.ffn_key] + step}
+    wider = {**best, "d_ffn": best["d_ffn"] + step}
     per_step = count(wider) - n
-    best[rule.ffn_key] += step * max(0, round((target - n) / per_step))
+    best["d_ffn"] += step * max(0, round((target - n) / per_step))
     return best, count(best)
