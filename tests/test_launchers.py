@@ -125,11 +125,11 @@ def test_elastic_survivor_finishes_from_the_last_checkpoint(data, tmp_path):
         deadline = time.time() + 600
         while not ckpt.committed(run_dir / "checkpoints"):
             assert time.time() < deadline and survivor.poll() is None and victim.poll() is None, \
-                (tmp_path / "agent0.log").read_text()[-4000:]
+                (tmp_path / "agent0.log").read_text(errors="replace")[-4000:]
             time.sleep(0.2)
         kill_tree(victim.pid)  # the node is gone: its agent and its worker
         killed_at = len(rows(run_dir, "samples"))
-        assert survivor.wait(timeout=600) == 0, (tmp_path / "agent0.log").read_text()[-6000:]
+        assert survivor.wait(timeout=600) == 0, (tmp_path / "agent0.log").read_text(errors="replace")[-6000:]
     finally:
         for proc in (survivor, victim):
             if proc.poll() is None:
@@ -182,7 +182,7 @@ def test_slurm_job_checkpoints_at_the_time_limit_signal_requeues_and_finishes(da
         f"--output={log}", str(ROOT / "launchers" / "slurm" / "train.sbatch"), str(CONFIG),
         *overrides(data, run_dir, steps, save_every=100), env=env(RDZV_PORT=str(_port())))
     state = wait_for(cluster, submit.stdout.strip().split(";")[0])
-    text = log.read_text()
+    text = log.read_text(errors="replace")
     assert state.get("JobState") == "COMPLETED", text[-6000:]
     assert int(state["Restarts"]) >= 1, text[-4000:]
     assert "[sbatch] USR1 received" in text and "USR1 received: checkpointed at step" in text
@@ -211,7 +211,7 @@ def test_slurm_prep_array_and_merge_write_what_one_process_writes(cluster, tmp_p
     assert submitted.returncode == 0, submitted.stderr
     array_id, merge_id = (word for word in submitted.stdout.split() if word.isdigit())
     merged = wait_for(cluster, merge_id, timeout=600)
-    logs = "\n".join(p.read_text() for p in tmp_path.glob("*.out"))
+    logs = "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("*.out"))
     assert merged["JobState"] == "COMPLETED", logs[-6000:]
     assert "array task 0 of 2" in logs and "array task 1 of 2" in logs
     assert tree_bytes(out) == tree_bytes(tmp_path / "single")

@@ -1,6 +1,7 @@
 """The native model against the spec: reference-format checkpoints in, the same numbers out."""
 
 import pickle
+import zlib
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ def rel_err(a, b):
 @pytest.fixture(params=sorted(CASES))
 def reference(request, tmp_path):
     model_cfg, memory = CASES[request.param]
-    rng = np.random.default_rng(hash(request.param) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(request.param.encode()))  # str hash() differs per process
     params = reference_gpn.random_params(model_cfg, memory, rng)
     ckpt, config = reference_checkpoint.write(tmp_path / "run", params, model_cfg)
     tokens = rng.integers(0, model_cfg["vocab_size"], size=(3, 9))
@@ -77,15 +78,21 @@ def test_gradients_match_reference_finite_differences(reference):
 
     rng = np.random.default_rng(1)
     params64 = {k: v.astype(np.float64) for k, v in reference["params"].items()}
-    eps = 1e-6
     for name, value in params64.items():
         direction = rng.standard_normal(value.shape)
-        plus, minus = dict(params64), dict(params64)
-        plus[name], minus[name] = value + eps * direction, value - eps * direction
-        fd = (reference_gpn.forward(plus, reference["cfg"], reference["tokens"])[0]
-              - reference_gpn.forward(minus, reference["cfg"], reference["tokens"])[0]) / (2 * eps)
+
+        def loss_at(h):
+            shifted = dict(params64)
+            shifted[name] = value + h * direction
+            return reference_gpn.forward(shifted, reference["cfg"], reference["tokens"])[0]
+
         analytic = float((grads64[name] * direction).sum())
-        assert abs(analytic - fd) <= 1e-6 * max(abs(fd), 1e-3), (name, analytic, fd)
+        # The loss is only piecewise smooth (relu on k and q): a step that crosses a kink gives a wrong
+        # difference quotient, so several step sizes are tried and the closest must agree. A wrong
+        # gradient disagrees with all of them.
+        fds = [(loss_at(eps) - loss_at(-eps)) / (2 * eps) for eps in (1e-5, 1e-6, 1e-7, 1e-8)]
+        err = min(abs(analytic - fd) / max(abs(fd), 1e-3) for fd in fds)
+        assert err <= 1e-6, (name, analytic, fds)
         assert rel_err(grads32[name], grads64[name]) < 1e-4, name
 
 

@@ -202,3 +202,15 @@ def test_resolved_config_inlines_the_model():
     cfg = load_train_config(CONFIG, ["train.global_batch=16", "train.grad_accum=null"])
     assert cfg.model["family"] == "gpn_m" and cfg.model["d_state"] == 64
     assert cfg.train.global_batch == 16
+
+
+def test_off_a_terminal_progress_is_plain_lines_not_a_redrawn_bar(tmp_path, capsys):
+    from gpn_scale.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, {}, "disabled", "p", "n", start_step=0, total_steps=3, enabled=True)
+    for step in (1, 2, 3):
+        log.progress(step, loss=4.0 - step, tokens_per_s=12345.0)
+    log.close()
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err  # pytest's capture is not a terminal: no bar
+    assert out.splitlines() == ["step 3/3 | loss 1.0000 | 12,345 tok/s"]  # the last step always, then every 30 s

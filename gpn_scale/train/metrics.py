@@ -1,12 +1,17 @@
-"""Where a run's numbers go: `metrics.jsonl`, wandb, and a progress bar (all on rank 0)."""
+"""Where a run's numbers go: `metrics.jsonl`, wandb, and a progress bar or progress lines (all on rank 0)."""
 
 from __future__ import annotations
 
 import json
 import secrets
+import sys
+import time
 from pathlib import Path
 
 import torch
+
+# Off a terminal (a SLURM log, nohup) a redrawn bar is unreadable: a plain line this often instead.
+LINE_EVERY_S = 30.0
 
 # Dense bf16 peak per device, for MFU when `logging.peak_tflops` is not set.
 _PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
@@ -57,6 +62,8 @@ class MetricsLog:
         self.path = run_dir / "metrics.jsonl"
         self.wandb = None
         self.bar = None
+        self.total_steps = total_steps
+        self.last_line = time.monotonic()
         if not enabled:
             return
         truncate_jsonl(self.path, start_step)
@@ -69,6 +76,8 @@ class MetricsLog:
             id_file.write_text(run_id)
             self.wandb = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(run_dir),
                                     mode=wandb_mode, config=config)
+        if not sys.stderr.isatty():
+            return
         from tqdm import tqdm
 
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, mininterval=1.0)
@@ -86,6 +95,9 @@ class MetricsLog:
             self.bar.n = step
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
             self.bar.refresh()
+        elif self.enabled and (time.monotonic() - self.last_line >= LINE_EVERY_S or step == self.total_steps):
+            self.last_line = time.monotonic()
+            print(f"step {step}/{self.total_steps} | loss {loss:.4f} | {tokens_per_s:,.0f} tok/s", flush=True)
 
     def write(self, message: str) -> None:
         if self.enabled:
