@@ -6,10 +6,13 @@
     PYTHONPATH=. python bench/train_step.py d_state=512 n_layers=2  # key=value overrides the config
 
 Each core runs in a fresh process, so that one core's allocations cannot hide or inflate the
-other's peak. Time: the fastest of `--steps` timed steps, after one untimed first step. Peak
+other's peak, and the processes take turns: one timed step of each per round, so that a slow
+spell of a shared machine slows every core alike. Time: the fastest of `--steps` timed steps,
+after one untimed first step; the ratio line also gives the spread of the per-round ratios. Peak
 memory: on CUDA, torch.cuda.max_memory_allocated above what was allocated before the first
 step; on CPU (where torch's allocator keeps no statistics and tracemalloc cannot see it), the
-process's peak resident set (ru_maxrss) above its resident set before the first step.
+process's peak resident set (ru_maxrss) above its resident set before the first step (the
+kernels the fused core uses are loaded before that).
 
 Imports only torch (and the model package, which imports only torch and numpy).
 """
@@ -28,6 +31,7 @@ import time
 import torch
 
 from gpn_scale.models import GPN, GPNConfig
+from kernels import resolve
 
 PRESETS = {
     # The small GPN+M of the fused core's issue: d 256, F 512, H 4, dk 32, dv 64, V 1024, E 128.
@@ -85,8 +89,12 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_core(args, cfg: GPNConfig) -> dict:
-    """Time and measure one core in this process."""
+def run_core(args, cfg: GPNConfig) -> None:
+    """A worker: one core in this process, driven over stdin/stdout one JSON line at a time.
+
+    After the untimed first step it reports its loss, time and peak memory; then it runs one
+    timed step per "step" line it reads, until "done".
+    """
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     torch.manual_seed(0)
@@ -103,6 +111,7 @@ def run_core(args, cfg: GPNConfig) -> dict:
             torch.cuda.synchronize()
         return loss.item()
 
+    kernel = resolve(cfg.kernel, device.type) if args.core == "fused" else "-"  # loaded now: code is not a step's memory
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -113,12 +122,51 @@ def run_core(args, cfg: GPNConfig) -> dict:
     loss = step()
     first = time.perf_counter() - t0
     peak = (torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - before
-    times = []
-    for _ in range(args.steps):
+    print(json.dumps(dict(core=args.core, kernel=kernel, loss=loss, first_s=first, peak_bytes=peak)), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
         t0 = time.perf_counter()
         step()
-        times.append(time.perf_counter() - t0)
-    return dict(core=args.core, loss=loss, first_s=first, step_s=min(times) if times else first, peak_bytes=peak)
+        print(json.dumps(dict(step_s=time.perf_counter() - t0)), flush=True)
+
+
+class Worker:
+    """A worker process (`run_core`) seen from the parent."""
+
+    def __init__(self, core: str, argv: list[str]):
+        self.core, self.times, self.error = core, [], None
+        self.proc = subprocess.Popen([sys.executable, __file__, "--core", core, *argv], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.result = self._read()
+
+    def _read(self):
+        line = self.proc.stdout.readline() if self.error is None else ""
+        if line:
+            return json.loads(line)
+        self.proc.wait()
+        stderr = self.proc.stderr.read()
+        tail = (stderr.strip().splitlines() or ["no output"])[-1]
+        oom = "out of memory" in stderr.lower() or self.proc.returncode in (-9, 137)
+        self.error = "out of memory" if oom else tail
+        return None
+
+    def step(self):
+        if self.error is None:
+            self.proc.stdin.write("step\n")
+            self.proc.stdin.flush()
+            out = self._read()
+            if out is not None:
+                self.times.append(out["step_s"])
+
+    def close(self) -> dict:
+        if self.error is None:
+            self.proc.stdin.close()
+            self.proc.wait()
+        if self.error is not None:
+            return dict(core=self.core, error=self.error)
+        times = self.times or [self.result["first_s"]]
+        return dict(self.result, step_s=min(times), times=times)
 
 
 def main(argv=None) -> int:
@@ -130,7 +178,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast, state and M stay float32")
     parser.add_argument("--cores", default="naive,fused", help="comma-separated cores to compare")
-    parser.add_argument("--steps", type=int, default=1, help="timed steps after the first (0: time the first)")
+    parser.add_argument("--steps", type=int, default=3, help="timed rounds after the first step (0: time the first)")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads (0: torch's default); the loop's ops are too small to gain from threads")
     parser.add_argument("--core", help=argparse.SUPPRESS)  # set in the worker processes
@@ -139,20 +187,16 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.overrides)
 
-    if args.core:  # a worker: one core, one process, one JSON line
-        print(json.dumps(run_core(args, cfg)))
+    if args.core:
+        run_core(args, cfg)
         return 0
 
-    results = []
-    for core in args.cores.split(","):
-        cmd = [sys.executable, __file__, "--core", core] + [a for a in (argv if argv is not None else sys.argv[1:])]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            oom = "out of memory" in proc.stderr.lower() or proc.returncode in (-9, 137)
-            results.append(dict(core=core, error="out of memory" if oom else tail))
-            continue
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    passed = [a for a in (argv if argv is not None else sys.argv[1:])]
+    workers = [Worker(core, passed) for core in args.cores.split(",")]
+    for _ in range(args.steps):  # in turns: a slow spell of a shared machine hits every core alike
+        for w in workers:
+            w.step()
+    results = [w.close() for w in workers]
 
     threads = args.threads or torch.get_num_threads()
     print(f"config: {args.config} {cfg.family} d={cfg.d_state} F={cfg.d_ffn} layers={cfg.n_layers}"
@@ -160,16 +204,20 @@ def main(argv=None) -> int:
           + f" V={cfg.vocab_size} E={cfg.d_emb}; batch {args.batch}, T {args.seq_len}; {args.device} {args.dtype}"
           + (f", {threads} thread(s)" if args.device == "cpu" else ""))
     memory = "max_memory_allocated" if args.device.startswith("cuda") else "peak RSS growth"
-    print(f"{'core':6s} {'step (s)':>9s} {'first (s)':>9s} {'peak MB':>9s}  loss   [{memory}, one process per core]")
+    print(f"{'core':6s} {'kernel':6s} {'step (s)':>9s} {'first (s)':>9s} {'peak MB':>9s}  loss   "
+          f"[fastest of {args.steps} step(s), cores in turns; {memory}, one process per core]")
     for r in results:
         if "error" in r:
             print(f"{r['core']:6s} failed: {r['error']}")
         else:
-            print(f"{r['core']:6s} {r['step_s']:9.3f} {r['first_s']:9.3f} {r['peak_bytes'] / 2**20:9.1f}  {r['loss']:.4f}")
+            print(f"{r['core']:6s} {r['kernel']:6s} {r['step_s']:9.3f} {r['first_s']:9.3f} {r['peak_bytes'] / 2**20:9.1f}  {r['loss']:.4f}")
     done = {r["core"]: r for r in results if "error" not in r}
     if "naive" in done and "fused" in done:
         n, f = done["naive"], done["fused"]
-        print(f"naive / fused: time {n['step_s'] / f['step_s']:.2f}x, peak memory {n['peak_bytes'] / max(f['peak_bytes'], 1):.2f}x")
+        rounds = sorted(a / b for a, b in zip(n["times"], f["times"]))
+        spread = f" (rounds: {rounds[0]:.2f}x .. {rounds[-1]:.2f}x)" if len(rounds) > 1 else ""
+        print(f"naive / fused: time {n['step_s'] / f['step_s']:.2f}x{spread}, "
+              f"peak memory {n['peak_bytes'] / max(f['peak_bytes'], 1):.2f}x")
     return 0 if len(done) == len(results) else 1
 
 

@@ -1,4 +1,6 @@
-"""Triton kernels against their torch twins; on CPU under Triton's interpreter.
+"""Triton kernels against their torch twins; on CPU under Triton's interpreter. The step's
+elementwise groups also run as the C++ CPU kernels (kernels/elementwise_cpu.py) against the
+same twins; the C++ memory step has its own tests (test_kernels_cpu.py).
 
 Every buffer a launcher allocates, and every `out=` buffer the test passes, is filled with NaN
 first, so an element a kernel fails to write fails the comparison (assert_close never lets NaN
@@ -17,6 +19,7 @@ if INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import kernels.elementwise as E  # noqa: E402
+import kernels.elementwise_cpu as EC  # noqa: E402
 import kernels.memory_step as K  # noqa: E402
 
 if INTERPRET:
@@ -164,14 +167,18 @@ def test_nan_inputs_are_not_hidden():
 # ---- the step's elementwise groups ------------------------------------------------------------
 
 
-def run_both(name, make, dtype):
-    """Call kernels.elementwise.NAME and its twin on the same inputs; `make(poison)` returns
+IMPLS = {"triton": E, "cpp": EC}
+impls = pytest.mark.parametrize("impl", sorted(IMPLS))
+
+
+def run_both(impl, name, make, dtype):
+    """Call NAME of the kernels `impl` and of its twin on the same inputs; `make(poison)` returns
     (args, kwargs, outs): inputs, and the out buffers the call writes (NaN-filled for the
     kernel, zeros for the twin). Compares the outs and the return values."""
     results = []
-    for impl, poison in ((E, True), (S, False)):
+    for module, poison in ((IMPLS[impl], True), (S, False)):
         args, kwargs, outs = make(poison)
-        ret = getattr(impl, name)(*args, **kwargs)
+        ret = getattr(module, name)(*args, **kwargs)
         results.append((ret, outs))
     (ret, outs), (ret_ref, outs_ref) = results
     for i, (a, b) in enumerate(zip(outs, outs_ref)):
@@ -195,7 +202,8 @@ EW_SHAPES = [(1, 37, 45, 1, 1, 5, E.BLOCK), (3, 22, 19, 2, 3, 5, 16), (3, 9, 33,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups", ["ffn", "heads", "all"])
 @pytest.mark.parametrize("shape", EW_SHAPES, ids=lambda s: "x".join(map(str, s[:6])))
-def test_post_projection_matches_twin(shape, groups, dtype, monkeypatch):
+@impls
+def test_post_projection_matches_twin(impl, shape, groups, dtype, monkeypatch):
     B, d, nf, nb, H, dk, block = shape
     monkeypatch.setattr(E, "BLOCK", block)
     hk = nb * H * dk
@@ -217,23 +225,25 @@ def test_post_projection_matches_twin(shape, groups, dtype, monkeypatch):
         h = y[:, hk + 2 * H :]
         return (h[:, :nf], h[:, nf : 2 * nf], ffn), kw, outs
 
-    run_both("post_projection", make, dtype)
+    run_both(impl, "post_projection", make, dtype)
 
 
-def test_softplus_keeps_digits_for_tiny_and_large_inputs():
+@impls
+def test_softplus_keeps_digits_for_tiny_and_large_inputs(impl):
     """The write's decay rate softplus(a) is ~1e-3..1e-1 at init and can be far smaller."""
     a = torch.tensor([[-30.0, -16.0, -9.0, -3.0, 0.0, 0.5, 19.0, 21.0, 60.0]], device=DEVICE)
     H = a.shape[1]
     out = [torch.full((1, H), float("nan"), device=DEVICE) for _ in range(3)]
     ffn = torch.empty(1, 1, device=DEVICE)
-    E.post_projection(ffn, ffn, ffn, beta=a, a=a, A=torch.ones(H, device=DEVICE), out_beta=out[0], out_gamma=out[1], out_decay=out[2])
+    IMPLS[impl].post_projection(ffn, ffn, ffn, beta=a, a=a, A=torch.ones(H, device=DEVICE), out_beta=out[0], out_gamma=out[1], out_decay=out[2])
     want = torch.nn.functional.softplus(a.double())
     assert ((out[1].double() - want).abs() / want).max() < 1e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", EW_SHAPES, ids=lambda s: "x".join(map(str, s[:6])))
-def test_residual_rms_and_ground_match_twin(shape, dtype):
+@impls
+def test_residual_rms_and_ground_match_twin(impl, shape, dtype):
     B, d = shape[:2]
     Y = rand(B, 2 * d + 3, seed=6)
     c, u = rand(B, d, seed=7), rand(B, d, seed=8)
@@ -243,21 +253,22 @@ def test_residual_rms_and_ground_match_twin(shape, dtype):
         out, hat, r = buf(poison, 2, B, d)[1], buf(poison, B, d + 3)[:, 1 : d + 1], buf(poison, B, 1)
         return (y[:, :d], y[:, d + 1 : 2 * d + 1], c, out if to_out else None, hat, r), {}, [hat, r] + ([out] if to_out else [])
 
-    run_both("residual_rms", make_residual, dtype)
-    run_both("residual_rms", lambda p: make_residual(p, to_out=False), dtype)
+    run_both(impl, "residual_rms", make_residual, dtype)
+    run_both(impl, "residual_rms", lambda p: make_residual(p, to_out=False), dtype)
 
     def make_ground(poison, with_hat=True):
         fg = (Y.to(dtype) if poison else Y.to(dtype).float())[:, 1 : d + 1].float().clone()  # the core's FG slot, read in place
         hat, r = buf(poison, B, d + 3)[:, 2 : d + 2], buf(poison, B, 1)
         return (fg, c, u, fg, hat if with_hat else None, r if with_hat else None), {}, [fg] + ([hat, r] if with_hat else [])
 
-    run_both("ground", make_ground, dtype)
-    run_both("ground", lambda p: make_ground(p, with_hat=False), dtype)
+    run_both(impl, "ground", make_ground, dtype)
+    run_both(impl, "ground", lambda p: make_ground(p, with_hat=False), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", EW_SHAPES, ids=lambda s: "x".join(map(str, s[:6])))
-def test_backward_groups_match_twin(shape, dtype, monkeypatch):
+@impls
+def test_backward_groups_match_twin(impl, shape, dtype, monkeypatch):
     B, d, nf, nb, H, dk, block = shape
     monkeypatch.setattr(E, "BLOCK", block)
     x = rand(B, d, seed=9)
@@ -270,8 +281,8 @@ def test_backward_groups_match_twin(shape, dtype, monkeypatch):
         out = buf(poison, B, d)
         return (x_hat, r, dx, dc, gate, extra if with_extra else None), dict(out=out), [out]
 
-    run_both("residual_rms_backward", lambda p: make_rms(p, True), dtype)
-    run_both("residual_rms_backward", lambda p: make_rms(p, False), dtype)
+    run_both(impl, "residual_rms_backward", lambda p: make_rms(p, True), dtype)
+    run_both(impl, "residual_rms_backward", lambda p: make_rms(p, False), dtype)
 
     dZ, fac, pg_fac = rand(B, nf + d + 1, seed=14), rand(B, 2, nf, seed=15), rand(B, d, seed=16)
 
@@ -280,7 +291,7 @@ def test_backward_groups_match_twin(shape, dtype, monkeypatch):
         dffn, dpg = buf(poison, B, 2 * nf + d + 1)[:, 1 : 2 * nf + 1].view(B, 2, nf), buf(poison, B, d)
         return (dz[:, None, :nf], fac, dffn, dc, pg_fac, dpg), {}, [dffn, dpg]
 
-    run_both("gate_grads", make_gates, dtype)
+    run_both(impl, "gate_grads", make_gates, dtype)
 
     z = torch.relu(rand(nb, B, H, dk, seed=17)).transpose(0, 1)
     norm = (z.square().sum(-1, keepdim=True) + 1e-12).sqrt()
@@ -292,8 +303,8 @@ def test_backward_groups_match_twin(shape, dtype, monkeypatch):
         out = buf(poison, B, nb * H * dk + 3)[:, 2 : nb * H * dk + 2].view(B, nb, H, dk)
         return (y, mask, dq), dict(out=out), [out]
 
-    run_both("l2n_relu_backward", make_l2n, dtype)
-    run_both("l2n_relu_backward", lambda p: ((y[:, 0], mask[:, 0], dQ[:, : H * dk].view(B, H, dk)), {}, []), torch.float32)
+    run_both(impl, "l2n_relu_backward", make_l2n, dtype)
+    run_both(impl, "l2n_relu_backward", lambda p: ((y[:, 0], mask[:, 0], dQ[:, : H * dk].view(B, H, dk)), {}, []), torch.float32)
 
 
 # ---- the whole model: kernel = triton against kernel = torch ----------------------------------

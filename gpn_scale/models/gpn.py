@@ -46,7 +46,7 @@ class GPNConfig:
     checkpoint_every: int = 0  # naive core: recompute activations in time segments of this length (0: off)
     bptt: int = 0  # truncate backprop through time every this many steps (0: full window)
     ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once
-    kernel: str = "auto"  # fused core's memory step and step groups: "triton", "torch", or "auto" (triton on CUDA)
+    kernel: str = "auto"  # fused core's memory step and step groups: "triton", "cpp" (CPU), "torch", or "auto" (triton on CUDA, cpp on CPU)
     cuda_graphs: bool = True  # fused core on CUDA: capture its time loops once per shape, then replay
 
     def __post_init__(self):

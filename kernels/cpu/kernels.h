@@ -1,0 +1,49 @@
+// The C++ CPU kernels' entry points, bound to Python in module.cpp. Each has a torch twin with
+// the same name: gpn_scale/models/memory_step.py and gpn_scale/models/step_ops.py.
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+namespace gpn_cpu {
+
+using OptTensor = std::optional<at::Tensor>;
+
+// ---- memory_step.cpp -----------------------------------------------------------------------
+
+std::vector<at::Tensor> memory_step(const at::Tensor& M, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& beta, const at::Tensor& decay, const at::Tensor& q,
+                                    const at::Tensor& gate, OptTensor out_e, OptTensor out_o, OptTensor out_y,
+                                    OptTensor out_M, double eps);
+std::vector<at::Tensor> memory_read(const at::Tensor& M, const at::Tensor& q, const at::Tensor& gate, OptTensor out_o,
+                                    OptTensor out_y, double eps);
+std::vector<at::Tensor> memory_read_backward(const at::Tensor& M, const at::Tensor& q, const at::Tensor& rms,
+                                             const at::Tensor& o_hat, const at::Tensor& silu_gate,
+                                             const at::Tensor& to_gate, const at::Tensor& dy, const at::Tensor& dM,
+                                             OptTensor out_dq, OptTensor out_dgate, OptTensor out_dM);
+std::vector<at::Tensor> memory_step_backward(
+    const at::Tensor& M_prev, const at::Tensor& M, const at::Tensor& k, const at::Tensor& beta,
+    const at::Tensor& decay, const at::Tensor& e, const at::Tensor& delta, const at::Tensor& q,
+    const at::Tensor& rms, const at::Tensor& o_hat, const at::Tensor& silu_gate, const at::Tensor& to_gate,
+    const at::Tensor& dM, const at::Tensor& dy, OptTensor out_dk, OptTensor out_dq, OptTensor out_dbeta,
+    OptTensor out_ddecay, OptTensor out_dgate, OptTensor out_dM);
+
+// ---- elementwise.cpp -----------------------------------------------------------------------
+
+void post_projection(const at::Tensor& h1, const at::Tensor& h2, const at::Tensor& out_ffn, OptTensor heads,
+                     OptTensor out_heads, OptTensor out_norms, OptTensor beta, OptTensor a, OptTensor A,
+                     OptTensor out_beta, OptTensor out_gamma, OptTensor out_decay, double l2_eps);
+at::Tensor residual_rms(const at::Tensor& y, const at::Tensor& pg, const at::Tensor& c, OptTensor out,
+                        OptTensor out_hat, OptTensor out_rms, double eps);
+at::Tensor ground(const at::Tensor& y_fg, const at::Tensor& c, const at::Tensor& u, const at::Tensor& out_fg,
+                  OptTensor out_hat, OptTensor out_rms, double eps);
+at::Tensor residual_rms_backward(const at::Tensor& x_hat, const at::Tensor& r, const at::Tensor& dx_hat,
+                                 const at::Tensor& dc, const at::Tensor& gate, OptTensor extra, OptTensor out);
+void gate_grads(const at::Tensor& dz_ffn, const at::Tensor& ffn_fac, const at::Tensor& out_dffn, const at::Tensor& dc,
+                const at::Tensor& pg_fac, const at::Tensor& out_dpg);
+at::Tensor l2n_relu_backward(const at::Tensor& y, const at::Tensor& mask_over_norm, const at::Tensor& dy, OptTensor out);
+
+}  // namespace gpn_cpu

@@ -1,0 +1,45 @@
+"""C++ kernels for the elementwise groups of a fused-core step on CPU (kernels/cpu/elementwise.cpp).
+
+The twin is `gpn_scale.models.step_ops`: same functions, same signatures, same outputs; the
+Triton kernels (`kernels.elementwise`) are the same groups on GPUs. A group is 3 to 10 torch ops
+on vectors of a few hundred elements, where dispatch costs more than arithmetic; here it is one
+call. Built on first use (kernels/cpu_build.py).
+"""
+
+from __future__ import annotations
+
+from gpn_scale.models.ops import L2_EPS, RMS_EPS
+from gpn_scale.models.step_ops import l2n_relu, rms_hat, rms_hat_backward  # noqa: F401  (once per window: the twins')
+from kernels.cpu_build import load as _load
+
+
+def post_projection(h1, h2, out_ffn, heads=None, out_heads=None, out_norms=None, beta=None, a=None, A=None,
+                    out_beta=None, out_gamma=None, out_decay=None):
+    """After a layer's projection GEMM: SwiGLU, the heads' relu + l2-normalisation, the write's gates."""
+    _load().post_projection(h1, h2, out_ffn, heads, out_heads, out_norms, beta, a, A, out_beta, out_gamma, out_decay, L2_EPS)
+
+
+def residual_rms(y, pg, c, out=None, out_hat=None, out_rms=None):
+    """c' = y + sigmoid(pg) c and (c' / rms(c'), rms(c')) into out_hat, out_rms. Returns c'."""
+    return _load().residual_rms(y, pg, c, out, out_hat, out_rms, RMS_EPS)
+
+
+def ground(y_fg, c, u, out_fg, out_hat=None, out_rms=None):
+    """fg = sigmoid(y_fg) into out_fg, g = u + fg c, and (g / rms(g), rms(g)) into out_hat,
+    out_rms when given. Returns g."""
+    return _load().ground(y_fg, c, u, out_fg, out_hat, out_rms, RMS_EPS)
+
+
+def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None):
+    """rms-norm backward of dx_hat + dc * gate [+ extra]."""
+    return _load().residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra, out)
+
+
+def gate_grads(dz_ffn, ffn_fac, out_dffn, dc, pg_fac, out_dpg):
+    """dz_ffn (B, 1, F) * ffn_fac (B, 2, F) into out_dffn (B, 2, F); dc * pg_fac into out_dpg."""
+    _load().gate_grads(dz_ffn, ffn_fac, out_dffn, dc, pg_fac, out_dpg)
+
+
+def l2n_relu_backward(y, mask_over_norm, dy, out=None):
+    """(dy - y (dy . y)) * mask_over_norm per head, over (B, n_blocks, H, dk) or (B, H, dk) views."""
+    return _load().l2n_relu_backward(y, mask_over_norm, dy, out)

@@ -1,0 +1,183 @@
+"""The C++ CPU memory-step kernels (kernels/memory_step_cpu.cpp) against their torch twins.
+
+Every `out=` buffer the test passes is NaN-filled first, some of them as rows of a wider buffer
+(the fused core's layout) whose other elements must stay NaN, so an element the kernel fails to
+write, or writes in the wrong place, fails. Sizes are odd and d_k != d_v.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from gpn_scale.models import GPN, GPNConfig, GPNState
+from gpn_scale.models import memory_step as T
+from kernels import cpu_build
+from kernels import memory_step_cpu as K
+from kernels import resolve
+
+SHAPES = [(1, 1, 5, 7), (3, 3, 7, 5), (3, 4, 6, 33), (2, 2, 16, 64)]
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+def check(got, want, dtype, name, tol=None):
+    """Max abs error relative to want's max abs; NaN anywhere fails."""
+    tol = TOL[dtype] if tol is None else tol
+    err = ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
+    assert err <= tol, f"{name}: relative error {err} > {tol}"  # NaN <= tol is False
+
+
+def nan(*shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def nan_rows(B, n, dtype, pad=3):
+    """A (B, n) view into rows of a wider NaN buffer, and the buffer."""
+    wide = nan(B, n + pad, dtype=dtype)
+    return wide[:, 1 : n + 1], wide
+
+
+def inputs(B, H, dk, dv, dtype, seed=0):
+    """M and the step's vectors; v and gate as column slices of one wider row, as the fused
+    core's projection output holds them."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    unit = lambda x: torch.relu(x) / torch.relu(x).norm(dim=-1, keepdim=True).clamp_min(1e-6)  # noqa: E731
+    row = r(B, 2 * H * dv + 5)
+    return dict(M=r(B, H, dk, dv), k=unit(r(B, H, dk)), v=row[:, 2 : 2 + H * dv].view(B, H, dv),
+                beta=torch.sigmoid(r(B, H)), decay=torch.exp(-r(B, H).abs()), q=unit(r(B, H, dk)),
+                gate=row[:, 3 + H * dv : 3 + 2 * H * dv])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    ok, why = cpu_build.available()
+    assert ok, f"the C++ kernels did not build: {why}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_matches_twin(shape, dtype):
+    B, H, dk, dv = shape
+    x = inputs(B, H, dk, dv, dtype)
+    ref = T.memory_step(**x)
+    out_o, wide_o = nan_rows(B, H * dv, dtype)
+    out_y, wide_y = nan_rows(B, H * dv, dtype)
+    outs = dict(out_e=nan(B, H, dv, dtype=dtype), out_o=out_o, out_y=out_y, out_M=nan(B, H, dk, dv, dtype=dtype))
+    for kwargs in ({}, outs):  # fresh outputs, then poisoned ones, some strided
+        got = K.memory_step(**x, **kwargs)
+        for name, a, b in zip(("M", "e", "o", "y"), got, ref):
+            check(a, b, dtype, name)
+    assert got[0] is outs["out_M"] and got[1] is outs["out_e"] and got[2] is out_o and got[3] is out_y
+    for wide in (wide_o, wide_y):  # nothing written outside the rows
+        assert torch.isnan(wide[:, 0]).all() and torch.isnan(wide[:, -2:]).all()
+
+    o_ref, y_ref = T.memory_read(ref[0], x["q"], x["gate"])
+    o, y = K.memory_read(ref[0], x["q"], x["gate"], out_o=nan_rows(B, H * dv, dtype)[0], out_y=nan(B, H * dv, dtype=dtype))
+    check(o, o_ref, dtype, "read o")
+    check(y, y_ref, dtype, "read y")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_backward_matches_twin(shape, dtype):
+    B, H, dk, dv = shape
+    x = inputs(B, H, dk, dv, dtype, seed=1)
+    M_t, e, o, _ = T.memory_step(**x)
+    f = T.read_factors(o, x["gate"])
+    g = torch.Generator().manual_seed(2)
+    dM = torch.randn(M_t.shape, generator=g, dtype=dtype)
+    dy = torch.randn(o.shape, generator=g, dtype=dtype)
+    delta = x["beta"][..., None] * e
+    names = ("dM_prev", "dk", "dv", "dbeta", "ddecay", "dq", "dgate")
+    args = (x["M"], M_t, x["k"], x["beta"], x["decay"], e, delta, x["q"], f)
+    ref = T.memory_step_backward(*args, dM.clone(), dy)
+    outs = dict(out_dk=nan_rows(B, H * dk, dtype)[0].view(B, H, dk), out_dq=nan(B, H, dk, dtype=dtype),
+                out_dbeta=nan(B, H, dtype=dtype), out_ddecay=nan_rows(B, H, dtype)[0], out_dgate=nan_rows(B, H * dv, dtype)[0],
+                out_dM=nan(B, H, dk, dv, dtype=dtype))
+    for kwargs in ({}, outs):
+        dM_in = dM.clone()
+        got = K.memory_step_backward(*args, dM_in, dy, **kwargs)
+        for name, a, b in zip(names, got, ref):
+            check(a, b, dtype, name)
+        assert torch.equal(dM_in, dM)  # the incoming gradient is read, not overwritten
+
+    ref = T.memory_read_backward(M_t, x["q"], f, dy, dM.clone())
+    got = K.memory_read_backward(M_t, x["q"], f, dy, dM, out_dq=nan(B, H, dk, dtype=dtype),
+                                 out_dgate=nan_rows(B, H * dv, dtype)[0], out_dM=nan(B, H, dk, dv, dtype=dtype))
+    for name, a, b in zip(("read dq", "read dgate", "read dM"), got, ref):
+        check(a, b, dtype, name)
+
+
+def test_other_layouts_are_copied_in_and_out():
+    """Inputs in no row layout (a transposed view, another dtype) are copied; an out buffer in
+    no row layout receives the result through a copy."""
+    B, H, dk, dv = 3, 2, 5, 4
+    x = inputs(B, H, dk, dv, torch.float64, seed=4)
+    ref = T.memory_step(**x)
+    odd = dict(x, q=x["q"].transpose(0, 1).contiguous().transpose(0, 1), k=x["k"].float())  # k loses digits: 1e-6
+    out_o = nan(H * dv, B, dtype=torch.float64).t()
+    M_t, e, o, y = K.memory_step(**odd, out_o=out_o)
+    assert o is out_o
+    for name, a, b in zip(("M", "e", "o", "y"), (M_t, e, o, y), ref):
+        check(a, b, torch.float64, name, tol=1e-6)
+
+
+def test_nan_inputs_are_not_hidden_and_bad_buffers_are_named():
+    x = inputs(1, 1, 5, 7, torch.float32)
+    x["M"][0, 0, 4, 6] = float("nan")
+    M_t, e, o, y = K.memory_step(**x)
+    assert torch.isnan(M_t[0, 0, :, 6]).all() and torch.isnan(e[0, 0, 6]) and torch.isnan(o).any()
+    with pytest.raises(ValueError, match="out_M must be contiguous"):
+        K.memory_step(**inputs(2, 2, 3, 4, torch.float32), out_M=nan(2, 2, 4, 3, dtype=torch.float32).transpose(2, 3))
+    with pytest.raises(ValueError, match="M must be contiguous"):
+        x = inputs(2, 2, 3, 3, torch.float32)
+        K.memory_step(**dict(x, M=x["M"].transpose(2, 3)))
+
+
+ODD = GPNConfig(vocab_size=29, d_state=14, d_emb=6, d_ffn=9, n_heads=3, d_key=5, d_val=4, core_chunk=3)
+
+
+@pytest.mark.parametrize("mode", ["float64", "float32"])
+@pytest.mark.parametrize("case", [dict(n_layers=1), dict(n_layers=2, bptt=4)], ids=["gpn_m_1l", "gpn_m_2l_bptt"])
+def test_model_with_cpp_kernels_matches_torch(case, mode, monkeypatch):
+    """Loss, carried state, and the gradients of every parameter and of the incoming state."""
+    calls = []
+    for name in ("memory_step", "memory_read", "memory_step_backward", "memory_read_backward"):
+        fn = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(*a, **kw))
+    dtype = torch.float64 if mode == "float64" else torch.float32
+    torch.manual_seed(0)
+    model = GPN(dataclasses.replace(ODD, **case)).to(dtype)
+    with torch.no_grad():  # move the zero-initialised gates and out-projections: every path live
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        carried = model(torch.randint(0, ODD.vocab_size, (2, 4))).state
+    tokens = torch.randint(0, ODD.vocab_size, (2, 7))
+    results = {}
+    for kernel in ("torch", "cpp"):
+        model.config.kernel = kernel
+        model.zero_grad()
+        state = GPNState(*(x.clone().requires_grad_() for x in carried))
+        out = model(tokens, state=state)
+        (out.loss + out.state.s.square().mean() + out.state.M.square().mean()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads.update({f"state.{n}": x.grad for n, x in zip(("s", "prev_s", "M"), state)})
+        results[kernel] = (out, grads)
+    (a, ga), (b, gb) = results["cpp"], results["torch"]
+    tol = {"float64": 1e-10, "float32": 1e-5}[mode]
+    check(a.loss, b.loss, dtype, "loss", tol)
+    for name, x, y in zip(("s", "prev_s", "M"), a.state, b.state):
+        check(x, y, dtype, name, tol)
+    assert ga.keys() == gb.keys()
+    for name in gb:
+        check(ga[name], gb[name], dtype, name, tol)
+    assert calls.count("memory_step") > tokens.shape[1]  # the forward's steps and the rebuild's
+    assert calls.count("memory_step_backward") == tokens.shape[1]
+    assert ("memory_read" in calls) == ("memory_read_backward" in calls) == (model.config.n_layers > 1)
+
+
+def test_auto_picks_the_cpp_kernels_on_cpu():
+    assert resolve("auto", "cpu") == "cpp"
+    with pytest.raises(ValueError, match="'cpp' runs on CPU"):
+        resolve("cpp", "cuda")
