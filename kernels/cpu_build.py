@@ -37,7 +37,7 @@ def load():
             if not (build_dir / f"{name}.so").is_file():  # a first build takes a while: say why
                 print(f"[kernels] building the C++ CPU kernels in {build_dir} (once, about a minute)", file=sys.stderr)
             _ext = cpp_extension.load(name, [str(s) for s in _SOURCES], extra_cflags=["-O3", "-fopenmp-simd", *_ARCH_FLAGS.get(arch, [])],
-                                      extra_include_paths=[str(_SOURCES[0].parent)], verbose=False)
+                                      verbose=False)
         except Exception as exc:  # no compiler, no ninja, no headers: the torch twins still work
             lines = str(exc).strip().splitlines()
             _error = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
