@@ -2,7 +2,7 @@
 
 They are compiled with torch's C++ extension builder (a C++ compiler and ninja, both present
 wherever DeepSpeed builds its CPU ops) and cached in torch's extensions directory
-(TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions): about a minute once, then a load.
+(TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions): about half a minute once, then a load.
 `available()` says whether they built, and why not.
 """
 
@@ -35,7 +35,7 @@ def load():
             name = f"gpn_cpu_kernels_{arch.lower()}"
             build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
             if not (build_dir / f"{name}.so").is_file():  # a first build takes a while: say why
-                print(f"[kernels] building the C++ CPU kernels in {build_dir} (once, about a minute)", file=sys.stderr)
+                print(f"[kernels] building the C++ CPU kernels in {build_dir} (once, about half a minute)", file=sys.stderr)
             _ext = cpp_extension.load(name, [str(s) for s in _SOURCES], extra_cflags=["-O3", "-fopenmp-simd", *_ARCH_FLAGS.get(arch, [])],
                                       verbose=False)
         except Exception as exc:  # no compiler, no ninja, no headers: the torch twins still work

@@ -17,9 +17,6 @@
 namespace gpn_cpu {
 namespace {
 
-// Sequences per thread: calls of a few thousand elements stay on one thread.
-int64_t grain(int64_t per_row) { return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(per_row, 1)); }
-
 // torch's softplus (linear above 20), with log1p keeping the digits of tiny exp(x).
 template <typename T>
 T softplus(T x) {

@@ -24,9 +24,6 @@
 namespace gpn_cpu {
 namespace {
 
-// Sequences per thread: at small batches the whole call stays on one thread.
-int64_t grain(int64_t per_row) { return std::max<int64_t>(1, at::internal::GRAIN_SIZE / per_row); }
-
 at::Tensor block(const OptTensor& given, const at::Tensor& like, const char* name) {
   if (!given.has_value()) return at::empty_like(like);
   TORCH_CHECK_VALUE(given->is_contiguous() && given->sizes() == like.sizes() && given->scalar_type() == like.scalar_type(),
