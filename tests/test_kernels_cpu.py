@@ -181,3 +181,12 @@ def test_auto_picks_the_cpp_kernels_on_cpu():
     assert resolve("auto", "cpu") == "cpp"
     with pytest.raises(ValueError, match="'cpp' runs on CPU"):
         resolve("cpp", "cuda")
+
+
+def test_without_a_compiler_auto_falls_back_to_the_twins_with_a_warning(monkeypatch):
+    monkeypatch.setattr(cpu_build, "_ext", None)
+    monkeypatch.setattr(cpu_build, "_error", "CalledProcessError: no C++ compiler")
+    with pytest.warns(UserWarning, match="could not be built .*no C\\+\\+ compiler.*torch twins"):
+        assert resolve("auto", "cpu") == "torch"
+    with pytest.raises(RuntimeError, match="kernel 'cpp': the C\\+\\+ CPU kernels could not be built"):
+        K.memory_step(**inputs(1, 1, 2, 3, torch.float32))
