@@ -81,7 +81,10 @@ def load_config(name: str, overrides: list[str]) -> GPNConfig:
     unknown = sorted(set(fields) - known)
     if unknown:
         raise SystemExit(f"error: {name}: unknown config keys {unknown}")
-    return GPNConfig(**fields)
+    try:
+        return GPNConfig(**fields)
+    except ValueError as exc:
+        raise SystemExit(f"error: {name}: {exc}") from None
 
 
 def _rss_bytes() -> int:
@@ -141,7 +144,7 @@ class Worker:
         self.result = self._read()
 
     def _read(self):
-        line = self.proc.stdout.readline() if self.error is None else ""
+        line = self.proc.stdout.readline()
         if line:
             return json.loads(line)
         self.proc.wait()
@@ -180,7 +183,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cores", default="naive,fused", help="comma-separated cores to compare")
     parser.add_argument("--steps", type=int, default=3, help="timed rounds after the first step (0: time the first)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads (0: torch's default); the loop's ops are too small to gain from threads")
+                        help="CPU threads (0: torch's default); on a shared machine idle OpenMP threads stall against other load")
     parser.add_argument("--core", help=argparse.SUPPRESS)  # set in the worker processes
     args = parser.parse_args(argv)
     if args.threads:
@@ -191,7 +194,7 @@ def main(argv=None) -> int:
         run_core(args, cfg)
         return 0
 
-    passed = [a for a in (argv if argv is not None else sys.argv[1:])]
+    passed = list(argv if argv is not None else sys.argv[1:])
     workers = [Worker(core, passed) for core in args.cores.split(",")]
     for _ in range(args.steps):  # in turns: a slow spell of a shared machine hits every core alike
         for w in workers:
