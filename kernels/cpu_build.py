@@ -12,7 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
-_SOURCES = [Path(__file__).parent / "cpu" / f for f in ("module.cpp", "memory_step.cpp", "elementwise.cpp")]
+_SOURCES = [Path(__file__).parent / "cpu" / f for f in ("module.cpp", "memory_step.cpp", "elementwise.cpp", "gemm.cpp")]
 # The vector units torch detected on this CPU, and the flags that let the compiler use them. The
 # build is named after them, so a cache shared by different machines (a cluster's home
 # directory) never loads a build made for wider vectors than this CPU has.

@@ -8,9 +8,22 @@ call. Built on first use (kernels/cpu_build.py).
 
 from __future__ import annotations
 
+import torch
+
+from gpn_scale.models import step_ops as twin
 from gpn_scale.models.ops import L2_EPS, RMS_EPS
 from gpn_scale.models.step_ops import l2n_relu, rms_hat, rms_hat_backward  # noqa: F401  (once per window: the twins')
 from kernels.cpu_build import load as _load
+
+SMALL_MM_ROWS = 16  # up to here kernels/cpu/gemm.cpp beats BLAS; the chunk's GEMMs of more rows go to BLAS
+
+
+def mm(x, W, out=None, bias=None):
+    """[bias +] x @ W into `out`: the C++ GEMM for a step's few float32 rows, else the twin's."""
+    f32 = torch.float32
+    if x.shape[0] <= SMALL_MM_ROWS and x.dtype == f32 and W.dtype == f32 and (out is None or out.dtype == f32):
+        return _load().small_mm(x, W, bias, out)
+    return twin.mm(x, W, out, bias)
 
 
 def post_projection(h1, h2, out_ffn, heads=None, out_heads=None, out_norms=None, beta=None, a=None, A=None,

@@ -1,4 +1,5 @@
-"""The C++ CPU memory-step kernels (kernels/memory_step_cpu.cpp) against their torch twins.
+"""The C++ CPU kernels of the memory step (kernels/cpu/memory_step.cpp) and the step's GEMM
+(kernels/cpu/gemm.cpp) against their torch twins.
 
 Every `out=` buffer the test passes is NaN-filled first, some of them as rows of a wider buffer
 (the fused core's layout) whose other elements must stay NaN, so an element the kernel fails to
@@ -13,6 +14,7 @@ import torch
 from gpn_scale.models import GPN, GPNConfig, GPNState
 from gpn_scale.models import memory_step as T
 from kernels import cpu_build
+from kernels import elementwise_cpu
 from kernels import memory_step_cpu as K
 from kernels import resolve
 
@@ -133,6 +135,37 @@ def test_nan_inputs_are_not_hidden_and_bad_buffers_are_named():
     with pytest.raises(ValueError, match="M must be contiguous"):
         x = inputs(2, 2, 3, 3, torch.float32)
         K.memory_step(**dict(x, M=x["M"].transpose(2, 3)))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 16])
+@pytest.mark.parametrize("K_, N", [(7, 5), (300, 61), (517, 200)], ids=["7x5", "300x61", "517x200"])
+def test_small_mm_matches_torch(rows, K_, N):
+    """Both weight layouts (row-major as the forward's, a transposed view as the backward's),
+    with and without bias, into a fresh tensor and into rows of a wider NaN buffer, from rows
+    of a wider input. K and N leave remainders after every tile and depth block."""
+    g = torch.Generator().manual_seed(rows * 1000 + K_)
+    x = torch.randn(rows, K_ + 4, generator=g)[:, 2 : 2 + K_]
+    bias = torch.randn(N, generator=g)
+    row_major = torch.randn(K_, N, generator=g)
+    for W in (row_major, torch.randn(N, K_, generator=g).t()):
+        want = x.double() @ W.double()
+        check(elementwise_cpu.mm(x, W), want, torch.float32, "x @ W")
+        out, wide = nan_rows(rows, N, torch.float32)
+        assert elementwise_cpu.mm(x, W, out=out, bias=bias) is out
+        check(out, want + bias.double(), torch.float32, "bias + x @ W into rows")
+        assert torch.isnan(wide[:, 0]).all() and torch.isnan(wide[:, N + 1 :]).all()
+
+
+def test_small_mm_leaves_other_cases_to_torch_and_names_bad_input():
+    """Many rows, float64 or another out dtype go to torch (same result); the kernel itself
+    names what it was given."""
+    x, W = torch.randn(40, 9, dtype=torch.float64), torch.randn(9, 6, dtype=torch.float64)
+    for a, b in ((x, W), (x.float(), W.float()), (x[:5], W)):
+        check(elementwise_cpu.mm(a, b), a.double() @ b.double(), a.dtype, "mm")
+    with pytest.raises(ValueError, match=r"small_mm: expected float32 x and W, got Double"):
+        cpu_build.load().small_mm(x[:5], W, None, None)
+    with pytest.raises(ValueError, match=r"small_mm: expected x \(R, K\) and W \(K, N\)"):
+        cpu_build.load().small_mm(x[:5].float(), W.float().t(), None, None)
 
 
 ODD = GPNConfig(vocab_size=29, d_state=14, d_emb=6, d_ffn=9, n_heads=3, d_key=5, d_val=4, core_chunk=3)

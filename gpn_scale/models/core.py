@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from gpn_scale.models.memory_step import ReadFactors, read_factors, rms
 from gpn_scale.models.step_ops import l2n_relu, rms_hat
+from gpn_scale.models.step_ops import mm as _mm  # the chunk's GEMMs, of many rows: BLAS
 from kernels import memory_ops, resolve, step_ops
 from kernels.graph import core_graphs, signature
 
@@ -120,17 +121,8 @@ def fuse_weights(model) -> tuple[list[LayerWeights], torch.Tensor, torch.Tensor]
 # ---- small pieces ----------------------------------------------------------------------------
 # In the time loop every op counts (each costs microseconds of dispatch on tensors this small):
 # `out=` writes straight into the saved buffers. The elementwise work between the GEMMs is in
-# groups (gpn_scale/models/step_ops.py, or their kernels), one call each.
-
-
-def _mm(x, W, out=None, bias=None):
-    """[bias +] x @ W with the GEMM in W's dtype (the compute dtype), into `out` (state dtype)."""
-    if out is not None and W.dtype == out.dtype:
-        return torch.mm(x, W, out=out) if bias is None else torch.addmm(bias, x, W, out=out)
-    if out is None and bias is None and W.dtype == x.dtype:
-        return torch.mm(x, W)
-    y = x.to(W.dtype) @ W if bias is None else torch.addmm(bias, x.to(W.dtype), W)
-    return y.to(x.dtype) if out is None else out.copy_(y)
+# groups (gpn_scale/models/step_ops.py, or their kernels), one call each; the step's GEMMs, of
+# B rows, are `ew.mm` (its own kernel on CPU), the chunk's, of many rows, `_mm` (BLAS).
 
 
 def _cast(spec: Spec, layers, fg_W, fg_b):
@@ -218,7 +210,7 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
         E, BETA, GAMMA, DECAY = _steps(S.E), _steps(S.BETA), _steps(S.GAMMA), _steps(S.DECAY)
         S.x_prev, S.r_prev = ew.rms_hat(g_prev)
         k_col = cols[0]["k"]
-        kpre = _mm(S.x_prev, layers[0].W[:, k_col], bias=layers[0].b[k_col])
+        kpre = ew.mm(S.x_prev, layers[0].W[:, k_col], bias=layers[0].b[k_col])
         S.k0, S.k0n = ew.l2n_relu(kpre.view(B, H, dk))
         k = S.k0
         v0 = V[0]
@@ -232,7 +224,7 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
             S.M.append(M)
         c = g
         for i, (L, v) in enumerate(zip(layers, V)):
-            _mm(v["x"][w if i == 0 else s], L.W, v["y"][w], L.b)
+            ew.mm(v["x"][w if i == 0 else s], L.W, v["y"][w], L.b)
             if not spec.memory:
                 ew.post_projection(v["h1"][w], v["h2"][w], v["z_ffn"][w])
             elif i == 0:
@@ -246,8 +238,8 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
                 mem.memory_read(M, v["q"][w], v["gate"][w], out_o=v["o"][w], out_y=v["z_read"][w])
             last = i == nl - 1
             x_next, r_next = (XP[w], RP[w]) if last else (V[i + 1]["x"][s], V[i + 1]["r"][s])
-            c = ew.residual_rms(_mm(v["z"][w], L.W2o), v["pg"][w], c, Ps[t] if last else None, x_next, r_next)
-        _mm(XP[w], fg_W, FG[w], fg_b)
+            c = ew.residual_rms(ew.mm(v["z"][w], L.W2o), v["pg"][w], c, Ps[t] if last else None, x_next, r_next)
+        ew.mm(XP[w], fg_W, FG[w], fg_b)
         x_next, r_next = (V[0]["x"][1 - w], V[0]["r"][1 - w]) if t < T - 1 else (None, None)
         g_prev, g = g, ew.ground(FG[w], c, us[t], FG[w], x_next, r_next)
     return P, g, g_prev, M, (S if save else None)
@@ -405,7 +397,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
         first = 0 if lo == 0 else lo + 1  # the step of X0[0]
         k_first = None
         if spec.memory:
-            k_first = S.k0 if c0 == 0 else l2n_relu(_mm(X0[c0 - 1 - first], W_k, bias=b_k).view(B, H, dk))[0]
+            k_first = S.k0 if c0 == 0 else l2n_relu(ew.mm(X0[c0 - 1 - first], W_k, bias=b_k).view(B, H, dk))[0]
         X0, R0 = X0[c0 - first :], R0[c0 - first :]
         C, G = _chunk_buffers(spec, S, sl, layers, cols, fg_W, fg_b, A, k_first, X0, R0, XP[c0 - lo :], RP[c0 - lo :],
                               fg[c0 - lo :], work)
@@ -420,11 +412,11 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
         for t in reversed(range(c0, c1)):
             j = t - c0
             dus[t].copy_(dg)
-            dxp = _mm(torch.mul(dg, G["fg_fac"][j], out=G["dYfg"][j]), fg_WT)
+            dxp = ew.mm(torch.mul(dg, G["fg_fac"][j], out=G["dYfg"][j]), fg_WT)
             dc = ew.residual_rms_backward(G["xp"][j], G["rp"][j], dxp, dg, G["fg"][j], None if dPs is None else dPs[t], out=C[-1]["dU"][j])
             for i in reversed(range(nl)):
                 c = C[i]
-                _mm(dc, W2oT[i], c["dZ"][j])  # into the dZ rows of the chunk
+                ew.mm(dc, W2oT[i], c["dZ"][j])  # into the dZ rows of the chunk
                 ew.gate_grads(c["dz_ffn"][j], c["ffn_fac"][j], c["dffn"][j], dc, c["pg_fac"][j], c["dpg"][j])
                 if spec.memory:
                     if i == 0:
@@ -442,9 +434,9 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
                                                              out_dM=dMring[1] if dM is dMring[0] else dMring[0])
                         dq = dq.unsqueeze(1)
                     ew.l2n_relu_backward(c["nq"][j], c["nq_mask"][j], dq, out=c["dheads"][j])
-                dx = _mm(c["dY"][j], WT[i])
+                dx = ew.mm(c["dY"][j], WT[i])
                 if i == 0 and spec.memory and not kn_flows:  # the next key's gradient reaches the weights only
-                    dx -= _mm(G["dkn"][j], W_kT)
+                    dx -= ew.mm(G["dkn"][j], W_kT)
                 dc = ew.residual_rms_backward(c["x"][j], c["r"][j], dx, dc, c["pg_gate"][j], out=C[i - 1]["dU"][j] if i > 0 else None)
             dg = dc if (t < T - 1 or dg_prev is None) else dc + dg_prev
             if spec.bptt and t > 0 and t % spec.bptt == 0:  # where the naive core detaches the state
@@ -471,7 +463,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
     dk0 = ew.l2n_relu_backward(S.k0, (S.k0 > 0) / S.k0n, dk_next).flatten(1)
     gemm(grads[0][0][:, col0["k"]], S.x_prev, dk0)
     grads[0][1][col0["k"]] += dk0.sum(0)
-    dg_prev0 = ew.rms_hat_backward(S.x_prev, S.r_prev, _mm(dk0, W_kT))
+    dg_prev0 = ew.rms_hat_backward(S.x_prev, S.r_prev, ew.mm(dk0, W_kT))
     return du, dg, dg_prev0, dM, dA_log, grads, dfg_W, dfg_b
 
 

@@ -3,7 +3,9 @@
 Between the step's GEMMs sit only elementwise maps and per-row reductions. They are grouped
 here by where they sit, so that each group is one kernel (`kernels/elementwise.py`, same
 signatures) and a step is: GEMM, `post_projection`, memory kernel, GEMM, `residual_rms`, ...,
-GEMM, `ground`. The backward's groups are `residual_rms_backward` and `gate_grads`.
+GEMM, `ground`. The backward's groups are `residual_rms_backward` and `gate_grads`. The GEMMs
+(`mm`) are here too: on CPU their rows are few enough for a kernel of our own to beat BLAS
+(kernels/cpu/gemm.cpp).
 
 Every function writes into the `out*` buffers it is given (the core's saved per-step vectors):
 in a time loop of tiny ops, every copy counts.
@@ -18,6 +20,16 @@ import torch.nn.functional as F
 
 from gpn_scale.models.memory_step import rms, scalar_tensors
 from gpn_scale.models.ops import L2_EPS
+
+
+def mm(x, W, out=None, bias=None):
+    """[bias +] x @ W with the GEMM in W's dtype (the compute dtype), into `out` (the state's dtype)."""
+    if out is not None and W.dtype == out.dtype:
+        return torch.mm(x, W, out=out) if bias is None else torch.addmm(bias, x, W, out=out)
+    if out is None and bias is None and W.dtype == x.dtype:
+        return torch.mm(x, W)
+    y = x.to(W.dtype) @ W if bias is None else torch.addmm(bias, x.to(W.dtype), W)
+    return y.to(x.dtype) if out is None else out.copy_(y)
 
 
 def rms_hat(x, out=None, rms_out=None):

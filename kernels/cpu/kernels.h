@@ -46,4 +46,8 @@ void gate_grads(const at::Tensor& dz_ffn, const at::Tensor& ffn_fac, const at::T
                 const at::Tensor& pg_fac, const at::Tensor& out_dpg);
 at::Tensor l2n_relu_backward(const at::Tensor& y, const at::Tensor& mask_over_norm, const at::Tensor& dy, OptTensor out);
 
+// ---- gemm.cpp ------------------------------------------------------------------------------
+
+at::Tensor small_mm(const at::Tensor& x, const at::Tensor& W, OptTensor bias, OptTensor out);
+
 }  // namespace gpn_cpu
