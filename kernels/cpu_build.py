@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 
 _SOURCES = [Path(__file__).parent / "cpu" / f for f in ("module.cpp", "memory_step.cpp", "elementwise.cpp", "gemm.cpp")]
+# -fno-trapping-math: no floating-point exceptions are relied upon, and without it a comparison
+# inside a loop (the clamps of layout.h's exp_vec) keeps the loop from being vectorised.
+_FLAGS = ["-O3", "-fopenmp-simd", "-fno-trapping-math"]
 # The vector units torch detected on this CPU, and the flags that let the compiler use them. The
 # build is named after them, so a cache shared by different machines (a cluster's home
 # directory) never loads a build made for wider vectors than this CPU has.
@@ -36,8 +39,7 @@ def load():
             build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
             if not (build_dir / f"{name}.so").is_file():  # a first build takes a while: say why
                 print(f"[kernels] building the C++ CPU kernels in {build_dir} (once, about half a minute)", file=sys.stderr)
-            _ext = cpp_extension.load(name, [str(s) for s in _SOURCES], extra_cflags=["-O3", "-fopenmp-simd", *_ARCH_FLAGS.get(arch, [])],
-                                      verbose=False)
+            _ext = cpp_extension.load(name, [str(s) for s in _SOURCES], extra_cflags=[*_FLAGS, *_ARCH_FLAGS.get(arch, [])], verbose=False)
         except Exception as exc:  # no compiler, no ninja, no headers: the torch twins still work
             lines = str(exc).strip().splitlines()
             _error = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
