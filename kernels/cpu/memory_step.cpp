@@ -9,16 +9,21 @@
 //
 // Layout: M, M_out, dM, dM_prev contiguous (B, H, dk, dv); every other tensor is B rows of
 // packed heads (layout.h). Arithmetic in M's dtype (float32, or float64 for gradient checks).
-// Row sums over H dv accumulate in double; the per-block sums over dv are SIMD reductions
-// (`omp simd`: the summation order differs from torch's in the last bits). Outputs not given
-// (None) are allocated.
+// Row sums over H dv accumulate in double. A block is walked in strips of columns, each
+// strip's per-column sums kept in vector registers (for_strips); the sums over dv are per-lane
+// partial sums added up at the end, so the summation order differs from torch's in the last
+// bits. Outputs not given (None) are allocated.
 
 #include "kernels.h"
 #include "layout.h"
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace gpn_cpu {
@@ -37,15 +42,134 @@ void check_m(const at::Tensor& M, const char* name) {
               "memory kernels (cpp): M must be float32 or float64");
 }
 
-// ---- per-row and per-block math ------------------------------------------------------------
+// ---- SIMD vectors ----------------------------------------------------------------------------
+
+// The vector of T that fills a 256-bit (AVX2) register, as a GCC vector type: arithmetic is
+// per lane, a scalar operand is broadcast, and a fixed-size array of them indexed by constants
+// stays in registers. Without AVX2 the compiler splits them; the code is the same.
+template <typename T>
+struct Simd {
+  typedef T V __attribute__((vector_size(32)));
+};
+template <typename T>
+using Vec = typename Simd<T>::V;
+
+// Unaligned load and store of a vector, or of a scalar when V is T (a strip's last columns).
+template <typename V, typename T>
+inline V load(const T* p) {
+  V x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+template <typename V, typename T>
+inline void store(T* p, const V& x) {
+  std::memcpy(p, &x, sizeof x);
+}
+
+// The sum of a vector's lanes as a tree over halves: three adds, not a chain of seven.
+template <typename H, typename V>
+inline H half(const V& x, int i) {
+  H h;
+  std::memcpy(&h, reinterpret_cast<const char*>(&x) + i * sizeof h, sizeof h);
+  return h;
+}
+inline float hsum(Vec<float> x) {
+  typedef float V4 __attribute__((vector_size(16)));
+  typedef float V2 __attribute__((vector_size(8)));
+  const V4 a = half<V4>(x, 0) + half<V4>(x, 1);
+  const V2 b = half<V2>(a, 0) + half<V2>(a, 1);
+  return b[0] + b[1];
+}
+inline double hsum(Vec<double> x) {
+  typedef double V2 __attribute__((vector_size(16)));
+  const V2 a = half<V2>(x, 0) + half<V2>(x, 1);
+  return a[0] + a[1];
+}
+template <typename T>
+inline T hsum(T x) {
+  return x;
+}
+
+// acc += x, where x is a vector or, for a strip's last columns, a scalar (into lane 0).
+template <typename T, typename V>
+inline void add_lanes(Vec<T>& acc, const V& x) {
+  if constexpr (std::is_same_v<V, T>) acc[0] += x;
+  else acc += x;
+}
+
+// Columns [j, j + cols) of a block, as W vectors V per row (V = T: one column).
+template <typename T, typename V_, int W_>
+struct Strip {
+  using V = V_;
+  static constexpr int W = W_;
+  static constexpr int64_t cols = W * int64_t(sizeof(V) / sizeof(T));
+};
+
+// Calls body(j, Strip) over strips covering a block's dv columns: as many of 8 vectors as fit,
+// then one each of 4, 2 and 1 vector, then single columns. The per-column accumulators of a
+// strip (e, o, d_delta) live in registers for the whole walk down its dk rows: 8 vectors are
+// enough independent sums to hide the FMA latency and leave registers for the operands. With
+// the runtime dv of a plain loop they went through memory on every row.
+template <typename T, typename Body>
+void for_strips(int64_t dv, Body&& body) {
+  using V = Vec<T>;
+  int64_t j = 0;
+  for (; j + Strip<T, V, 8>::cols <= dv; j += Strip<T, V, 8>::cols) body(j, Strip<T, V, 8>{});
+  auto one = [&](auto s) {
+    if (j + s.cols <= dv) {
+      body(j, s);
+      j += s.cols;
+    }
+  };
+  one(Strip<T, V, 4>{});
+  one(Strip<T, V, 2>{});
+  one(Strip<T, V, 1>{});
+  for (; j < dv; ++j) body(j, Strip<T, T, 1>{});
+}
+
+// ---- per-row math --------------------------------------------------------------------------
+
+// silu(g) = g / (1 + exp(-g)) for a vector of floats: libm's expf one lane at a time was half
+// of a read. exp is Cephes' expf on vectors: exp(x) = 2^n exp(r), |r| <= ln2 / 2, a degree-7
+// polynomial (about an ulp). The argument is clamped where 2^n is a normal float (the sigmoid is
+// 0 or 1 to float precision beyond); the clamp keeps NaN, so a NaN gate reads NaN.
+inline Vec<float> silu(Vec<float> g) {
+  typedef uint32_t U __attribute__((vector_size(32)));
+  Vec<float> x = -g;
+  x = x < -87.0f ? Vec<float>{} - 87.0f : x;
+  x = x > 87.0f ? Vec<float>{} + 87.0f : x;
+  // t = 1.5 * 2^23 + round(x / ln2): the integer n sits in t's low mantissa bits (|n| < 2^22).
+  const float shift = 12582912.0f;
+  const Vec<float> t = x * 1.44269504088896341f + shift, n = t - shift;
+  const Vec<float> r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // ln2 in two parts: r exact
+  Vec<float> p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  U bits;
+  std::memcpy(&bits, &t, sizeof bits);
+  bits = (bits - 0x4B400000u + 127u) << 23;  // 2^n: n + 127 in the exponent field
+  Vec<float> two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return g / (p * two_n + 1.0f);
+}
 
 // y = silu(gate) o / rms(o) over one row of n.
 template <typename T>
 void gated_rms_row(const T* __restrict__ o, const T* __restrict__ gate, T* __restrict__ y, int64_t n, double eps) {
   double ss = 0;
+#pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < n; ++i) ss += double(o[i]) * o[i];
   const T inv_rms = T(1.0 / std::sqrt(ss / n + eps));
-  for (int64_t i = 0; i < n; ++i) y[i] = gate[i] * sigmoid(gate[i]) * o[i] * inv_rms;
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {  // float64 is for gradient checks: libm's exp
+    constexpr int64_t L = sizeof(Vec<T>) / sizeof(T);
+    for (; i + L <= n; i += L)
+      store(y + i, silu(load<Vec<T>>(gate + i)) * load<Vec<T>>(o + i) * inv_rms);
+  }
+  for (; i < n; ++i) y[i] = gate[i] * sigmoid(gate[i]) * o[i] * inv_rms;
 }
 
 // The read's backward through the norm and gate for one sequence's row of n = H dv:
@@ -55,6 +179,7 @@ void gated_rms_backward_row(const T* __restrict__ dy, T rms, const T* __restrict
                             const T* __restrict__ silu_gate, const T* __restrict__ to_gate, T* __restrict__ d_o,
                             T* __restrict__ dgate, int64_t n) {
   double dot = 0;
+#pragma omp simd reduction(+ : dot)
   for (int64_t i = 0; i < n; ++i) dot += double(dy[i] * silu_gate[i]) * o_hat[i];
   const T mean_dot = T(dot / n);
   for (int64_t i = 0; i < n; ++i) {
@@ -63,108 +188,182 @@ void gated_rms_backward_row(const T* __restrict__ dy, T rms, const T* __restrict
   }
 }
 
-// One (dk, dv) block of the step: e = v - m^T k, m_out = decay m + k (beta e)^T, o = m_out^T q.
-template <typename T>
-void step_block(const T* __restrict__ m, T* __restrict__ m_out, const T* __restrict__ k, const T* __restrict__ v,
-                const T* __restrict__ q, T beta, T decay, T* __restrict__ e, T* __restrict__ o,
-                T* __restrict__ delta, int64_t dk, int64_t dv) {
-  for (int64_t j = 0; j < dv; ++j) e[j] = v[j];
+// ---- per-strip math: columns [j, j + cols) of a (dk, dv) block, pointers already at column j ----
+
+// The step: e = v - m^T k, m_out = decay m + k (beta e)^T, o = m_out^T q. Every sum runs down
+// a column, so a strip is the whole step for its columns: two walks down its rows (the second
+// needs all of e), the strip in L1 in between.
+template <typename V, int W, typename T>
+void step_strip(const T* __restrict__ m, T* __restrict__ m_out, const T* __restrict__ k, const T* __restrict__ v,
+                const T* __restrict__ q, T beta, T decay, T* __restrict__ e, T* __restrict__ o, int64_t dk,
+                int64_t dv) {
+  constexpr int64_t L = sizeof(V) / sizeof(T);
+  V acc[W] = {};
   for (int64_t i = 0; i < dk; ++i) {
     const T ki = k[i];
-    const T* __restrict__ row = m + i * dv;
-    for (int64_t j = 0; j < dv; ++j) e[j] -= ki * row[j];
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) acc[w] += ki * load<V>(m + i * dv + w * L);
   }
-  for (int64_t j = 0; j < dv; ++j) {
-    delta[j] = beta * e[j];
-    o[j] = 0;
+  V delta[W];
+#pragma GCC unroll 8
+  for (int w = 0; w < W; ++w) {
+    const V ew = load<V>(v + w * L) - acc[w];
+    store(e + w * L, ew);
+    delta[w] = beta * ew;
+    acc[w] = V{};
   }
   for (int64_t i = 0; i < dk; ++i) {
     const T ki = k[i], qi = q[i];
-    const T* __restrict__ row = m + i * dv;
-    T* __restrict__ out = m_out + i * dv;
-    for (int64_t j = 0; j < dv; ++j) {
-      const T x = decay * row[j] + ki * delta[j];
-      out[j] = x;
-      o[j] += qi * x;
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) {
+      const V x = decay * load<V>(m + i * dv + w * L) + ki * delta[w];
+      store(m_out + i * dv + w * L, x);
+      acc[w] += qi * x;
     }
   }
+#pragma GCC unroll 8
+  for (int w = 0; w < W; ++w) store(o + w * L, acc[w]);
 }
 
-// o = m^T q for one block.
-template <typename T>
-void read_block(const T* __restrict__ m, const T* __restrict__ q, T* __restrict__ o, int64_t dk, int64_t dv) {
-  for (int64_t j = 0; j < dv; ++j) o[j] = 0;
+// The read: o = m^T q.
+template <typename V, int W, typename T>
+void read_strip(const T* __restrict__ m, const T* __restrict__ q, T* __restrict__ o, int64_t dk, int64_t dv) {
+  constexpr int64_t L = sizeof(V) / sizeof(T);
+  V acc[W] = {};
   for (int64_t i = 0; i < dk; ++i) {
     const T qi = q[i];
-    const T* __restrict__ row = m + i * dv;
-    for (int64_t j = 0; j < dv; ++j) o[j] += qi * row[j];
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) acc[w] += qi * load<V>(m + i * dv + w * L);
   }
+#pragma GCC unroll 8
+  for (int w = 0; w < W; ++w) store(o + w * L, acc[w]);
 }
 
-// dq = m d_o, g_out = g_in + q d_o^T, for one block of a read.
-template <typename T>
-void read_backward_block(const T* __restrict__ m, const T* __restrict__ q, const T* __restrict__ d_o,
-                         const T* __restrict__ g_in, T* __restrict__ g_out, T* __restrict__ dq, int64_t dk, int64_t dv) {
+// The read's backward: g_out = g_in + q d_o^T, and the strip's share of dq = m d_o, per row
+// into dq_part (a vector per row, summed over its lanes once the block is done).
+template <typename V, int W, typename T>
+void read_backward_strip(const T* __restrict__ m, const T* __restrict__ q, const T* __restrict__ d_o,
+                         const T* __restrict__ g_in, T* __restrict__ g_out, Vec<T>* __restrict__ dq_part, int64_t dk,
+                         int64_t dv) {
+  constexpr int64_t L = sizeof(V) / sizeof(T);
   for (int64_t i = 0; i < dk; ++i) {
     const T qi = q[i];
-    const T* __restrict__ row = m + i * dv;
-    T acc = 0;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t j = 0; j < dv; ++j) {
-      acc += row[j] * d_o[j];
-      g_out[i * dv + j] = g_in[i * dv + j] + qi * d_o[j];
+    V a_dq = {};
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) {
+      const int64_t x = i * dv + w * L;
+      const V dow = load<V>(d_o + w * L);
+      store(g_out + x, load<V>(g_in + x) + qi * dow);
+      a_dq += load<V>(m + x) * dow;
     }
-    dq[i] = acc;
+    add_lanes<T>(dq_part[i], a_dq);
   }
 }
 
-// One block of the step's backward. With G = dM + q do^T the gradient w.r.t. M_t and
-// M_t = decay M_prev + k delta^T, delta = beta (v - M_prev^T k):
-// d_delta = G^T k, dbeta = d_delta . e, dv = beta d_delta, dk = G delta - M_prev dv,
-// ddecay = <G, M_prev>, dM_prev = decay G - k dv^T. Two passes: the first forms G (into
-// dM_prev's block) and every sum over it, the second needs dv.
-template <typename T>
-void step_backward_block(const T* __restrict__ mp, const T* __restrict__ m, const T* __restrict__ k,
-                         const T* __restrict__ q, T beta, T decay, const T* __restrict__ e, const T* __restrict__ delta,
-                         const T* __restrict__ d_o, const T* __restrict__ g_in, T* __restrict__ g,
-                         T* __restrict__ dk_out, T* __restrict__ dv_out, T* __restrict__ dbeta, T* __restrict__ ddecay,
-                         T* __restrict__ dq, T* __restrict__ d_delta, int64_t dk, int64_t dv) {
-  read_backward_block(m, q, d_o, g_in, g, dq, dk, dv);
-  for (int64_t j = 0; j < dv; ++j) d_delta[j] = 0;
-  T dec = 0;
+// The step's backward. With G = dM + q do^T the gradient w.r.t. M_t and M_t = decay M_prev +
+// k delta^T, delta = beta (v - M_prev^T k): d_delta = G^T k, dbeta = d_delta . e,
+// dv = beta d_delta, dk = G delta - M_prev dv, ddecay = <G, M_prev>, dM_prev = decay G - k dv^T.
+// The first walk down the strip forms G (into dM_prev's block) and every sum over it, the
+// second needs dv, so all of d_delta. The row sums (dq, dk) go to per-row vectors, dbeta and
+// ddecay to scalars.
+template <typename V, int W, typename T>
+void step_backward_strip(const T* __restrict__ mp, const T* __restrict__ m, const T* __restrict__ k,
+                         const T* __restrict__ q, T beta, T decay, const T* __restrict__ e,
+                         const T* __restrict__ delta, const T* __restrict__ d_o, const T* __restrict__ g_in,
+                         T* __restrict__ g, T* __restrict__ dv_out, Vec<T>* __restrict__ dq_part,
+                         Vec<T>* __restrict__ dk_part, T& dbeta, T& ddecay, int64_t dk, int64_t dv) {
+  constexpr int64_t L = sizeof(V) / sizeof(T);
+  V d_delta[W] = {}, a_dec = {};
+  for (int64_t i = 0; i < dk; ++i) {
+    const T ki = k[i], qi = q[i];
+    V a_dq = {}, a_dk = {}, a_deci = {};  // per row: short sums, several rows in flight
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) {
+      const int64_t x = i * dv + w * L;
+      const V dow = load<V>(d_o + w * L);
+      const V gw = load<V>(g_in + x) + qi * dow;
+      store(g + x, gw);
+      a_dq += load<V>(m + x) * dow;
+      a_dk += gw * load<V>(delta + w * L);
+      a_deci += gw * load<V>(mp + x);
+      d_delta[w] += ki * gw;
+    }
+    add_lanes<T>(dq_part[i], a_dq);
+    add_lanes<T>(dk_part[i], a_dk);
+    a_dec += a_deci;
+  }
+  V dvw[W], a_db = {};
+#pragma GCC unroll 8
+  for (int w = 0; w < W; ++w) {
+    a_db += d_delta[w] * load<V>(e + w * L);
+    dvw[w] = beta * d_delta[w];
+    store(dv_out + w * L, dvw[w]);
+  }
+  dbeta += hsum(a_db);
+  ddecay += hsum(a_dec);
   for (int64_t i = 0; i < dk; ++i) {
     const T ki = k[i];
-    const T* __restrict__ gi = g + i * dv;
-    const T* __restrict__ mpi = mp + i * dv;
-    T acc = 0;
-#pragma omp simd reduction(+ : acc, dec)
-    for (int64_t j = 0; j < dv; ++j) {
-      d_delta[j] += ki * gi[j];
-      acc += gi[j] * delta[j];
-      dec += gi[j] * mpi[j];
+    V a_dk = {};
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) {
+      const int64_t x = i * dv + w * L;
+      a_dk += load<V>(mp + x) * dvw[w];
+      store(g + x, decay * load<V>(g + x) - ki * dvw[w]);
     }
-    dk_out[i] = acc;
+    add_lanes<T>(dk_part[i], -a_dk);
   }
-  T db = 0;
-#pragma omp simd reduction(+ : db)
-  for (int64_t j = 0; j < dv; ++j) {
-    db += d_delta[j] * e[j];
-    dv_out[j] = beta * d_delta[j];
+}
+
+// ---- per-block math: a block's strips --------------------------------------------------------
+
+template <typename T>
+void step_block(const T* m, T* m_out, const T* k, const T* v, const T* q, T beta, T decay, T* e, T* o, int64_t dk,
+                int64_t dv) {
+  for_strips<T>(dv, [&](int64_t j, auto s) {
+    using S = decltype(s);
+    step_strip<typename S::V, S::W>(m + j, m_out + j, k, v + j, q, beta, decay, e + j, o + j, dk, dv);
+  });
+}
+
+template <typename T>
+void read_block(const T* m, const T* q, T* o, int64_t dk, int64_t dv) {
+  for_strips<T>(dv, [&](int64_t j, auto s) {
+    using S = decltype(s);
+    read_strip<typename S::V, S::W>(m + j, q, o + j, dk, dv);
+  });
+}
+
+// part: dk vectors of scratch.
+template <typename T>
+void read_backward_block(const T* m, const T* q, const T* d_o, const T* g_in, T* g_out, T* dq, Vec<T>* part,
+                         int64_t dk, int64_t dv) {
+  std::fill(part, part + dk, Vec<T>{});
+  for_strips<T>(dv, [&](int64_t j, auto s) {
+    using S = decltype(s);
+    read_backward_strip<typename S::V, S::W>(m + j, q, d_o + j, g_in + j, g_out + j, part, dk, dv);
+  });
+  for (int64_t i = 0; i < dk; ++i) dq[i] = hsum(part[i]);
+}
+
+// part: 2 dk vectors of scratch.
+template <typename T>
+void step_backward_block(const T* mp, const T* m, const T* k, const T* q, T beta, T decay, const T* e,
+                         const T* delta, const T* d_o, const T* g_in, T* g, T* dk_out, T* dv_out, T* dbeta,
+                         T* ddecay, T* dq, Vec<T>* part, int64_t dk, int64_t dv) {
+  Vec<T>*const dq_part = part, *const dk_part = part + dk;
+  std::fill(part, part + 2 * dk, Vec<T>{});
+  T db = 0, dec = 0;
+  for_strips<T>(dv, [&](int64_t j, auto s) {
+    using S = decltype(s);
+    step_backward_strip<typename S::V, S::W>(mp + j, m + j, k, q, beta, decay, e + j, delta + j, d_o + j, g_in + j,
+                                             g + j, dv_out + j, dq_part, dk_part, db, dec, dk, dv);
+  });
+  for (int64_t i = 0; i < dk; ++i) {
+    dq[i] = hsum(dq_part[i]);
+    dk_out[i] = hsum(dk_part[i]);
   }
   *dbeta = db;
   *ddecay = dec;
-  for (int64_t i = 0; i < dk; ++i) {
-    const T ki = k[i];
-    const T* __restrict__ mpi = mp + i * dv;
-    T* __restrict__ gi = g + i * dv;
-    T acc = 0;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t j = 0; j < dv; ++j) {
-      acc += mpi[j] * dv_out[j];
-      gi[j] = decay * gi[j] - ki * dv_out[j];
-    }
-    dk_out[i] -= acc;
-  }
 }
 
 struct Factors {
@@ -194,16 +393,19 @@ std::vector<at::Tensor> memory_step(const at::Tensor& M, const at::Tensor& k_, c
             y = out_rows(out_y, B, H * dv, M, {B, H * dv});
   AT_DISPATCH_FLOATING_TYPES(dt, "memory_step", [&] {
     using T = scalar_t;
+    // Pointers are taken once per sequence: data_ptr checks the tensor on every call.
+    const T* const m0 = M.data_ptr<T>();
+    T* const m_out0 = M_out.data_ptr<T>();
     at::parallel_for(0, B, grain(H * dk * dv), [&](int64_t b0, int64_t b1) {
-      std::vector<T> delta(dv);
       for (int64_t b = b0; b < b1; ++b) {
+        const T *kb = k.at<T>(b), *vb = v.at<T>(b), *qb = q.at<T>(b), *betab = beta.at<T>(b), *decayb = decay.at<T>(b);
+        T *eb = e.at<T>(b), *ob = o.at<T>(b);
         for (int64_t h = 0; h < H; ++h) {
           const int64_t blk = (b * H + h) * dk * dv;
-          step_block(M.data_ptr<T>() + blk, M_out.data_ptr<T>() + blk, k.at<T>(b) + h * dk, v.at<T>(b) + h * dv,
-                     q.at<T>(b) + h * dk, beta.at<T>(b)[h], decay.at<T>(b)[h], e.at<T>(b) + h * dv,
-                     o.at<T>(b) + h * dv, delta.data(), dk, dv);
+          step_block(m0 + blk, m_out0 + blk, kb + h * dk, vb + h * dv, qb + h * dk, betab[h], decayb[h], eb + h * dv,
+                     ob + h * dv, dk, dv);
         }
-        gated_rms_row(o.at<T>(b), gate.at<T>(b), y.at<T>(b), H * dv, eps);
+        gated_rms_row(ob, gate.at<T>(b), y.at<T>(b), H * dv, eps);
       }
     });
   });
@@ -220,11 +422,13 @@ std::vector<at::Tensor> memory_read(const at::Tensor& M, const at::Tensor& q_, c
   const Out o = out_rows(out_o, B, H * dv, M, {B, H * dv}), y = out_rows(out_y, B, H * dv, M, {B, H * dv});
   AT_DISPATCH_FLOATING_TYPES(dt, "memory_read", [&] {
     using T = scalar_t;
+    const T* const m0 = M.data_ptr<T>();
     at::parallel_for(0, B, grain(H * dk * dv), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
-        for (int64_t h = 0; h < H; ++h)
-          read_block(M.data_ptr<T>() + (b * H + h) * dk * dv, q.at<T>(b) + h * dk, o.at<T>(b) + h * dv, dk, dv);
-        gated_rms_row(o.at<T>(b), gate.at<T>(b), y.at<T>(b), H * dv, eps);
+        const T* qb = q.at<T>(b);
+        T* ob = o.at<T>(b);
+        for (int64_t h = 0; h < H; ++h) read_block(m0 + (b * H + h) * dk * dv, qb + h * dk, ob + h * dv, dk, dv);
+        gated_rms_row(ob, gate.at<T>(b), y.at<T>(b), H * dv, eps);
       }
     });
   });
@@ -246,15 +450,20 @@ std::vector<at::Tensor> memory_read_backward(const at::Tensor& M, const at::Tens
   const Out dq = out_rows(out_dq, B, H * dk, M, {B, H, dk}), dgate = out_rows(out_dgate, B, n, M, {B, n});
   AT_DISPATCH_FLOATING_TYPES(dt, "memory_read_backward", [&] {
     using T = scalar_t;
+    const T *const m0 = M.data_ptr<T>(), *const dm0 = dM.data_ptr<T>();
+    T* const dm_out0 = dM_out.data_ptr<T>();
     at::parallel_for(0, B, grain(H * dk * dv), [&](int64_t b0, int64_t b1) {
       std::vector<T> d_o(n);
+      std::vector<Vec<T>> part(dk);
       for (int64_t b = b0; b < b1; ++b) {
         gated_rms_backward_row(dy.at<T>(b), f.rms.at<T>(b)[0], f.o_hat.at<T>(b), f.silu_gate.at<T>(b),
                                f.to_gate.at<T>(b), d_o.data(), dgate.at<T>(b), n);
+        const T* qb = q.at<T>(b);
+        T* dqb = dq.at<T>(b);
         for (int64_t h = 0; h < H; ++h) {
           const int64_t blk = (b * H + h) * dk * dv;
-          read_backward_block(M.data_ptr<T>() + blk, q.at<T>(b) + h * dk, d_o.data() + h * dv,
-                              dM.data_ptr<T>() + blk, dM_out.data_ptr<T>() + blk, dq.at<T>(b) + h * dk, dk, dv);
+          read_backward_block(m0 + blk, qb + h * dk, d_o.data() + h * dv, dm0 + blk, dm_out0 + blk, dqb + h * dk,
+                              part.data(), dk, dv);
         }
       }
     });
@@ -285,19 +494,22 @@ std::vector<at::Tensor> memory_step_backward(
             dgate = out_rows(out_dgate, B, n, M_prev, {B, n});
   AT_DISPATCH_FLOATING_TYPES(dt, "memory_step_backward", [&] {
     using T = scalar_t;
+    const T *const mp0 = M_prev.data_ptr<T>(), *const m0 = M.data_ptr<T>(), *const dm0 = dM.data_ptr<T>();
+    T *const dm_prev0 = dM_prev.data_ptr<T>(), *const dv0 = dv_t.data_ptr<T>();
     at::parallel_for(0, B, grain(H * dk * dv), [&](int64_t b0, int64_t b1) {
-      std::vector<T> d_o(n), d_delta(dv);
+      std::vector<T> d_o(n);
+      std::vector<Vec<T>> part(2 * dk);
       for (int64_t b = b0; b < b1; ++b) {
         gated_rms_backward_row(dy.at<T>(b), f.rms.at<T>(b)[0], f.o_hat.at<T>(b), f.silu_gate.at<T>(b),
                                f.to_gate.at<T>(b), d_o.data(), dgate.at<T>(b), n);
+        const T *kb = k.at<T>(b), *qb = q.at<T>(b), *betab = beta.at<T>(b), *decayb = decay.at<T>(b),
+                *eb = e.at<T>(b), *deltab = delta.at<T>(b);
+        T *dkb = dk_o.at<T>(b), *dqb = dq.at<T>(b), *dbetab = dbeta.at<T>(b), *ddecayb = ddecay.at<T>(b);
         for (int64_t h = 0; h < H; ++h) {
           const int64_t blk = (b * H + h) * dk * dv;
-          step_backward_block(M_prev.data_ptr<T>() + blk, M.data_ptr<T>() + blk, k.at<T>(b) + h * dk,
-                              q.at<T>(b) + h * dk, beta.at<T>(b)[h], decay.at<T>(b)[h], e.at<T>(b) + h * dv,
-                              delta.at<T>(b) + h * dv, d_o.data() + h * dv, dM.data_ptr<T>() + blk,
-                              dM_prev.data_ptr<T>() + blk, dk_o.at<T>(b) + h * dk,
-                              dv_t.data_ptr<T>() + (b * H + h) * dv, dbeta.at<T>(b) + h, ddecay.at<T>(b) + h,
-                              dq.at<T>(b) + h * dk, d_delta.data(), dk, dv);
+          step_backward_block(mp0 + blk, m0 + blk, kb + h * dk, qb + h * dk, betab[h], decayb[h], eb + h * dv,
+                              deltab + h * dv, d_o.data() + h * dv, dm0 + blk, dm_prev0 + blk, dkb + h * dk,
+                              dv0 + (b * H + h) * dv, dbetab + h, ddecayb + h, dqb + h * dk, part.data(), dk, dv);
         }
       }
     });
