@@ -129,33 +129,6 @@ void for_strips(int64_t dv, Body&& body) {
 
 // ---- per-row math --------------------------------------------------------------------------
 
-// silu(g) = g / (1 + exp(-g)) for a vector of floats: libm's expf one lane at a time was half
-// of a read. exp is Cephes' expf on vectors: exp(x) = 2^n exp(r), |r| <= ln2 / 2, a degree-7
-// polynomial (about an ulp). The argument is clamped where 2^n is a normal float (the sigmoid is
-// 0 or 1 to float precision beyond); the clamp keeps NaN, so a NaN gate reads NaN.
-inline Vec<float> silu(Vec<float> g) {
-  typedef uint32_t U __attribute__((vector_size(32)));
-  Vec<float> x = -g;
-  x = x < -87.0f ? Vec<float>{} - 87.0f : x;
-  x = x > 87.0f ? Vec<float>{} + 87.0f : x;
-  // t = 1.5 * 2^23 + round(x / ln2): the integer n sits in t's low mantissa bits (|n| < 2^22).
-  const float shift = 12582912.0f;
-  const Vec<float> t = x * 1.44269504088896341f + shift, n = t - shift;
-  const Vec<float> r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // ln2 in two parts: r exact
-  Vec<float> p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  U bits;
-  std::memcpy(&bits, &t, sizeof bits);
-  bits = (bits - 0x4B400000u + 127u) << 23;  // 2^n: n + 127 in the exponent field
-  Vec<float> two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return g / (p * two_n + 1.0f);
-}
-
 // y = silu(gate) o / rms(o) over one row of n.
 template <typename T>
 void gated_rms_row(const T* __restrict__ o, const T* __restrict__ gate, T* __restrict__ y, int64_t n, double eps) {
@@ -163,13 +136,7 @@ void gated_rms_row(const T* __restrict__ o, const T* __restrict__ gate, T* __res
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < n; ++i) ss += double(o[i]) * o[i];
   const T inv_rms = T(1.0 / std::sqrt(ss / n + eps));
-  int64_t i = 0;
-  if constexpr (std::is_same_v<T, float>) {  // float64 is for gradient checks: libm's exp
-    constexpr int64_t L = sizeof(Vec<T>) / sizeof(T);
-    for (; i + L <= n; i += L)
-      store(y + i, silu(load<Vec<T>>(gate + i)) * load<Vec<T>>(o + i) * inv_rms);
-  }
-  for (; i < n; ++i) y[i] = gate[i] * sigmoid(gate[i]) * o[i] * inv_rms;
+  for (int64_t i = 0; i < n; ++i) y[i] = gate[i] * sigmoid(gate[i]) * o[i] * inv_rms;  // vectorised (layout.h)
 }
 
 // The read's backward through the norm and gate for one sequence's row of n = H dv:
