@@ -21,7 +21,7 @@ import triton.language as tl
 
 from gpn_scale.models.ops import L2_EPS, RMS_EPS
 # Used once per window, outside the time loop: the twin's are as good as a kernel there.
-from gpn_scale.models.step_ops import l2n_relu, mm, rms_hat, rms_hat_backward  # noqa: F401
+from gpn_scale.models.step_ops import l2n_relu, mm, pack, rms_hat, rms_hat_backward  # noqa: F401
 from kernels import layout
 
 BLOCK = 1024  # columns per iteration of a row loop

@@ -8,6 +8,8 @@ call. Built on first use (kernels/cpu_build.py).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from gpn_scale.models import step_ops as twin
@@ -16,13 +18,32 @@ from gpn_scale.models.step_ops import l2n_relu, rms_hat, rms_hat_backward  # noq
 from kernels.cpu_build import load as _load
 
 SMALL_MM_ROWS = 16  # up to here kernels/cpu/gemm.cpp beats BLAS; the chunk's GEMMs of more rows go to BLAS
+PACK_MIN_STEPS = 16  # packing copies W once: worth it for a window of this many steps, not for a token
+
+
+class Packed(NamedTuple):
+    """W (K, N) as the panels kernels/cpu/gemm.cpp reads (`data`), and W itself."""
+
+    data: torch.Tensor
+    W: torch.Tensor
+
+
+def pack(W, steps):
+    """W in the layout `mm` reads fastest, for a window of `steps` steps: packed panels for
+    float32 (a copy of W, made once per window), else W."""
+    if W.dtype != torch.float32 or steps < PACK_MIN_STEPS:
+        return W
+    return Packed(_load().pack_weights(W), W)
 
 
 def mm(x, W, out=None, bias=None):
-    """[bias +] x @ W into `out`: the C++ GEMM for a step's few float32 rows, else the twin's."""
-    f32 = torch.float32
-    if x.shape[0] <= SMALL_MM_ROWS and x.dtype == f32 and W.dtype == f32 and (out is None or out.dtype == f32):
-        return _load().small_mm(x, W, bias, out)
+    """[bias +] x @ W into `out`: the C++ GEMM for a step's few float32 rows against packed
+    weights, else the twin's."""
+    if isinstance(W, Packed):
+        f32 = torch.float32
+        if x.shape[0] <= SMALL_MM_ROWS and x.dtype == f32 and (out is None or out.dtype == f32):
+            return _load().packed_mm(x, W.data, W.W.shape[1], bias, out)
+        W = W.W
     return twin.mm(x, W, out, bias)
 
 

@@ -139,33 +139,38 @@ def test_nan_inputs_are_not_hidden_and_bad_buffers_are_named():
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 16])
 @pytest.mark.parametrize("K_, N", [(7, 5), (300, 61), (517, 200)], ids=["7x5", "300x61", "517x200"])
-def test_small_mm_matches_torch(rows, K_, N):
-    """Both weight layouts (row-major as the forward's, a transposed view as the backward's),
-    with and without bias, into a fresh tensor and into rows of a wider NaN buffer, from rows
-    of a wider input. K and N leave remainders after every tile and depth block."""
+def test_packed_mm_matches_torch(rows, K_, N):
+    """W row-major (the forward's) and a transposed view (the backward's), packed; with and
+    without bias, into a fresh tensor and into rows of a wider NaN buffer, from rows of a wider
+    input. N leaves a partial last panel (or is one)."""
     g = torch.Generator().manual_seed(rows * 1000 + K_)
     x = torch.randn(rows, K_ + 4, generator=g)[:, 2 : 2 + K_]
     bias = torch.randn(N, generator=g)
-    row_major = torch.randn(K_, N, generator=g)
-    for W in (row_major, torch.randn(N, K_, generator=g).t()):
+    for W in (torch.randn(K_, N, generator=g), torch.randn(N, K_, generator=g).t()):
+        packed = elementwise_cpu.pack(W, steps=elementwise_cpu.PACK_MIN_STEPS)
+        assert isinstance(packed, elementwise_cpu.Packed)
         want = x.double() @ W.double()
-        check(elementwise_cpu.mm(x, W), want, torch.float32, "x @ W")
+        check(elementwise_cpu.mm(x, packed), want, torch.float32, "x @ W")
         out, wide = nan_rows(rows, N, torch.float32)
-        assert elementwise_cpu.mm(x, W, out=out, bias=bias) is out
+        assert elementwise_cpu.mm(x, packed, out=out, bias=bias) is out
         check(out, want + bias.double(), torch.float32, "bias + x @ W into rows")
         assert torch.isnan(wide[:, 0]).all() and torch.isnan(wide[:, N + 1 :]).all()
 
 
-def test_small_mm_leaves_other_cases_to_torch_and_names_bad_input():
-    """Many rows, float64 or another out dtype go to torch (same result); the kernel itself
-    names what it was given."""
-    x, W = torch.randn(40, 9, dtype=torch.float64), torch.randn(9, 6, dtype=torch.float64)
-    for a, b in ((x, W), (x.float(), W.float()), (x[:5], W)):
-        check(elementwise_cpu.mm(a, b), a.double() @ b.double(), a.dtype, "mm")
-    with pytest.raises(ValueError, match=r"small_mm: expected float32 x and W, got Double"):
-        cpu_build.load().small_mm(x[:5], W, None, None)
-    with pytest.raises(ValueError, match=r"small_mm: expected x \(R, K\) and W \(K, N\)"):
-        cpu_build.load().small_mm(x[:5].float(), W.float().t(), None, None)
+def test_mm_leaves_other_cases_to_torch_and_the_kernel_names_bad_input():
+    """Short windows and other dtypes are not packed; many rows go to torch (same result); the
+    kernel names what it was given."""
+    W = torch.randn(9, 6)
+    assert elementwise_cpu.pack(W, steps=1) is W and elementwise_cpu.pack(W.double(), steps=100).dtype == torch.float64
+    packed = elementwise_cpu.pack(W, steps=100)
+    x = torch.randn(40, 9)
+    for a in (x, x[:5]):
+        check(elementwise_cpu.mm(a, packed), a.double() @ W.double(), torch.float32, "mm")
+    ext = cpu_build.load()
+    with pytest.raises(ValueError, match=r"packed_mm: expected a 2-D float32 x, got \[5, 9\] Double"):
+        ext.packed_mm(x[:5].double(), packed.data, 6, None, None)
+    with pytest.raises(ValueError, match=r"packed_mm: the weights are not pack_weights of a \(8, 6\) float32 matrix"):
+        ext.packed_mm(x[:5, :8], packed.data, 6, None, None)
 
 
 ODD = GPNConfig(vocab_size=29, d_state=14, d_emb=6, d_ffn=9, n_heads=3, d_key=5, d_val=4, core_chunk=3)
@@ -186,7 +191,7 @@ def test_model_with_cpp_kernels_matches_torch(case, mode, monkeypatch):
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
         carried = model(torch.randint(0, ODD.vocab_size, (2, 4))).state
-    tokens = torch.randint(0, ODD.vocab_size, (2, 7))
+    tokens = torch.randint(0, ODD.vocab_size, (2, 19))  # >= PACK_MIN_STEPS: the packed GEMMs run in float32
     results = {}
     for kernel in ("torch", "cpp"):
         model.config.kernel = kernel

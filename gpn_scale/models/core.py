@@ -238,6 +238,9 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
         k = S.k0
         v0 = V[0]
     S.u, S.g0 = u, g  # the backward forms layer 0's inputs again from them
+    # The step's weights, in the layout its GEMM reads fastest (kernels/cpu/gemm.cpp packs them).
+    packed = [L._replace(W=ew.pack(L.W, T), W2o=ew.pack(L.W2o, T)) for L in layers]
+    fg_Wp = ew.pack(fg_W, T)
     # Each layer's normalised input is written by the group before it: the previous layer's
     # residual_rms, or (layer 0) the previous step's ground; the first step's here.
     ew.rms_hat(g, V[0]["x"][0], V[0]["r"][0])
@@ -246,7 +249,7 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
         if save and spec.memory and t % spec.chunk == 0:
             S.M.append(M)
         c = g
-        for i, (L, v) in enumerate(zip(layers, V)):
+        for i, (L, v) in enumerate(zip(packed, V)):
             ew.mm(v["x"][w if i == 0 else s], L.W, v["y"][w], L.b)
             if not spec.memory:
                 ew.post_projection(v["h1"][w], v["h2"][w], v["z_ffn"][w])
@@ -262,7 +265,7 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
             last = i == nl - 1
             x_next, r_next = (XP[w], RP[w]) if last else (V[i + 1]["x"][s], V[i + 1]["r"][s])
             c = ew.residual_rms(ew.mm(v["z"][w], L.W2o), v["pg"][w], c, Ps[t] if last else None, x_next, r_next)
-        ew.mm(XP[w], fg_W, FG[w], fg_b)
+        ew.mm(XP[w], fg_Wp, FG[w], fg_b)
         x_next, r_next = (V[0]["x"][1 - w], V[0]["r"][1 - w]) if t < T - 1 else (None, None)
         g_prev, g = g, ew.ground(FG[w], c, us[t], FG[w], x_next, r_next)
     return P, g, g_prev, M, (S if save else None)
@@ -380,7 +383,9 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
     H, dk, nl, sd, cd = spec.H, spec.dk, len(layers), S.P.dtype, spec.compute_dtype
     layers, fg_W, fg_b = _cast(spec, layers, fg_W, fg_b)
     cols = [columns(spec, i == 0) for i in range(nl)]
-    WT, W2oT, fg_WT = [L.W.T for L in layers], [L.W2o.T for L in layers], fg_W.T
+    ew = step_ops(spec.kernel)
+    # The transposed weights of the sweep's GEMMs, in the layout they are read fastest.
+    WT, W2oT, fg_WT = [ew.pack(L.W.T, T) for L in layers], [ew.pack(L.W2o.T, T) for L in layers], ew.pack(fg_W.T, T)
     du = S.P.new_empty((T, B, d))
     dus, dPs = _steps(du), (_steps(dP) if dP is not None else None)
     dg = S.P.new_zeros((B, d)) if dg is None else dg
@@ -395,7 +400,6 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
     grads = [[torch.zeros_like(L.W, dtype=sd), torch.zeros_like(L.b, dtype=sd), torch.zeros_like(L.W2o, dtype=sd)] for L in layers]
     dfg_W, dfg_b = torch.zeros_like(fg_W, dtype=sd), torch.zeros_like(fg_b, dtype=sd)
     A = None
-    ew = step_ops(spec.kernel)
     work = _workspace(spec, layers, min(spec.chunk, T), B, S.P)
     if spec.memory:
         mem = memory_ops(spec.kernel)

@@ -22,6 +22,11 @@ from gpn_scale.models.memory_step import rms, scalar_tensors
 from gpn_scale.models.ops import L2_EPS
 
 
+def pack(W, steps):
+    """W in the layout `mm` reads fastest (for the kernels that have one, kernels/elementwise_cpu.py)."""
+    return W
+
+
 def mm(x, W, out=None, bias=None):
     """[bias +] x @ W with the GEMM in W's dtype (the compute dtype), into `out` (the state's dtype)."""
     if out is not None and W.dtype == out.dtype:

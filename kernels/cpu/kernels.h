@@ -48,6 +48,7 @@ at::Tensor l2n_relu_backward(const at::Tensor& y, const at::Tensor& mask_over_no
 
 // ---- gemm.cpp ------------------------------------------------------------------------------
 
-at::Tensor small_mm(const at::Tensor& x, const at::Tensor& W, OptTensor bias, OptTensor out);
+at::Tensor pack_weights(const at::Tensor& W);
+at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed, int64_t N, OptTensor bias, OptTensor out);
 
 }  // namespace gpn_cpu

@@ -18,5 +18,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("residual_rms_backward", &residual_rms_backward);
   m.def("gate_grads", &gate_grads);
   m.def("l2n_relu_backward", &l2n_relu_backward);
-  m.def("small_mm", &small_mm);
+  m.def("pack_weights", &pack_weights);
+  m.def("packed_mm", &packed_mm);
 }
