@@ -28,10 +28,11 @@ class Packed(NamedTuple):
     W: torch.Tensor
 
 
-def pack(W, steps):
-    """W in the layout `mm` reads fastest, for a window of `steps` steps: packed panels for
-    float32 (a copy of W, made once per window), else W."""
-    if W.dtype != torch.float32 or steps < PACK_MIN_STEPS:
+def pack(W, steps, rows):
+    """W in the layout `mm` reads fastest, for a window of `steps` steps of `rows` rows: packed
+    panels for float32 (a copy of W, made once per window), else W. One row is a
+    matrix-vector product, bound by reading W in any layout: BLAS's reads it in place."""
+    if W.dtype != torch.float32 or steps < PACK_MIN_STEPS or not 1 < rows <= SMALL_MM_ROWS:
         return W
     return Packed(_load().pack_weights(W), W)
 

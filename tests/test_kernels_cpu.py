@@ -137,7 +137,7 @@ def test_nan_inputs_are_not_hidden_and_bad_buffers_are_named():
         K.memory_step(**dict(x, M=x["M"].transpose(2, 3)))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 13, 16])
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 13, 16])
 @pytest.mark.parametrize("K_, N", [(7, 5), (300, 61), (517, 200)], ids=["7x5", "300x61", "517x200"])
 def test_packed_mm_matches_torch(rows, K_, N):
     """W row-major (the forward's) and a transposed view (the backward's), packed; with and
@@ -147,7 +147,7 @@ def test_packed_mm_matches_torch(rows, K_, N):
     x = torch.randn(rows, K_ + 4, generator=g)[:, 2 : 2 + K_]
     bias = torch.randn(N, generator=g)
     for W in (torch.randn(K_, N, generator=g), torch.randn(N, K_, generator=g).t()):
-        packed = elementwise_cpu.pack(W, steps=elementwise_cpu.PACK_MIN_STEPS)
+        packed = elementwise_cpu.pack(W, steps=elementwise_cpu.PACK_MIN_STEPS, rows=2)
         assert isinstance(packed, elementwise_cpu.Packed)
         want = x.double() @ W.double()
         check(elementwise_cpu.mm(x, packed), want, torch.float32, "x @ W")
@@ -158,11 +158,12 @@ def test_packed_mm_matches_torch(rows, K_, N):
 
 
 def test_mm_leaves_other_cases_to_torch_and_the_kernel_names_bad_input():
-    """Short windows and other dtypes are not packed; many rows go to torch (same result); the
-    kernel names what it was given."""
+    """Short windows, one row (a matrix-vector product) and other dtypes are not packed; many
+    rows go to torch (same result); the kernel names what it was given."""
     W = torch.randn(9, 6)
-    assert elementwise_cpu.pack(W, steps=1) is W and elementwise_cpu.pack(W.double(), steps=100).dtype == torch.float64
-    packed = elementwise_cpu.pack(W, steps=100)
+    for steps, rows, w in ((1, 8, W), (100, 1, W), (100, 8, W.double())):
+        assert elementwise_cpu.pack(w, steps, rows) is w
+    packed = elementwise_cpu.pack(W, steps=100, rows=8)
     x = torch.randn(40, 9)
     for a in (x, x[:5]):
         check(elementwise_cpu.mm(a, packed), a.double() @ W.double(), torch.float32, "mm")

@@ -239,8 +239,8 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
         v0 = V[0]
     S.u, S.g0 = u, g  # the backward forms layer 0's inputs again from them
     # The step's weights, in the layout its GEMM reads fastest (kernels/cpu/gemm.cpp packs them).
-    packed = [L._replace(W=ew.pack(L.W, T), W2o=ew.pack(L.W2o, T)) for L in layers]
-    fg_Wp = ew.pack(fg_W, T)
+    packed = [L._replace(W=ew.pack(L.W, T, B), W2o=ew.pack(L.W2o, T, B)) for L in layers]
+    fg_Wp = ew.pack(fg_W, T, B)
     # Each layer's normalised input is written by the group before it: the previous layer's
     # residual_rms, or (layer 0) the previous step's ground; the first step's here.
     ew.rms_hat(g, V[0]["x"][0], V[0]["r"][0])
@@ -385,7 +385,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
     cols = [columns(spec, i == 0) for i in range(nl)]
     ew = step_ops(spec.kernel)
     # The transposed weights of the sweep's GEMMs, in the layout they are read fastest.
-    WT, W2oT, fg_WT = [ew.pack(L.W.T, T) for L in layers], [ew.pack(L.W2o.T, T) for L in layers], ew.pack(fg_W.T, T)
+    WT, W2oT, fg_WT = [ew.pack(L.W.T, T, B) for L in layers], [ew.pack(L.W2o.T, T, B) for L in layers], ew.pack(fg_W.T, T, B)
     du = S.P.new_empty((T, B, d))
     dus, dPs = _steps(du), (_steps(dP) if dP is not None else None)
     dg = S.P.new_zeros((B, d)) if dg is None else dg

@@ -22,7 +22,7 @@ from gpn_scale.models.memory_step import rms, scalar_tensors
 from gpn_scale.models.ops import L2_EPS
 
 
-def pack(W, steps):
+def pack(W, steps, rows):
     """W in the layout `mm` reads fastest (for the kernels that have one, kernels/elementwise_cpu.py)."""
     return W
 

@@ -40,33 +40,43 @@ inline v8 splat8(float x) { return v8{x, x, x, x, x, x, x, x}; }
 constexpr int kRows = 4;      // rows of x per tile
 constexpr int64_t kPanel = 24;  // columns per panel: 3 vectors
 
-// y[r, :cols] = b + x[r, :] @ panel for r < nr, where the panel is K x 24 contiguous and
+// y[r, :cols] = b + x[r, :] @ panel for r < RB, where the panel is K x 24 contiguous and
 // only the first `cols` (<= 24) columns are stored.
-void tile(const float* x, int64_t ldx, int nr, const float* panel, const float* b, float* y, int64_t ldy,
-          int64_t K, int64_t cols) {
-  v8 acc[kRows][3];
-  for (int r = 0; r < kRows; ++r)
+template <int RB>
+void tile(const float* x, int64_t ldx, const float* panel, const float* b, float* y, int64_t ldy, int64_t K,
+          int64_t cols) {
+  v8 acc[RB][3];
+  for (int r = 0; r < RB; ++r)
     for (int j = 0; j < 3; ++j) acc[r][j] = splat8(0.f);
-  // Rows past nr read row 0 again (kept out of the loop's branches) and are not stored.
-  const float* xr[kRows];
-  for (int r = 0; r < kRows; ++r) xr[r] = x + (r < nr ? r : 0) * ldx;
   for (int64_t k = 0; k < K; ++k) {
     const float* w = panel + k * kPanel;
     const v8 w0 = load8(w), w1 = load8(w + 8), w2 = load8(w + 16);
-    for (int r = 0; r < kRows; ++r) {
-      const v8 xb = splat8(xr[r][k]);
+    for (int r = 0; r < RB; ++r) {
+      const v8 xb = splat8(x[r * ldx + k]);
       acc[r][0] += xb * w0;
       acc[r][1] += xb * w1;
       acc[r][2] += xb * w2;
     }
   }
-  for (int r = 0; r < nr; ++r) {
+  for (int r = 0; r < RB; ++r) {
     float* yr = y + r * ldy;
     if (cols == kPanel) {
       for (int j = 0; j < 3; ++j) store8(yr + 8 * j, b ? acc[r][j] + load8(b + 8 * j) : acc[r][j]);
     } else {  // the last panel: past N it holds padding
       for (int64_t c = 0; c < cols; ++c) yr[c] = acc[r][c / 8][c % 8] + (b ? b[c] : 0.f);
     }
+  }
+}
+
+// A tile of nr (<= kRows) rows: the last rows of a batch that is not a multiple of 4 cost
+// their FMAs only.
+void tile_rows(int nr, const float* x, int64_t ldx, const float* panel, const float* b, float* y, int64_t ldy, int64_t K,
+               int64_t cols) {
+  switch (nr) {
+    case 4: return tile<4>(x, ldx, panel, b, y, ldy, K, cols);
+    case 3: return tile<3>(x, ldx, panel, b, y, ldy, K, cols);
+    case 2: return tile<2>(x, ldx, panel, b, y, ldy, K, cols);
+    default: return tile<1>(x, ldx, panel, b, y, ldy, K, cols);
   }
 }
 
@@ -114,8 +124,8 @@ at::Tensor packed_mm(const at::Tensor& x_, const at::Tensor& packed, int64_t N, 
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n = p * kPanel, cols = std::min(kPanel, N - n);
       for (int64_t r = 0; r < R; r += kRows)
-        tile(xp + r * x.s_row, x.s_row, int(std::min<int64_t>(kRows, R - r)), wp + p * K * kPanel, bp ? bp + n : nullptr,
-             yp + r * y.s_row + n, y.s_row, K, cols);
+        tile_rows(int(std::min<int64_t>(kRows, R - r)), xp + r * x.s_row, x.s_row, wp + p * K * kPanel, bp ? bp + n : nullptr,
+                  yp + r * y.s_row + n, y.s_row, K, cols);
     }
   });
   return y.done();
