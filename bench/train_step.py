@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast, state and M stay float32")
     parser.add_argument("--cores", default="naive,fused", help="comma-separated cores to compare")
-    parser.add_argument("--steps", type=int, default=3, help="timed rounds after the first step (0: time the first)")
+    parser.add_argument("--steps", type=int, default=5, help="timed rounds after the first step (0: time the first)")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads (0: torch's default); on a shared machine idle OpenMP threads stall against other load")
     parser.add_argument("--core", help=argparse.SUPPRESS)  # set in the worker processes
