@@ -44,7 +44,7 @@ from gpn_scale.models.memory_step import ReadFactors, read_factors, rms
 from gpn_scale.models.step_ops import l2n_relu, rms_hat
 from gpn_scale.models.step_ops import mm as _mm  # the chunk's GEMMs, of many rows: BLAS
 from kernels import memory_ops, resolve, step_ops
-from kernels.graph import core_graphs, signature
+from kernels.graph import core_graphs, factory_for, signature
 
 
 class LayerWeights(NamedTuple):
@@ -498,7 +498,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
 class FusedCore(torch.autograd.Function):
     """(u, state, fused weights) -> (P, g, g_prev, M) with `run_forward` / `run_backward`.
 
-    With `graphs` (kernels.graph.CoreGraphs, CUDA only) both loops run as captured CUDA graphs.
+    With `graphs` (kernels.graph.CoreGraphs) both loops run as captured graphs.
     """
 
     @staticmethod
@@ -533,16 +533,21 @@ class FusedCore(torch.autograd.Function):
                     raise RuntimeError("fused core: the forward's CUDA graph ran again before this backward, so its saved "
                                        "buffers are gone; run one backward per forward, or set cuda_graphs: false")
                 out = graphs.backward((key, signature(*inputs)), (ctx.spec, ctx.S), inputs)
-                out = _detached(out)
-        du, dg0, dg_prev0, dM0, dA_log, grads, dfg_W, dfg_b = out
-        return (None, None, du.to(ctx.u_dtype), dg0, dg_prev0, dM0, dA_log, dfg_W, dfg_b, *(x for l in grads for x in l))
+        du, *rest = out
+        if ctx.graph is not None:
+            # Out of the graph's memory, which its next replay rewrites: autograd keeps gradients
+            # (a parameter's .grad is the returned tensor itself when it had none).
+            rest = _copied(rest)
+        dg0, dg_prev0, dM0, dA_log, grads, dfg_W, dfg_b = rest
+        du = du.to(ctx.u_dtype, copy=ctx.graph is not None)
+        return (None, None, du, dg0, dg_prev0, dM0, dA_log, dfg_W, dfg_b, *(x for l in grads for x in l))
 
 
-def _detached(x):
-    """x's tensors as new tensors on the same memory without history (a graph's outputs stay its own)."""
+def _copied(x):
+    """x's tensors copied, in the same nest of lists."""
     if isinstance(x, (list, tuple)):
-        return [_detached(y) for y in x]
-    return None if x is None else x.detach()
+        return [_copied(y) for y in x]
+    return None if x is None else x.clone()
 
 
 def _layers(flat):
@@ -568,7 +573,8 @@ def fused_recurrence(model, u: torch.Tensor, state):
     cd = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else g.dtype
     spec = Spec(cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.memory, cfg.core_chunk, cfg.bptt, cd,
                 resolve(cfg.kernel, device))
-    graphs = core_graphs(model, _forward_flat, _backward_flat) if cfg.cuda_graphs and device == "cuda" else None
+    factory = factory_for(device) if cfg.cuda_graphs else None
+    graphs = None if factory is None else core_graphs(model, _forward_flat, _backward_flat, factory)
     A_log = model.write_A_log if cfg.memory else None
     u = u.transpose(0, 1)
     with torch.autocast(device, enabled=False):

@@ -31,6 +31,7 @@ from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import distributed as dist_utils
 from gpn_scale.train.config import TrainConfig, load_train_config
 from gpn_scale.train.metrics import MetricsLog, flops_per_token, peak_flops, truncate_jsonl
+from kernels.graph import graphs_of
 
 EXIT_PREEMPTED = 75
 
@@ -338,6 +339,9 @@ class Trainer:
             self._say(f"{self.stop_flag.signal_name} received: checkpointed at step {self.step} "
                       f"in {tag_dir}; exiting with {EXIT_PREEMPTED} (resume with --resume auto)")
             return EXIT_PREEMPTED
+        graphs = graphs_of(self.model)
+        if graphs is not None:
+            self._say(f"fused core graphs: {graphs.summary()}")
         self._say(f"done at step {self.step}: checkpoint {tag_dir}, metrics {self.run_dir / 'metrics.jsonl'}")
         return 0
 
