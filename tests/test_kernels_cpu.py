@@ -4,6 +4,8 @@
 Every `out=` buffer the test passes is NaN-filled first, some of them as rows of a wider buffer
 (the fused core's layout) whose other elements must stay NaN, so an element the kernel fails to
 write, or writes in the wrong place, fails. Sizes are odd and d_k != d_v.
+
+All of them need the CPU (marker `cpu_only`).
 """
 
 import dataclasses
@@ -17,6 +19,8 @@ from kernels import cpu_build
 from kernels import elementwise_cpu
 from kernels import memory_step_cpu as K
 from kernels import resolve
+
+pytestmark = pytest.mark.cpu_only
 
 SHAPES = [(1, 1, 5, 7), (3, 3, 7, 5), (3, 4, 6, 33), (2, 2, 16, 64)]
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
@@ -172,6 +176,62 @@ def test_mm_leaves_other_cases_to_torch_and_the_kernel_names_bad_input():
         ext.packed_mm(x[:5].double(), packed.data, 6, None, None)
     with pytest.raises(ValueError, match=r"packed_mm: the weights are not pack_weights of a \(8, 6\) float32 matrix"):
         ext.packed_mm(x[:5, :8], packed.data, 6, None, None)
+
+
+def entry_point_calls():
+    """(name, wrapper, arguments of a valid call on CPU) for every C++ entry point, through the
+    Python wrappers: every tensor argument given, out buffers included."""
+    B, H, dk, dv, nf, nb = 2, 2, 3, 4, 5, 2
+    x = inputs(B, H, dk, dv, torch.float32)
+    M_t, e, o, _ = T.memory_step(**x)
+    f = T.read_factors(o, x["gate"])
+    r = lambda *s: torch.randn(*s)  # noqa: E731
+    n = H * dv
+    outs = lambda **shapes: {k: nan(*s, dtype=torch.float32) for k, s in shapes.items()}  # noqa: E731
+    W = r(9, 6)
+    packed = elementwise_cpu.pack(W, steps=elementwise_cpu.PACK_MIN_STEPS, rows=2)
+    return [
+        ("memory_step", K.memory_step, dict(x, **outs(out_e=(B, H, dv), out_o=(B, n), out_y=(B, n), out_M=(B, H, dk, dv)))),
+        ("memory_read", K.memory_read, dict(M=M_t, q=x["q"], gate=x["gate"], **outs(out_o=(B, n), out_y=(B, n)))),
+        ("memory_read_backward", K.memory_read_backward,
+         dict(M=M_t, q=x["q"], f=f, dy=r(B, n), dM=r(B, H, dk, dv), **outs(out_dq=(B, H, dk), out_dgate=(B, n), out_dM=(B, H, dk, dv)))),
+        ("memory_step_backward", K.memory_step_backward,
+         dict(M_prev=x["M"], M=M_t, k=x["k"], beta=x["beta"], decay=x["decay"], e=e, delta=x["beta"][..., None] * e, q=x["q"], f=f,
+              dM=r(B, H, dk, dv), dy=r(B, n), **outs(out_dk=(B, H, dk), out_dq=(B, H, dk), out_dbeta=(B, H), out_ddecay=(B, H),
+                                                      out_dgate=(B, n), out_dM=(B, H, dk, dv)))),
+        ("post_projection", elementwise_cpu.post_projection,
+         dict(h1=r(B, nf), h2=r(B, nf), out_ffn=nan(B, nf, dtype=torch.float32), heads=r(B, nb, H, dk), beta=r(B, H), a=r(B, H), A=-r(H).exp(),
+              **outs(out_heads=(B, nb, H, dk), out_norms=(B, nb, H, 1), out_beta=(B, H), out_gamma=(B, H), out_decay=(B, H)))),
+        ("residual_rms", elementwise_cpu.residual_rms, dict(y=r(B, n), pg=r(B, n), c=r(B, n), **outs(out=(B, n), out_hat=(B, n), out_rms=(B, 1)))),
+        ("ground", elementwise_cpu.ground, dict(y_fg=r(B, n), c=r(B, n), u=r(B, n), **outs(out_fg=(B, n), out_hat=(B, n), out_rms=(B, 1)))),
+        ("residual_rms_backward", elementwise_cpu.residual_rms_backward,
+         dict(x_hat=r(B, n), r=r(B, 1).abs(), dx_hat=r(B, n), dc=r(B, n), gate=r(B, n), extra=r(B, n), **outs(out=(B, n)))),
+        ("gate_grads", elementwise_cpu.gate_grads,
+         dict(dz_ffn=r(B, 1, nf), ffn_fac=r(B, 2, nf), dc=r(B, n), pg_fac=r(B, n), **outs(out_dffn=(B, 2, nf), out_dpg=(B, n)))),
+        ("l2n_relu_backward", elementwise_cpu.l2n_relu_backward,
+         dict(y=r(B, nb, H, dk), mask_over_norm=r(B, nb, H, dk), dy=r(B, nb, H, dk), **outs(out=(B, nb, H, dk)))),
+        ("pack_weights", lambda W: elementwise_cpu.pack(W, steps=elementwise_cpu.PACK_MIN_STEPS, rows=2), dict(W=W)),
+        ("packed_mm", lambda x, packed, bias, out: elementwise_cpu.mm(x, elementwise_cpu.Packed(packed, W), out=out, bias=bias),
+         dict(x=r(3, 9), packed=packed.data, bias=r(6), out=nan(3, 6, dtype=torch.float32))),
+    ]
+
+
+def test_entry_points_refuse_tensors_off_the_cpu():
+    """A tensor on another device (here `meta`, which every machine has; on a GPU machine a CUDA
+    tensor, whose memory the kernels would read as host memory) is refused with a one-line
+    ValueError naming the entry point, the argument and the device, whichever argument it is."""
+    calls = entry_point_calls()
+    assert sorted(name for name, _, _ in calls) == sorted(n for n in dir(cpu_build.load()) if not n.startswith("_"))
+    for name, fn, kwargs in calls:
+        fn(**kwargs)  # valid on CPU
+        args = [(arg, {**kwargs, arg: t.to("meta")}) for arg, t in kwargs.items() if isinstance(t, torch.Tensor)]
+        if "f" in kwargs:  # the read's factors, passed on one by one
+            args += [(field, {**kwargs, "f": kwargs["f"]._replace(**{field: t.to("meta")})}) for field, t in kwargs["f"]._asdict().items()]
+        for arg, bad in args:
+            with pytest.raises(ValueError) as info:
+                fn(**bad)
+            message = str(info.value)
+            assert message == f"{name}: {arg} is on meta; the C++ kernels take CPU tensors", message
 
 
 ODD = GPNConfig(vocab_size=29, d_state=14, d_emb=6, d_ffn=9, n_heads=3, d_key=5, d_val=4, core_chunk=3)

@@ -40,6 +40,9 @@ int64_t rows_of(const at::Tensor& x) { return x.dim() > 0 ? x.size(0) : 1; }
 void post_projection(const at::Tensor& h1_, const at::Tensor& h2_, const at::Tensor& out_ffn, OptTensor heads_,
                      OptTensor out_heads, OptTensor out_norms, OptTensor beta_, OptTensor a_, OptTensor A_,
                      OptTensor out_beta, OptTensor out_gamma, OptTensor out_decay, double l2_eps) {
+  check_cpu("post_projection", {{"h1", h1_}, {"h2", h2_}, {"out_ffn", out_ffn}, {"heads", heads_}, {"out_heads", out_heads},
+                                {"out_norms", out_norms}, {"beta", beta_}, {"a", a_}, {"A", A_}, {"out_beta", out_beta},
+                                {"out_gamma", out_gamma}, {"out_decay", out_decay}});
   const int64_t B = rows_of(h1_), nf = h1_.numel() / B;
   const auto dt = out_ffn.scalar_type();
   const In h1 = in_rows(h1_, B, nf, dt), h2 = in_rows(h2_, B, nf, dt);
@@ -83,11 +86,11 @@ void post_projection(const at::Tensor& h1_, const at::Tensor& h2_, const at::Ten
             T* __restrict__ out = qn.at<T>(b) + s * dk;
             double ss = 0;
             for (int64_t j = 0; j < dk; ++j) {
-              const T zj = z[j] > T(0) ? z[j] : T(0);
+              const T zj = z[j] < T(0) ? T(0) : z[j];  // relu, a NaN kept (as torch.relu)
               ss += double(zj) * zj;
             }
             const T norm = T(std::sqrt(ss + l2_eps)), inv = T(1) / norm;
-            for (int64_t j = 0; j < dk; ++j) out[j] = (z[j] > T(0) ? z[j] : T(0)) * inv;
+            for (int64_t j = 0; j < dk; ++j) out[j] = (z[j] < T(0) ? T(0) : z[j]) * inv;
             norms.at<T>(b)[s] = norm;
           }
         }
@@ -116,6 +119,7 @@ void post_projection(const at::Tensor& h1_, const at::Tensor& h2_, const at::Ten
 
 at::Tensor residual_rms(const at::Tensor& y_, const at::Tensor& pg_, const at::Tensor& c_, OptTensor out_,
                         OptTensor out_hat, OptTensor out_rms, double eps) {
+  check_cpu("residual_rms", {{"y", y_}, {"pg", pg_}, {"c", c_}, {"out", out_}, {"out_hat", out_hat}, {"out_rms", out_rms}});
   const int64_t B = rows_of(c_), n = c_.numel() / B;
   const auto dt = c_.scalar_type();
   const In y = in_rows(y_, B, n, dt), pg = in_rows(pg_, B, n, dt), c = in_rows(c_, B, n, dt);
@@ -139,6 +143,7 @@ at::Tensor residual_rms(const at::Tensor& y_, const at::Tensor& pg_, const at::T
 
 at::Tensor ground(const at::Tensor& y_fg_, const at::Tensor& c_, const at::Tensor& u_, const at::Tensor& out_fg,
                   OptTensor out_hat, OptTensor out_rms, double eps) {
+  check_cpu("ground", {{"y_fg", y_fg_}, {"c", c_}, {"u", u_}, {"out_fg", out_fg}, {"out_hat", out_hat}, {"out_rms", out_rms}});
   const int64_t B = rows_of(c_), n = c_.numel() / B;
   const auto dt = c_.scalar_type();
   const In y_fg = in_rows(y_fg_, B, n, dt), c = in_rows(c_, B, n, dt), u = in_rows(u_, B, n, dt);
@@ -175,6 +180,8 @@ at::Tensor ground(const at::Tensor& y_fg_, const at::Tensor& c_, const at::Tenso
 
 at::Tensor residual_rms_backward(const at::Tensor& x_hat_, const at::Tensor& r_, const at::Tensor& dx_hat_,
                                  const at::Tensor& dc_, const at::Tensor& gate_, OptTensor extra_, OptTensor out_) {
+  check_cpu("residual_rms_backward", {{"x_hat", x_hat_}, {"r", r_}, {"dx_hat", dx_hat_}, {"dc", dc_}, {"gate", gate_},
+                                      {"extra", extra_}, {"out", out_}});
   const int64_t B = rows_of(x_hat_), n = x_hat_.numel() / B;
   const auto dt = x_hat_.scalar_type();
   const In x_hat = in_rows(x_hat_, B, n, dt), r = in_rows(r_, B, 1, dt), dx_hat = in_rows(dx_hat_, B, n, dt),
@@ -205,6 +212,8 @@ at::Tensor residual_rms_backward(const at::Tensor& x_hat_, const at::Tensor& r_,
 
 void gate_grads(const at::Tensor& dz_ffn_, const at::Tensor& ffn_fac_, const at::Tensor& out_dffn, const at::Tensor& dc_,
                 const at::Tensor& pg_fac_, const at::Tensor& out_dpg) {
+  check_cpu("gate_grads", {{"dz_ffn", dz_ffn_}, {"ffn_fac", ffn_fac_}, {"out_dffn", out_dffn}, {"dc", dc_}, {"pg_fac", pg_fac_},
+                           {"out_dpg", out_dpg}});
   const int64_t B = rows_of(ffn_fac_), nf = ffn_fac_.size(-1), n = dc_.numel() / B;
   const auto dt = out_dffn.scalar_type();
   const In dz = in_blocks(dz_ffn_, B, 1, nf, dt), fac = in_blocks(ffn_fac_, B, 2, nf, dt), dc = in_rows(dc_, B, n, dt),
@@ -231,6 +240,7 @@ void gate_grads(const at::Tensor& dz_ffn_, const at::Tensor& ffn_fac_, const at:
 }
 
 at::Tensor l2n_relu_backward(const at::Tensor& y_, const at::Tensor& mask_, const at::Tensor& dy_, OptTensor out_) {
+  check_cpu("l2n_relu_backward", {{"y", y_}, {"mask_over_norm", mask_}, {"dy", dy_}, {"out", out_}});
   // (B, n_blocks, H, dk) or (B, H, dk): per head, (dy - y (dy . y)) * mask_over_norm.
   const int64_t B = rows_of(y_), dk = y_.size(-1), nb = y_.dim() == 4 ? y_.size(1) : 1;
   const int64_t m = y_.numel() / (B * nb), heads = m / dk;

@@ -83,6 +83,7 @@ void tile_rows(int nr, const float* x, int64_t ldx, const float* panel, const fl
 }  // namespace
 
 at::Tensor pack_weights(const at::Tensor& W) {
+  check_cpu("pack_weights", {{"W", W}});
   TORCH_CHECK_VALUE(W.dim() == 2 && W.scalar_type() == at::kFloat, "pack_weights: expected a 2-D float32 W, got ", W.sizes(),
                     " ", W.scalar_type());
   const int64_t K = W.size(0), N = W.size(1), panels = (N + kPanel - 1) / kPanel;
@@ -104,6 +105,7 @@ at::Tensor pack_weights(const at::Tensor& W) {
 }
 
 at::Tensor packed_mm(const at::Tensor& x_, const at::Tensor& packed, int64_t N, OptTensor bias_, OptTensor out_) {
+  check_cpu("packed_mm", {{"x", x_}, {"packed", packed}, {"bias", bias_}, {"out", out_}});
   TORCH_CHECK_VALUE(x_.dim() == 2 && x_.scalar_type() == at::kFloat, "packed_mm: expected a 2-D float32 x, got ", x_.sizes(),
                     " ", x_.scalar_type());
   const int64_t R = x_.size(0), K = x_.size(1), panels = (N + kPanel - 1) / kPanel;

@@ -5,12 +5,32 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <c10/util/Exception.h>
+
+#include <initializer_list>
 #include <optional>
 #include <vector>
 
 namespace gpn_cpu {
 
 using OptTensor = std::optional<at::Tensor>;
+
+// An entry point's tensor argument, by its Python name; an optional one not given is skipped.
+struct Arg {
+  const char* name;
+  const at::Tensor* t;
+  Arg(const char* name, const at::Tensor& t) : name(name), t(&t) {}
+  Arg(const char* name, const OptTensor& t) : name(name), t(t.has_value() ? &*t : nullptr) {}
+};
+
+// Every entry point first checks that its tensors are on the CPU: the kernels read and write
+// through host pointers, so a CUDA tensor's memory would be taken for host memory (and a meta
+// tensor has none). A ValueError naming the entry point, the argument and its device.
+inline void check_cpu(const char* fn, std::initializer_list<Arg> args) {
+  for (const Arg& a : args)
+    TORCH_CHECK_VALUE(a.t == nullptr || a.t->device().is_cpu(), fn, ": ", a.name, " is on ", a.t->device(),
+                      "; the C++ kernels take CPU tensors");
+}
 
 // ---- memory_step.cpp -----------------------------------------------------------------------
 

@@ -349,6 +349,8 @@ std::vector<at::Tensor> memory_step(const at::Tensor& M, const at::Tensor& k_, c
                                     const at::Tensor& beta_, const at::Tensor& decay_, const at::Tensor& q_,
                                     const at::Tensor& gate_, OptTensor out_e, OptTensor out_o, OptTensor out_y,
                                     OptTensor out_M, double eps) {
+  check_cpu("memory_step", {{"M", M}, {"k", k_}, {"v", v_}, {"beta", beta_}, {"decay", decay_}, {"q", q_}, {"gate", gate_},
+                            {"out_e", out_e}, {"out_o", out_o}, {"out_y", out_y}, {"out_M", out_M}});
   check_m(M, "M");
   const int64_t B = M.size(0), H = M.size(1), dk = M.size(2), dv = M.size(3);
   const auto dt = M.scalar_type();
@@ -382,6 +384,7 @@ std::vector<at::Tensor> memory_step(const at::Tensor& M, const at::Tensor& k_, c
 // Returns (o, y).
 std::vector<at::Tensor> memory_read(const at::Tensor& M, const at::Tensor& q_, const at::Tensor& gate_,
                                     OptTensor out_o, OptTensor out_y, double eps) {
+  check_cpu("memory_read", {{"M", M}, {"q", q_}, {"gate", gate_}, {"out_o", out_o}, {"out_y", out_y}});
   check_m(M, "M");
   const int64_t B = M.size(0), H = M.size(1), dk = M.size(2), dv = M.size(3);
   const auto dt = M.scalar_type();
@@ -407,6 +410,9 @@ std::vector<at::Tensor> memory_read_backward(const at::Tensor& M, const at::Tens
                                              const at::Tensor& o_hat_, const at::Tensor& silu_gate_,
                                              const at::Tensor& to_gate_, const at::Tensor& dy_, const at::Tensor& dM_,
                                              OptTensor out_dq, OptTensor out_dgate, OptTensor out_dM) {
+  check_cpu("memory_read_backward", {{"M", M}, {"q", q_}, {"rms", rms_}, {"o_hat", o_hat_}, {"silu_gate", silu_gate_},
+                                     {"to_gate", to_gate_}, {"dy", dy_}, {"dM", dM_}, {"out_dq", out_dq},
+                                     {"out_dgate", out_dgate}, {"out_dM", out_dM}});
   check_m(M, "M");
   const int64_t B = M.size(0), H = M.size(1), dk = M.size(2), dv = M.size(3), n = H * dv;
   const auto dt = M.scalar_type();
@@ -445,6 +451,11 @@ std::vector<at::Tensor> memory_step_backward(
     const at::Tensor& rms_, const at::Tensor& o_hat_, const at::Tensor& silu_gate_, const at::Tensor& to_gate_,
     const at::Tensor& dM_, const at::Tensor& dy_, OptTensor out_dk, OptTensor out_dq, OptTensor out_dbeta,
     OptTensor out_ddecay, OptTensor out_dgate, OptTensor out_dM) {
+  check_cpu("memory_step_backward",
+            {{"M_prev", M_prev}, {"M", M}, {"k", k_}, {"beta", beta_}, {"decay", decay_}, {"e", e_}, {"delta", delta_},
+             {"q", q_}, {"rms", rms_}, {"o_hat", o_hat_}, {"silu_gate", silu_gate_}, {"to_gate", to_gate_}, {"dM", dM_},
+             {"dy", dy_}, {"out_dk", out_dk}, {"out_dq", out_dq}, {"out_dbeta", out_dbeta}, {"out_ddecay", out_ddecay},
+             {"out_dgate", out_dgate}, {"out_dM", out_dM}});
   check_m(M_prev, "M_prev");
   check_m(M, "M");
   const int64_t B = M_prev.size(0), H = M_prev.size(1), dk = M_prev.size(2), dv = M_prev.size(3), n = H * dv;
