@@ -9,8 +9,9 @@ grounding and the next step's RMS statistics (`ground`); in the reverse sweep th
 backward with the gated residual (`residual_rms_backward`), the FFN and predict-gate factors
 (`gate_grads`) and the heads' normalisation backward (`l2n_relu_backward`).
 
-Arithmetic is in the dtype of the state (float32, or float64 for gradient checks); rows may be
-column slices of wider buffers (see kernels/layout.py).
+Arithmetic is in the dtype of the state (float32, or float64 for gradient checks), the outputs'
+dtype: every input is converted to it on load. Rows may be column slices of wider buffers (see
+kernels/layout.py).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _post_projection(H1, H2, FFN, s_h1, s_h2, s_ffn, NF,
         m = h < NG
         dt = BETA.dtype.element_ty
         beta = tl.load(BETA_IN + b * s_bi + h, mask=m, other=0.0).to(dt)
-        gamma = _softplus(tl.load(A_IN + b * s_ai + h, mask=m, other=0.0).to(dt)) * tl.load(A + h, mask=m, other=0.0)
+        gamma = _softplus(tl.load(A_IN + b * s_ai + h, mask=m, other=0.0).to(dt)) * tl.load(A + h, mask=m, other=0.0).to(dt)
         tl.store(BETA + b * s_b + h, _sigmoid(beta), mask=m)
         tl.store(GAMMA + b * s_g + h, gamma, mask=m)
         tl.store(DECAY + b * s_d + h, tl.exp(gamma), mask=m)
@@ -92,7 +93,7 @@ def _residual_rms(Y, PG, C, OUT, HAT, R, s_y, s_pg, s_c, s_out, s_hat, s_r, N, e
     m = c < N
     dt = OUT.dtype.element_ty
     pg = tl.load(PG + b * s_pg + c, mask=m, other=0.0).to(dt)
-    x = tl.load(Y + b * s_y + c, mask=m, other=0.0).to(dt) + _sigmoid(pg) * tl.load(C + b * s_c + c, mask=m, other=0.0)
+    x = tl.load(Y + b * s_y + c, mask=m, other=0.0).to(dt) + _sigmoid(pg) * tl.load(C + b * s_c + c, mask=m, other=0.0).to(dt)
     tl.store(OUT + b * s_out + c, x, mask=m)
     _rms_out(x, HAT, R, b, s_hat, s_r, N, eps, BN)
 
@@ -103,8 +104,9 @@ def _ground(YFG, C, U, FG, G, HAT, R, s_y, s_c, s_u, s_fg, s_g, s_hat, s_r, N, e
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BN)
     m = c < N
-    fg = _sigmoid(tl.load(YFG + b * s_y + c, mask=m, other=0.0).to(G.dtype.element_ty))
-    g = tl.load(U + b * s_u + c, mask=m, other=0.0) + fg * tl.load(C + b * s_c + c, mask=m, other=0.0)
+    dt = G.dtype.element_ty
+    fg = _sigmoid(tl.load(YFG + b * s_y + c, mask=m, other=0.0).to(dt))
+    g = tl.load(U + b * s_u + c, mask=m, other=0.0).to(dt) + fg * tl.load(C + b * s_c + c, mask=m, other=0.0).to(dt)
     tl.store(FG + b * s_fg + c, fg, mask=m)
     tl.store(G + b * s_g + c, g, mask=m)
     if HAS_HAT:
@@ -117,12 +119,13 @@ def _residual_rms_bwd(XH, R, DX, DC, GATE, EXTRA, OUT, s_xh, s_r, s_dx, s_dc, s_
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BN)
     m = c < N
-    xh = tl.load(XH + b * s_xh + c, mask=m, other=0.0)
-    dx = tl.load(DX + b * s_dx + c, mask=m, other=0.0).to(xh.dtype)
-    out = (dx - xh * (tl.sum(dx * xh, 0) / N)) / tl.load(R + b * s_r)
+    dt = OUT.dtype.element_ty
+    xh = tl.load(XH + b * s_xh + c, mask=m, other=0.0).to(dt)
+    dx = tl.load(DX + b * s_dx + c, mask=m, other=0.0).to(dt)
+    out = (dx - xh * (tl.sum(dx * xh, 0) / N)) / tl.load(R + b * s_r).to(dt)
     if HAS_EXTRA:
-        out += tl.load(EXTRA + b * s_ex + c, mask=m, other=0.0)
-    out += tl.load(DC + b * s_dc + c, mask=m, other=0.0) * tl.load(GATE + b * s_gate + c, mask=m, other=0.0)
+        out += tl.load(EXTRA + b * s_ex + c, mask=m, other=0.0).to(dt)
+    out += tl.load(DC + b * s_dc + c, mask=m, other=0.0).to(dt) * tl.load(GATE + b * s_gate + c, mask=m, other=0.0).to(dt)
     tl.store(OUT + b * s_out + c, out, mask=m)
 
 
@@ -130,16 +133,18 @@ def _residual_rms_bwd(XH, R, DX, DC, GATE, EXTRA, OUT, s_xh, s_r, s_dx, s_dc, s_
 def _gate_grads(DZ, FAC, DFFN, s_dz, s_fb, s_f2, s_db, s_d2, NF, DC, PGF, DPG, s_dc, s_pgf, s_dpg, ND,
                 BF: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
+    dt = DFFN.dtype.element_ty
+    dt_pg = DPG.dtype.element_ty
     for c0 in range(0, NF, BF):
         c = c0 + tl.arange(0, BF)
         m = c < NF
-        dz = tl.load(DZ + b * s_dz + c, mask=m, other=0.0).to(DFFN.dtype.element_ty)
-        tl.store(DFFN + b * s_db + c, dz * tl.load(FAC + b * s_fb + c, mask=m, other=0.0), mask=m)
-        tl.store(DFFN + b * s_db + s_d2 + c, dz * tl.load(FAC + b * s_fb + s_f2 + c, mask=m, other=0.0), mask=m)
+        dz = tl.load(DZ + b * s_dz + c, mask=m, other=0.0).to(dt)
+        tl.store(DFFN + b * s_db + c, dz * tl.load(FAC + b * s_fb + c, mask=m, other=0.0).to(dt), mask=m)
+        tl.store(DFFN + b * s_db + s_d2 + c, dz * tl.load(FAC + b * s_fb + s_f2 + c, mask=m, other=0.0).to(dt), mask=m)
     for c0 in range(0, ND, BF):
         c = c0 + tl.arange(0, BF)
         m = c < ND
-        dpg = tl.load(DC + b * s_dc + c, mask=m, other=0.0).to(DPG.dtype.element_ty) * tl.load(PGF + b * s_pgf + c, mask=m, other=0.0)
+        dpg = tl.load(DC + b * s_dc + c, mask=m, other=0.0).to(dt_pg) * tl.load(PGF + b * s_pgf + c, mask=m, other=0.0).to(dt_pg)
         tl.store(DPG + b * s_dpg + c, dpg, mask=m)
 
 
@@ -151,9 +156,10 @@ def _l2n_relu_bwd(Y, MASK, DY, OUT, s_yb, s_yk, s_mb, s_mk, s_db, s_dk, s_ob, s_
     blk, h = j // H, j % H
     m = (j < NHEADS)[:, None] & (col < DK)[None, :]
     at = (h * DK)[:, None] + col[None, :]
-    y = tl.load(Y + b * s_yb + (blk * s_yk)[:, None] + at, mask=m, other=0.0)
-    dy = tl.load(DY + b * s_db + (blk * s_dk)[:, None] + at, mask=m, other=0.0).to(y.dtype)
-    mask_over_norm = tl.load(MASK + b * s_mb + (blk * s_mk)[:, None] + at, mask=m, other=0.0)
+    dt = OUT.dtype.element_ty
+    y = tl.load(Y + b * s_yb + (blk * s_yk)[:, None] + at, mask=m, other=0.0).to(dt)
+    dy = tl.load(DY + b * s_db + (blk * s_dk)[:, None] + at, mask=m, other=0.0).to(dt)
+    mask_over_norm = tl.load(MASK + b * s_mb + (blk * s_mk)[:, None] + at, mask=m, other=0.0).to(dt)
     out = (dy - y * tl.sum(dy * y, 1)[:, None]) * mask_over_norm
     tl.store(OUT + b * s_ob + (blk * s_ok)[:, None] + at, out, mask=m)
 

@@ -15,9 +15,11 @@ The output RMS norm and gate, y = silu(gate) o / rms(o), reduce over all heads o
 so they are a small per-sequence kernel after the memory kernel (and before it, in the
 backward), not part of it.
 
-Arithmetic follows M's dtype (float32, or float64 for gradient checks); k, v, q, gates may be
-in a lower precision and are widened on load. Vectors are (B, H, n) views whose last axis is
-contiguous with heads packed (a row of a wider buffer is fine); anything else is copied first.
+Arithmetic follows M's dtype (float32, or float64 for gradient checks), which the outputs have:
+every other input (k, v, q, gates, gradients) is converted to it on load, so one in a lower
+precision is widened and one in float64 narrowed. Vectors are (B, H, n) views whose last axis
+is contiguous with heads packed (a row of a wider buffer is fine); anything else is copied
+first.
 """
 
 from __future__ import annotations
@@ -107,8 +109,9 @@ def _gated_rms_fwd(O, GATE, Y, so, sg, sy, N, eps, BN: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BN)
     mask = c < N
-    o = tl.load(O + b * so + c, mask=mask, other=0.0)
-    g = tl.load(GATE + b * sg + c, mask=mask, other=0.0).to(o.dtype)
+    dt = Y.dtype.element_ty
+    o = tl.load(O + b * so + c, mask=mask, other=0.0).to(dt)
+    g = tl.load(GATE + b * sg + c, mask=mask, other=0.0).to(dt)
     r = tl.sqrt(tl.sum(o * o, 0) / N + eps)
     tl.store(Y + b * sy + c, g * tl.sigmoid(g) * (o / r), mask=mask)
 
@@ -119,12 +122,13 @@ def _gated_rms_bwd(DY, R, O_HAT, SILU_GATE, TO_GATE, DO, DGATE, sdy, sr, soh, ss
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BN)
     mask = c < N
-    o_hat = tl.load(O_HAT + b * soh + c, mask=mask, other=0.0)
-    dy = tl.load(DY + b * sdy + c, mask=mask, other=0.0).to(o_hat.dtype)
-    dhat = dy * tl.load(SILU_GATE + b * ssg + c, mask=mask, other=0.0)
-    r = tl.load(R + b * sr)
+    dt = DO.dtype.element_ty
+    o_hat = tl.load(O_HAT + b * soh + c, mask=mask, other=0.0).to(dt)
+    dy = tl.load(DY + b * sdy + c, mask=mask, other=0.0).to(dt)
+    dhat = dy * tl.load(SILU_GATE + b * ssg + c, mask=mask, other=0.0).to(dt)
+    r = tl.load(R + b * sr).to(dt)
     tl.store(DO + b * sdo + c, (dhat - o_hat * (tl.sum(dhat * o_hat, 0) / N)) / r, mask=mask)
-    tl.store(DGATE + b * sdg + c, dy * tl.load(TO_GATE + b * stg + c, mask=mask, other=0.0), mask=mask)
+    tl.store(DGATE + b * sdg + c, dy * tl.load(TO_GATE + b * stg + c, mask=mask, other=0.0).to(dt), mask=mask)
 
 
 @triton.jit
@@ -143,9 +147,9 @@ def _read_bwd(M, Q, DO, DM, DM_OUT, DQ, sq, sdo, sdq, H, DK, DV, BK: tl.constexp
         cmask = cols < DV
         mask = rmask[:, None] & cmask[None, :]
         tile = rows[:, None] * DV + cols[None, :]
-        do = tl.load(DO + b * sdo + h * DV + cols, mask=cmask, other=0.0)
+        do = tl.load(DO + b * sdo + h * DV + cols, mask=cmask, other=0.0).to(dt)
         dq += tl.sum(tl.load(M + tile, mask=mask, other=0.0) * do[None, :], 1)
-        tl.store(DM_OUT + tile, tl.load(DM + tile, mask=mask, other=0.0) + q[:, None] * do[None, :], mask=mask)
+        tl.store(DM_OUT + tile, tl.load(DM + tile, mask=mask, other=0.0).to(dt) + q[:, None] * do[None, :], mask=mask)
     tl.store(DQ + b * sdq + h * DK + rows, dq, mask=rmask)
 
 
@@ -183,7 +187,7 @@ def _step_bwd(M_PREV, K, Q, BETA, DECAY, E, DELTA, DO, DM, DM_PREV, DK_OUT, DV_O
         do = tl.load(DO + b * sdo + h * DV + cols, mask=cmask, other=0.0).to(dt)
         e = tl.load(E + b * se + h * DV + cols, mask=cmask, other=0.0).to(dt)
         delta = tl.load(DELTA + b * sdelta + h * DV + cols, mask=cmask, other=0.0).to(dt)
-        g = tl.load(DM + tile, mask=mask, other=0.0) + q[:, None] * do[None, :]
+        g = tl.load(DM + tile, mask=mask, other=0.0).to(dt) + q[:, None] * do[None, :]
         dq += tl.sum((p * decay + k[:, None] * delta[None, :]) * do[None, :], 1)
         d_delta = tl.sum(k[:, None] * g, 0)
         dbeta += d_delta * e
