@@ -11,7 +11,8 @@ backward with the gated residual (`residual_rms_backward`), the FFN and predict-
 
 Arithmetic is in the dtype of the state (float32, or float64 for gradient checks), the outputs'
 dtype: every input is converted to it on load. Rows may be column slices of wider buffers (see
-kernels/layout.py).
+kernels/layout.py). exp, sigmoid and softplus are kernels/numerics.py's, accurate to a few ulps
+on the GPU over float32's whole range (docs/kernels_accuracy.md).
 """
 
 from __future__ import annotations
@@ -24,24 +25,9 @@ from gpn_scale.models.ops import L2_EPS, RMS_EPS
 # Used once per window, outside the time loop: the twin's are as good as a kernel there.
 from gpn_scale.models.step_ops import l2n_relu, mm, pack, rms_hat, rms_hat_backward  # noqa: F401
 from kernels import layout
+from kernels.numerics import _exp, _sigmoid, _softplus
 
 BLOCK = 1024  # columns per iteration of a row loop
-
-
-@triton.jit
-def _sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
-
-
-@triton.jit
-def _softplus(x):
-    """log(1 + e^x) as torch's (linear above 20), with log1p(u) = log(1 + u) u / ((1 + u) - 1):
-    exact to rounding for tiny u, where log(1 + u) alone loses all digits."""
-    u = tl.exp(tl.minimum(x, 20.0))
-    w = 1.0 + u
-    tiny = w == 1.0
-    log1p = tl.where(tiny, u, tl.log(w) * (u / tl.where(tiny, 1.0, w - 1.0)))
-    return tl.where(x > 20.0, x, log1p)
 
 
 @triton.jit
@@ -62,7 +48,7 @@ def _post_projection(H1, H2, FFN, s_h1, s_h2, s_ffn, NF,
         blk, h = j // H, j % H
         m = (j < NHEADS)[:, None] & (col < DK)[None, :]
         z = tl.load(Z + b * s_zb + (blk * s_zk + h * DK)[:, None] + col[None, :], mask=m, other=0.0).to(NQ.dtype.element_ty)
-        z = tl.maximum(z, 0.0)
+        z = tl.where(z < 0.0, 0.0, z)  # relu; tl.maximum would turn a NaN into 0 (max.f32, fmax)
         n = tl.sqrt(tl.sum(z * z, 1) + L2EPS)
         tl.store(NQ + b * s_qb + (blk * s_qk + h * DK)[:, None] + col[None, :], z / n[:, None], mask=m)
         tl.store(NN + b * s_nb + blk * s_nk + h, n, mask=j < NHEADS)
@@ -74,7 +60,7 @@ def _post_projection(H1, H2, FFN, s_h1, s_h2, s_ffn, NF,
         gamma = _softplus(tl.load(A_IN + b * s_ai + h, mask=m, other=0.0).to(dt)) * tl.load(A + h, mask=m, other=0.0).to(dt)
         tl.store(BETA + b * s_b + h, _sigmoid(beta), mask=m)
         tl.store(GAMMA + b * s_g + h, gamma, mask=m)
-        tl.store(DECAY + b * s_d + h, tl.exp(gamma), mask=m)
+        tl.store(DECAY + b * s_d + h, _exp(gamma), mask=m)
 
 
 @triton.jit

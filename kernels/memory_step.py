@@ -17,9 +17,10 @@ backward), not part of it.
 
 Arithmetic follows M's dtype (float32, or float64 for gradient checks), which the outputs have:
 every other input (k, v, q, gates, gradients) is converted to it on load, so one in a lower
-precision is widened and one in float64 narrowed. Vectors are (B, H, n) views whose last axis
-is contiguous with heads packed (a row of a wider buffer is fine); anything else is copied
-first.
+precision is widened and one in float64 narrowed. The read's silu is kernels/numerics.py's
+sigmoid, accurate to a few ulps on the GPU (docs/kernels_accuracy.md). Vectors are (B, H, n)
+views whose last axis is contiguous with heads packed (a row of a wider buffer is fine);
+anything else is copied first.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ import triton
 import triton.language as tl
 
 from gpn_scale.models.memory_step import ReadFactors
-from kernels import layout
 from gpn_scale.models.ops import RMS_EPS
+from kernels import layout
+from kernels.numerics import _sigmoid
 
 # Elements of M per program tile. Small enough that the backward, which holds M_prev, dM and the
 # per-row vectors of a tile at once, stays near 128 registers per thread at 8 warps (128 x 16 at
@@ -113,7 +115,7 @@ def _gated_rms_fwd(O, GATE, Y, so, sg, sy, N, eps, BN: tl.constexpr):
     o = tl.load(O + b * so + c, mask=mask, other=0.0).to(dt)
     g = tl.load(GATE + b * sg + c, mask=mask, other=0.0).to(dt)
     r = tl.sqrt(tl.sum(o * o, 0) / N + eps)
-    tl.store(Y + b * sy + c, g * tl.sigmoid(g) * (o / r), mask=mask)
+    tl.store(Y + b * sy + c, g * _sigmoid(g) * (o / r), mask=mask)
 
 
 @triton.jit

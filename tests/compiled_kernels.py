@@ -63,7 +63,7 @@ import kernels.memory_step as K
 
 ARITH = {k: set(v) for k, v in json.loads(sys.argv[1]).items()}
 VARIANTS = json.loads(sys.argv[2])
-HELPERS = {"_rms_out", "_sigmoid", "_softplus"}  # called from kernels, compiled with them
+HELPERS = {"_rms_out"}  # called from kernels, compiled with them (as kernels/numerics.py's)
 INTS = {"H", "DK", "DV", "N", "NF", "ND", "NHEADS", "NG"}  # runtime sizes; other lower-case names are strides
 CONSTEXPRS = {"BK": 128, "BV": 16, "BN": 4096, "BF": 1024, "BH": 16, "BHEADS": 32, "HEADS": True, "GATES": True,
               "HAS_HAT": True, "HAS_EXTRA": True, "L2EPS": 1e-12}
