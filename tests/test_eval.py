@@ -135,6 +135,12 @@ def test_missing_checkpoint_and_foreign_data_give_one_line_errors(setup, tmp_pat
     code, _, err = run(capsys, "eval", root / "ckpt", "--data", tmp_path)
     assert code == 2 and "not an MDS directory" in err and err.count("\n") == 1
 
+    for command in ("eval", "analyze"):
+        code, _, err = run(capsys, command, root / "ckpt", "--data", prep, "--out", tmp_path, "--windows", "-1")
+        assert code == 2 and err == "error: --windows: expected a positive integer, got -1\n"
+        code, _, err = run(capsys, command, root / "ckpt", "--data", prep, "--out", tmp_path, "--batch", "0")
+        assert code == 2 and err == "error: --batch: expected a positive integer, got 0\n"
+
 
 def test_token_ids_beyond_the_model_and_another_tokenizer_are_refused(setup, tmp_path):
     from mds_fixture import write_windows

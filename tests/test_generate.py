@@ -143,3 +143,22 @@ def test_bad_generate_inputs_give_one_line_errors(setup, tmp_path, capsys):
     code = main(["generate", str(tmp_path / "small"), "--prompt", "x", "--tokenizer", str(tok)])
     err = capsys.readouterr().err
     assert code == 2 and "exceeds the model's vocab_size 100" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "nan"], "--temperature: expected a finite number >= 0 (0: greedy), got nan"),
+    (["--temperature", "-1"], "--temperature: expected a finite number >= 0 (0: greedy), got -1.0"),
+    (["--top-p", "nan"], "--top-p: expected a number in (0, 1], got nan"),
+    (["--max-new-tokens", "-2"], "--max-new-tokens: expected >= 0, got -2"),
+])
+def test_bad_sampling_settings_give_one_line_errors(setup, capsys, args, message):
+    root, tok, _ = setup
+    code = main(["generate", str(root / "ckpt"), "--prompt", "x", "--tokenizer", str(tok), *args])
+    assert code == 2 and capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_a_prompt_that_is_not_utf8_is_a_one_line_error(setup):
+    root, tok, _ = setup
+    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "generate", str(root / "ckpt"), "--prompt", b"caf\xe9",
+                           "--tokenizer", str(tok)], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 2 and proc.stderr == "error: --prompt: not valid UTF-8 text\n", proc.stderr[-2000:]

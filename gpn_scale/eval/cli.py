@@ -36,6 +36,13 @@ def _device_flag(ap) -> None:
     ap.add_argument("--device", default="cpu", help="where the model runs, e.g. cuda (default: cpu)")
 
 
+def _check_positive(args, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name}: expected a positive integer, got {value}")
+
+
 def _bos(prep: PrepData | None) -> int | None:
     stats = prep.stats if prep is not None else None
     return stats["bos_id"] if stats and stats.get("add_bos") else None
@@ -84,6 +91,7 @@ def eval_main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if not args.data and not args.lambada:
         ap.error("nothing to evaluate: pass --data and/or --lambada")
+    _check_positive(args, "windows", "batch")
     from gpn_scale.eval.heldout import evaluate_windows
     from gpn_scale.eval.lambada import make_examples, read_lambada, score_lambada
 
@@ -129,6 +137,7 @@ def analyze_main(argv: list[str]) -> int:
     ap.add_argument("--batch", type=int, default=16)
     _device_flag(ap)
     args = ap.parse_args(argv)
+    _check_positive(args, "windows", "batch")
     from gpn_scale.eval.analyze import analyze
     from gpn_scale.eval.report import write_report
 
@@ -158,8 +167,16 @@ def generate_main(argv: list[str]) -> int:
     ap.add_argument("--data", help="a prep output whose recorded tokenizer to use")
     _device_flag(ap)
     args = ap.parse_args(argv)
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 0:
-        ap.error("expected --temperature >= 0, 0 < --top-p <= 1 and --max-new-tokens >= 0")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UserError(f"--temperature: expected a finite number >= 0 (0: greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:  # a NaN fails this too
+        raise UserError(f"--top-p: expected a number in (0, 1], got {args.top_p}")
+    if args.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens: expected >= 0, got {args.max_new_tokens}")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
+        raise UserError("--prompt: not valid UTF-8 text") from None
     from gpn_scale.eval.codec import TextStream
     from gpn_scale.eval.generate import generate_tokens
 
