@@ -24,7 +24,8 @@ LISTED_PER_UNIT = 20  # bad documents a unit names in its stats (all are counted
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything a worker needs besides the unit; all of it is recorded in prep.json."""
+    """Everything a worker needs besides the unit; all of it is recorded in prep.json, and what
+    shapes a unit's content also in the unit's marker (`output.unit_settings`)."""
 
     out: str
     tokenizer_path: str
@@ -100,8 +101,9 @@ class _Checker:
         return utf8
 
 
-def prepare_unit(index: int, unit: Unit, settings: Settings, tokenizer: Tokenizer) -> dict:
-    """Prepare and commit one unit; return its stats (plus this attempt's timing)."""
+def prepare_unit(index: int, unit: Unit, settings: Settings, tokenizer: Tokenizer, recorded: dict) -> dict:
+    """Prepare and commit one unit; return its stats (plus this attempt's timing). `recorded` is
+    `output.unit_settings` of the run's manifest, stored in the unit's marker."""
     started = time.perf_counter()
     out, uid = Path(settings.out), output.unit_id(index)
     output.clear_unit(out, uid)
@@ -117,7 +119,7 @@ def prepare_unit(index: int, unit: Unit, settings: Settings, tokenizer: Tokenize
         tmp.mkdir()
         stats, unigram = _pack(None, settings, tokenizer, tmp)
         stats["skipped_files"] = [{"file": unit.file, "reason": str(e).removeprefix(f"{unit.file}: ")}]
-    stats = {"unit": uid, "source": unit.to_json(), **stats}
+    stats = {"unit": uid, "source": unit.to_json(), "settings": recorded, **stats}
     output.commit_unit(out, uid, tmp, stats, unigram)
     return {**stats, "seconds": time.perf_counter() - started, "pid": os.getpid()}
 

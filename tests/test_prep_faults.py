@@ -1,0 +1,120 @@
+"""Prep under faults and bad input, each reproduced through the CLI in a real process.
+
+A run never loses work and never mixes data; bad input ends it with one line (`error: ...`,
+exit 2) naming the file or setting and what was expected, never a library's traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_prep import corpus, prep, tokenizer, tree_bytes, write_corpus  # noqa: F401 (fixtures)
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQ_LEN = 16
+
+
+def prep_cli(*args, env: dict | None = None) -> tuple[int, str]:
+    """`python -m gpn_scale prep ARGS` in its own process: (exit status, stderr and stdout)."""
+    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "prep", *map(str, args)], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+                          capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stderr + proc.stdout
+
+
+def one_error(code: int, output: str) -> str:
+    """The run's single `error:` line, after checking it is the only one and no traceback came."""
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in output, output
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
+    """Two parquet files of 4 row groups each and one jsonl.zst: 9 work units."""
+    return write_corpus(tmp_path_factory.mktemp("small"), files=2, docs_per_file=20, row_group=8)
+
+
+def args(out: Path, tok: Path, *more) -> list:
+    return ["--out", out, "--tokenizer", tok, "--seq-len", SEQ_LEN, "--workers", 1, "--on-error", "skip", *more]
+
+
+# ---------------------------------------------------------------- resuming with other settings
+
+
+@pytest.fixture(scope="module")
+def prepared(small, tokenizer, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("prepared") / "out"
+    assert prep(small, *args(out, tokenizer))[0] == 0
+    return out
+
+
+@pytest.mark.parametrize("change", ["seq_len", "tokenizer"])
+def test_a_resume_without_prep_json_refuses_units_made_with_other_settings(change, prepared, small, tokenizer,
+                                                                         tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(prepared, out)
+    (out / "prep.json").unlink()
+    (out / "stats.json").unlink()
+    if change == "seq_len":
+        run_args, expect = args(out, tokenizer, "--seq-len", 2 * SEQ_LEN), [f"seq_len={SEQ_LEN}", f"seq_len={2 * SEQ_LEN}"]
+    else:
+        other = tmp_path / "other.json"
+        assert prep("train-tokenizer", small, "--vocab-size", 300, "--out", other)[0] == 0
+        run_args, expect = args(out, other), ["tokenizer"]
+    line = one_error(*prep_cli(small, *run_args))
+    assert "units/000000.json" in line and all(e in line for e in expect), line
+    assert not (out / "prep.json").exists()  # nothing written that a later run would trust
+
+    # The original settings still resume it, to the very same bytes.
+    assert prep(small, *args(out, tokenizer))[0] == 0
+    assert tree_bytes(out) == tree_bytes(prepared)
+
+
+def test_a_resume_with_prep_json_and_another_seq_len_is_refused(prepared, small, tokenizer, tmp_path, capsys):
+    out = tmp_path / "out"
+    shutil.copytree(prepared, out)
+    code, err = prep(small, *args(out, tokenizer, "--seq-len", 2 * SEQ_LEN), capsys=capsys)
+    line = one_error(code, err)
+    assert "prep.json" in line and f"seq_len={SEQ_LEN}" in line, line
+    assert tree_bytes(out) == tree_bytes(prepared)
+
+
+def test_units_recording_no_settings_are_refused_once_prep_json_is_gone(prepared, small, tokenizer, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(prepared, out)
+    for path in (out / "units").glob("*.json"):  # as an older gpn-scale wrote them
+        stats = json.loads(path.read_text())
+        stats.pop("settings", None)
+        path.write_text(json.dumps(stats))
+    # Under an intact prep.json (checked against this run) they are trusted ...
+    assert prep(small, *args(out, tokenizer))[0] == 0
+    # ... without it nothing says what made them.
+    (out / "prep.json").unlink()
+    line = one_error(*prep_cli(small, *args(out, tokenizer)))
+    assert "units/000000.json" in line and "records no settings" in line and "new --out" in line, line
+
+
+# ---------------------------------------------------------------- a damaged committed unit
+
+
+def test_a_committed_unit_with_a_truncated_shard_is_prepared_again(prepared, small, tokenizer, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(prepared, out)
+    shard = sorted((out / "train" / "000001").glob("shard.*"))[0]
+    shard.write_bytes(shard.read_bytes()[:-7])
+    assert prep("merge", out)[0] == 2  # the merge does not index it
+
+    code, output = prep_cli(small, *args(out, tokenizer))
+    assert code == 0, output
+    warnings = [line for line in output.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and shard.name in warnings[0] and "000001" in warnings[0], output
+    assert tree_bytes(out) == tree_bytes(prepared)
+
