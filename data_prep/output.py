@@ -20,6 +20,7 @@ import io
 import json
 import os
 import shutil
+import sys
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -30,6 +31,7 @@ from gpn_scale.errors import UserError
 
 SPLITS = ("train", "val")
 MAX_LISTED = 1000  # bad documents listed by name in stats.json; all are counted
+EMPTY_TEXT = "empty text"  # the skip reason of an empty document: valid input, skipped, not bad
 # Settings in prep.json that decide which units exist (recorded by each unit's "source"), not what
 # a unit holds; every other setting is recorded in each unit's marker.
 NOT_UNIT_SETTINGS = ("max_docs", "max_tokens")
@@ -223,7 +225,10 @@ def read_manifest(out: Path) -> dict:
 
 
 def merge(out: Path) -> dict:
-    """Write the root indexes, stats.json and unigram.npy from the committed units; return stats."""
+    """Write the root indexes, stats.json and unigram.npy from the committed units; return stats.
+
+    Refuses (UserError) when nothing was kept because every input was bad, and when the train
+    documents never fill one window; an output without documents is written with a warning."""
     manifest = read_manifest(out)
     config, n_units = manifest["config"], len(manifest["units"])
     kept, missing, tokens = [], [], 0
@@ -245,8 +250,11 @@ def merge(out: Path) -> dict:
     if missing:
         raise UserError(f"{out}: {len(missing)} of {n_units} work units are not committed yet (first: "
                         f"{', '.join(missing[:3])}); run prep on every node (reruns resume) before merging")
+    stats = _aggregate(manifest, [s for _, s in kept])
+    stats["warnings"] = _check_windows(out, stats, [s for _, s in kept])
 
     for split in config["splits"]:
+        (out / split).mkdir(exist_ok=True)  # absent when no unit was planned
         shards = []
         for uid, _ in kept:
             index_path = out / split / uid / "index.json"
@@ -264,10 +272,56 @@ def merge(out: Path) -> dict:
         np.save(f, unigram)
         write_atomic(out, out / "unigram.npy", f.getvalue())
 
-    stats = _aggregate(manifest, [s for _, s in kept])
     write_atomic(out, out / "stats.json", dump_json(stats))
     shutil.rmtree(out / ".tmp", ignore_errors=True)
+    for warning in stats["warnings"]:
+        print(f"warning: {out}: {warning}", file=sys.stderr)
     return stats
+
+
+def nothing_kept(out: Path, files: list[dict], bad: dict, listed: list[dict]) -> UserError:
+    """The error of a run whose every input was skipped as bad (files or documents)."""
+    parts = []
+    if files:
+        parts.append(f"{len(files)} unreadable file{'s' * (len(files) != 1)}, first {files[0]['file']}: "
+                     f"{files[0]['reason']}")
+    n_bad = sum(bad.values())
+    if n_bad:
+        first = next((d for d in listed if d["reason"] != EMPTY_TEXT), None)
+        where = ""
+        if first is not None:
+            word = "line" if "line" in first else "row"
+            where = f", first {first['file']} {word} {first[word]}: {first['reason']}"
+        parts.append(f"{n_bad} bad document{'s' * (n_bad != 1)}{where}")
+    return UserError(f"{out}: nothing prepared: no document was kept, every input was skipped under "
+                     f"--on-error skip ({'; '.join(parts)})")
+
+
+def _check_windows(out: Path, stats: dict, units: list[dict]) -> list[str]:
+    """Refuse an output with nothing kept but bad input, or train documents filling no window;
+    return warnings for splits without windows."""
+    splits, seq_len = stats["splits"], stats["seq_len"]
+    bad = {reason: n for reason, n in stats["skipped"]["documents"].items() if reason != EMPTY_TEXT}
+    if not any(s["documents"] for s in splits.values()) and (bad or stats["skipped"]["files"]):
+        raise nothing_kept(out, stats["skipped"]["files"], bad, stats["skipped"]["listed"])
+    warnings = []
+    for split, s in splits.items():
+        if s["windows"]:
+            continue
+        if s["documents"]:
+            biggest = max(u["splits"][split]["tokens"] for u in units)
+            why = (f"the {split} documents hold {s['tokens']:,} tokens in all, at most {biggest:,} in one work "
+                   f"unit, and each unit's tail shorter than --seq-len {seq_len} is dropped")
+            if split == "train":  # an output without train windows is of no use
+                raise UserError(f"{out}: no train window: {why}; use a smaller --seq-len (and a new --out)")
+            warnings.append(f"{split}: 0 windows: {why}")
+        elif kept := sum(s["documents"] for s in splits.values()):
+            warnings.append(f"{split}: 0 windows: none of the {kept:,} kept documents went to it")
+        else:
+            dropped = {**stats["skipped"]["documents"], **stats["filtered"]}
+            warnings.append(f"{split}: 0 windows: no document was kept"
+                            + (f" (not kept: {dropped})" if dropped else " (the inputs hold no documents)"))
+    return warnings
 
 
 def _aggregate(manifest: dict, units: list[dict]) -> dict:

@@ -39,6 +39,8 @@ def prepare(inputs: list[str], settings: Settings, *, val_inputs: list[str], max
     tokenizer = Tokenizer(settings.tokenizer_path, settings.eos_token, settings.bos_token)
     files = expand_inputs(inputs + val_inputs)
     units, skipped_files = plan_units(files, settings.filters, settings.skip_bad)
+    if not units and skipped_files:  # said before anything is written
+        raise output.nothing_kept(out, skipped_files, {}, [])
     if max_docs is not None:
         units = limit_rows(units, max_docs)
     manifest = _manifest(settings, tokenizer, files, units, skipped_files, max_docs, max_tokens)

@@ -68,12 +68,15 @@ class _Checker:
             return "text is null"
         if not isinstance(text, str):
             return f"text is {type(text).__name__}, expected a string"
-        if not text:
-            return "empty text"
         return None
 
     def keep(self, doc: Document) -> bytes | None:
         """The document's UTF-8 bytes if it is kept; otherwise counts it (or raises)."""
+        if isinstance(doc.text, str) and not doc.text:
+            # Valid, just no text: skipped and counted whatever --on-error says, never listed as bad.
+            # Whitespace is text (the tokenizer's to encode) and is kept.
+            self.skipped[output.EMPTY_TEXT] += 1
+            return None
         reason = self.problem(doc)
         if reason is None:
             try:

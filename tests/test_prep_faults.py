@@ -13,9 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
-from test_prep import corpus, prep, tokenizer, tree_bytes, write_corpus  # noqa: F401 (fixtures)
+from test_prep import corpus, fineweb_table, prep, tokenizer, tree_bytes, write_corpus  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQ_LEN = 16
@@ -100,6 +101,62 @@ def test_units_recording_no_settings_are_refused_once_prep_json_is_gone(prepared
     (out / "prep.json").unlink()
     line = one_error(*prep_cli(small, *args(out, tokenizer)))
     assert "units/000000.json" in line and "records no settings" in line and "new --out" in line, line
+
+
+# ---------------------------------------------------------------- nothing (usable) to prepare
+
+
+def test_every_input_unreadable_is_an_error_saying_so(small, tokenizer, tmp_path):
+    bad = tmp_path / "in"
+    bad.mkdir()
+    (bad / "a.parquet").write_bytes(b"not parquet at all")
+    (bad / "b.parquet").write_bytes((small / "part-000.parquet").read_bytes()[:500])
+    line = one_error(*prep_cli(bad, *args(tmp_path / "out", tokenizer)))
+    assert "every input" in line and "2 unreadable files" in line and "a.parquet" in line, line
+    assert not (tmp_path / "out" / "prep.json").exists()
+
+
+def test_every_document_bad_is_an_error_saying_so(tokenizer, tmp_path):
+    path = tmp_path / "nulls.parquet"
+    pq.write_table(fineweb_table([None, None, None]), path)
+    line = one_error(*prep_cli(path, *args(tmp_path / "out", tokenizer)))
+    assert "nothing prepared" in line and "3 bad documents" in line and "nulls.parquet" in line, line
+
+
+def test_an_empty_input_gives_an_empty_output_and_a_warning(tokenizer, tmp_path):
+    path = tmp_path / "empty.parquet"
+    pq.write_table(fineweb_table([]), path)
+    out = tmp_path / "out"
+    code, output = prep_cli(path, *args(out, tokenizer))
+    assert code == 0 and "Traceback" not in output, output
+    assert any(line.startswith("warning:") and "0 windows" in line for line in output.splitlines()), output
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["splits"]["train"] == {"documents": 0, "tokens": 0, "windows": 0, "dropped_tail_tokens": 0}
+    assert stats["warnings"] and "train: 0 windows" in stats["warnings"][0]
+    assert json.loads((out / "train" / "index.json").read_text())["shards"] == []
+
+
+def test_seq_len_longer_than_every_unit_is_an_error_naming_tokens_and_seq_len(tokenizer, tmp_path):
+    path = tmp_path / "short.parquet"
+    pq.write_table(fineweb_table(["A short document.", "Another."]), path)
+    line = one_error(*prep_cli(path, *args(tmp_path / "out", tokenizer, "--seq-len", 4096)))
+    tokens = json.loads((tmp_path / "out" / "units" / "000000.json").read_text())["splits"]["train"]["tokens"]
+    assert f"{tokens} tokens" in line and "--seq-len 4096" in line, line
+
+
+# ---------------------------------------------------------------- empty documents
+
+
+def test_empty_documents_are_skipped_and_counted_by_default(tokenizer, tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["A document.", "", " ", "Another one.", ""]))
+    out = tmp_path / "out"
+    code, output = prep_cli(path, "--out", out, "--tokenizer", tokenizer, "--seq-len", 4, "--workers", 1)
+    assert code == 0, output
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["skipped"]["documents"] == {"empty text": 2}
+    assert stats["skipped"]["listed"] == []  # not bad documents: counted, not listed
+    assert stats["splits"]["train"]["documents"] == 3  # whitespace is text: kept
 
 
 # ---------------------------------------------------------------- a damaged committed unit
