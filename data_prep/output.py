@@ -16,6 +16,7 @@ settings it records are this run's and its files are intact (see `read_committed
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -23,6 +24,8 @@ import shutil
 import sys
 import uuid
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +48,19 @@ class DamagedUnit(UserError):
         self.uid = uid
 
 
+@contextmanager
+def disk_space_errors(where: Path) -> Iterator[None]:
+    """A full disk (or quota) as one line naming the path, instead of a traceback from a writer."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        what = "no space left on device" if e.errno == errno.ENOSPC else "disk quota exceeded"
+        raise UserError(f"{e.filename or where}: {what}; free some space and rerun the same command "
+                        f"(committed units are kept)") from None
+
+
 def unit_id(index: int) -> str:
     return f"{index:06d}"
 
@@ -53,9 +69,10 @@ def write_atomic(out: Path, path: Path, data: bytes) -> None:
     """Write via a uniquely named file in OUT/.tmp (nodes may race to write the same file; a crash
     leaves the litter there, where the merge removes it)."""
     tmp = out / ".tmp" / f"{path.name}.{uuid.uuid4().hex}"
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    with disk_space_errors(path):
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
 
 
 def dump_json(obj) -> bytes:
@@ -229,6 +246,11 @@ def merge(out: Path) -> dict:
 
     Refuses (UserError) when nothing was kept because every input was bad, and when the train
     documents never fill one window; an output without documents is written with a warning."""
+    with disk_space_errors(out):
+        return _merge(out)
+
+
+def _merge(out: Path) -> dict:
     manifest = read_manifest(out)
     config, n_units = manifest["config"], len(manifest["units"])
     kept, missing, tokens = [], [], 0

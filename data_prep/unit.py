@@ -109,21 +109,22 @@ def prepare_unit(index: int, unit: Unit, settings: Settings, tokenizer: Tokenize
     `output.unit_settings` of the run's manifest, stored in the unit's marker."""
     started = time.perf_counter()
     out, uid = Path(settings.out), output.unit_id(index)
-    output.clear_unit(out, uid)
     tmp = out / ".tmp" / uid
-    tmp.mkdir(parents=True)
-    try:
-        stats, unigram = _pack(unit, settings, tokenizer, tmp)
-    except UnreadableInput as e:
-        if not settings.skip_bad:
-            raise
-        # Whatever was read before the damage is dropped with it: the file is skipped as a whole.
-        shutil.rmtree(tmp)
-        tmp.mkdir()
-        stats, unigram = _pack(None, settings, tokenizer, tmp)
-        stats["skipped_files"] = [{"file": unit.file, "reason": str(e).removeprefix(f"{unit.file}: ")}]
-    stats = {"unit": uid, "source": unit.to_json(), "settings": recorded, **stats}
-    output.commit_unit(out, uid, tmp, stats, unigram)
+    with output.disk_space_errors(tmp):
+        output.clear_unit(out, uid)
+        tmp.mkdir(parents=True)
+        try:
+            stats, unigram = _pack(unit, settings, tokenizer, tmp)
+        except UnreadableInput as e:
+            if not settings.skip_bad:
+                raise
+            # Whatever was read before the damage is dropped with it: the file is skipped as a whole.
+            shutil.rmtree(tmp)
+            tmp.mkdir()
+            stats, unigram = _pack(None, settings, tokenizer, tmp)
+            stats["skipped_files"] = [{"file": unit.file, "reason": str(e).removeprefix(f"{unit.file}: ")}]
+        stats = {"unit": uid, "source": unit.to_json(), "settings": recorded, **stats}
+        output.commit_unit(out, uid, tmp, stats, unigram)
     return {**stats, "seconds": time.perf_counter() - started, "pid": os.getpid()}
 
 

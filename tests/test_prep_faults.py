@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -175,3 +176,92 @@ def test_a_committed_unit_with_a_truncated_shard_is_prepared_again(prepared, sma
     assert len(warnings) == 1 and shard.name in warnings[0] and "000001" in warnings[0], output
     assert tree_bytes(out) == tree_bytes(prepared)
 
+
+# ---------------------------------------------------------------- disk full
+
+SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* write() fails with ENOSPC once this process has written ENOSPC_AFTER bytes to files under ENOSPC_DIR. */
+ssize_t write(int fd, const void *buf, size_t n) {
+    static ssize_t (*real)(int, const void *, size_t);
+    static long long used;
+    if (!real) real = (ssize_t (*)(int, const void *, size_t))dlsym(RTLD_NEXT, "write");
+    const char *dir = getenv("ENOSPC_DIR"), *after = getenv("ENOSPC_AFTER");
+    if (dir && after && fd > 2) {
+        char link[64], target[PATH_MAX];
+        snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+        ssize_t len = readlink(link, target, sizeof target - 1);
+        if (len > 0) {
+            target[len] = 0;
+            if (strncmp(target, dir, strlen(dir)) == 0) {
+                if (used + (long long)n > atoll(after)) { errno = ENOSPC; return -1; }
+                used += n;
+            }
+        }
+    }
+    return real(fd, buf, n);
+}
+"""
+
+
+class SmallDisk:
+    """A directory that runs out of space after `limit` bytes: a size-limited tmpfs where mounting
+    is allowed, else an LD_PRELOAD shim failing write() with ENOSPC below Python (C code included)."""
+
+    def __init__(self, root: Path, like: Path):
+        """Room for about half of what the tree `like` holds."""
+        self.path = root / "disk"
+        self.path.mkdir()
+        files = [p.stat().st_size for p in like.rglob("*") if p.is_file()]
+        limit = sum(-(-size // 4096) for size in files) // 2 * 4096  # a tmpfs counts whole pages
+        self.mounted = False
+        self.env: dict[str, str] = {}
+        if os.environ.get("GPN_TEST_ENOSPC") != "preload" and os.geteuid() == 0 and shutil.which("mount"):
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={limit}", "tmpfs", str(self.path)],
+                                  capture_output=True)
+            self.mounted = done.returncode == 0
+        if not self.mounted:
+            cc = shutil.which("cc") or shutil.which("gcc")
+            if cc is None:
+                pytest.skip("cannot mount a tmpfs and no C compiler for an ENOSPC shim")
+            (root / "enospc.c").write_text(textwrap.dedent(SHIM))
+            lib = root / "enospc.so"
+            subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(root / "enospc.c"), "-ldl"], check=True)
+            self.env = {"LD_PRELOAD": str(lib), "ENOSPC_DIR": str(self.path.resolve()),
+                        "ENOSPC_AFTER": str(sum(files) // 2)}
+
+    def free_space(self) -> None:
+        if self.mounted:
+            subprocess.run(["mount", "-o", "remount,size=256m", str(self.path)], check=True)
+        self.env = {}
+
+    def close(self) -> None:
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.path)], check=False)
+
+
+def test_disk_full_is_one_line_naming_the_path_and_a_rerun_completes(prepared, small, tokenizer, tmp_path, capsys):
+    disk = SmallDisk(tmp_path, like=prepared)
+    try:
+        out = disk.path / "out"
+        code, output = prep_cli(small, *args(out, tokenizer), env=disk.env)
+        line = one_error(code, output)
+        assert "no space left on device" in line and str(disk.path) in line, line
+        committed = len(list((out / "units").glob("*.json")))
+        assert 0 < committed < len(json.loads((prepared / "prep.json").read_text())["units"]), output
+
+        disk.free_space()
+        capsys.readouterr()
+        code, err = prep(small, *args(out, tokenizer), capsys=capsys)
+        assert code == 0 and f"({committed} already committed)" in err, err
+        assert tree_bytes(out) == tree_bytes(prepared)
+    finally:
+        disk.close()
