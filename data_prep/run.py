@@ -28,8 +28,8 @@ def _init_worker(settings: Settings) -> None:
     _worker_tokenizer = Tokenizer(settings.tokenizer_path, settings.eos_token, settings.bos_token)
 
 
-def _work(index: int, unit, settings: Settings) -> dict:
-    return prepare_unit(index, unit, settings, _worker_tokenizer)
+def _work(index: int, unit, settings: Settings, recorded: dict) -> dict:
+    return prepare_unit(index, unit, settings, _worker_tokenizer, recorded)
 
 
 def prepare(inputs: list[str], settings: Settings, *, val_inputs: list[str], max_docs: int | None,
@@ -39,24 +39,28 @@ def prepare(inputs: list[str], settings: Settings, *, val_inputs: list[str], max
     tokenizer = Tokenizer(settings.tokenizer_path, settings.eos_token, settings.bos_token)
     files = expand_inputs(inputs + val_inputs)
     units, skipped_files = plan_units(files, settings.filters, settings.skip_bad)
+    if not units and skipped_files:  # said before anything is written
+        raise output.nothing_kept(out, skipped_files, {}, [])
     if max_docs is not None:
         units = limit_rows(units, max_docs)
     manifest = _manifest(settings, tokenizer, files, units, skipped_files, max_docs, max_tokens)
-    output.check_manifest(out, manifest)
-    _copy_tokenizer(out, tokenizer)
+    with output.disk_space_errors(out):
+        output.check_manifest(out, manifest)
+        _copy_tokenizer(out, tokenizer)
 
-    mine = [i for i in range(len(units)) if i % num_nodes == node_rank]
-    started = time.perf_counter()
-    with multiprocessing.get_context("fork").Pool(workers, _init_worker, (settings,)) as pool:
-        progress = _Progress(len(mine), workers)
-        # With one node the cap is known here, so units past it are never started.
-        cap = max_tokens if num_nodes == 1 else None
-        packed = 0
-        for stats, fresh in _in_order(pool, mine, units, settings, workers, lambda: cap is None or packed < cap):
-            progress.update(stats, fresh)
-            packed += sum(s["windows"] for s in stats["splits"].values()) * settings.seq_len
-        progress.close()
-    elapsed = time.perf_counter() - started
+        mine = [i for i in range(len(units)) if i % num_nodes == node_rank]
+        started = time.perf_counter()
+        with multiprocessing.get_context("fork").Pool(workers, _init_worker, (settings,)) as pool:
+            progress = _Progress(len(mine), workers)
+            # With one node the cap is known here, so units past it are never started.
+            cap = max_tokens if num_nodes == 1 else None
+            packed = 0
+            for stats, fresh in _in_order(pool, mine, units, settings, manifest, workers,
+                                          lambda: cap is None or packed < cap):
+                progress.update(stats, fresh)
+                packed += sum(s["windows"] for s in stats["splits"].values()) * settings.seq_len
+            progress.close()
+        elapsed = time.perf_counter() - started
 
     print(progress.summary(elapsed), file=sys.stderr)
     if num_nodes > 1:
@@ -67,15 +71,22 @@ def prepare(inputs: list[str], settings: Settings, *, val_inputs: list[str], max
     return stats
 
 
-def _in_order(pool, indexes: list[int], units, settings: Settings, workers: int, more) -> Iterator[tuple[dict, bool]]:
-    """(stats, prepared now) of each unit in order: committed ones read back, the others prepared
-    with at most two per worker in flight; no new unit starts once `more()` is false."""
+def _in_order(pool, indexes: list[int], units, settings: Settings, manifest: dict, workers: int,
+              more) -> Iterator[tuple[dict, bool]]:
+    """(stats, prepared now) of each unit in order: committed ones read back (after checking they
+    were made by these settings; damaged ones are prepared again), the others prepared with at
+    most two per worker in flight; no new unit starts once `more()` is false."""
+    recorded = output.unit_settings(manifest)
     pending: deque = deque()
     todo = iter(indexes)
     while True:
         while len(pending) < 2 * workers and more() and (index := next(todo, None)) is not None:
-            committed = output.read_unit_stats(Path(settings.out), output.unit_id(index))
-            pending.append(committed or pool.apply_async(_work, (index, units[index], settings)))
+            try:
+                committed = output.read_committed(Path(settings.out), output.unit_id(index), manifest)
+            except output.DamagedUnit as e:
+                tqdm.write(f"warning: {e}; preparing it again", file=sys.stderr)
+                committed = None
+            pending.append(committed or pool.apply_async(_work, (index, units[index], settings, recorded)))
         if not pending:
             return
         head = pending.popleft()

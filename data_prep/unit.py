@@ -24,7 +24,8 @@ LISTED_PER_UNIT = 20  # bad documents a unit names in its stats (all are counted
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything a worker needs besides the unit; all of it is recorded in prep.json."""
+    """Everything a worker needs besides the unit; all of it is recorded in prep.json, and what
+    shapes a unit's content also in the unit's marker (`output.unit_settings`)."""
 
     out: str
     tokenizer_path: str
@@ -67,12 +68,15 @@ class _Checker:
             return "text is null"
         if not isinstance(text, str):
             return f"text is {type(text).__name__}, expected a string"
-        if not text:
-            return "empty text"
         return None
 
     def keep(self, doc: Document) -> bytes | None:
         """The document's UTF-8 bytes if it is kept; otherwise counts it (or raises)."""
+        if isinstance(doc.text, str) and not doc.text:
+            # Valid, just no text: skipped and counted whatever --on-error says, never listed as bad.
+            # Whitespace is text (the tokenizer's to encode) and is kept.
+            self.skipped[output.EMPTY_TEXT] += 1
+            return None
         reason = self.problem(doc)
         if reason is None:
             try:
@@ -100,25 +104,27 @@ class _Checker:
         return utf8
 
 
-def prepare_unit(index: int, unit: Unit, settings: Settings, tokenizer: Tokenizer) -> dict:
-    """Prepare and commit one unit; return its stats (plus this attempt's timing)."""
+def prepare_unit(index: int, unit: Unit, settings: Settings, tokenizer: Tokenizer, recorded: dict) -> dict:
+    """Prepare and commit one unit; return its stats (plus this attempt's timing). `recorded` is
+    `output.unit_settings` of the run's manifest, stored in the unit's marker."""
     started = time.perf_counter()
     out, uid = Path(settings.out), output.unit_id(index)
-    output.clear_unit(out, uid)
     tmp = out / ".tmp" / uid
-    tmp.mkdir(parents=True)
-    try:
-        stats, unigram = _pack(unit, settings, tokenizer, tmp)
-    except UnreadableInput as e:
-        if not settings.skip_bad:
-            raise
-        # Whatever was read before the damage is dropped with it: the file is skipped as a whole.
-        shutil.rmtree(tmp)
-        tmp.mkdir()
-        stats, unigram = _pack(None, settings, tokenizer, tmp)
-        stats["skipped_files"] = [{"file": unit.file, "reason": str(e).removeprefix(f"{unit.file}: ")}]
-    stats = {"unit": uid, "source": unit.to_json(), **stats}
-    output.commit_unit(out, uid, tmp, stats, unigram)
+    with output.disk_space_errors(tmp):
+        output.clear_unit(out, uid)
+        tmp.mkdir(parents=True)
+        try:
+            stats, unigram = _pack(unit, settings, tokenizer, tmp)
+        except UnreadableInput as e:
+            if not settings.skip_bad:
+                raise
+            # Whatever was read before the damage is dropped with it: the file is skipped as a whole.
+            shutil.rmtree(tmp)
+            tmp.mkdir()
+            stats, unigram = _pack(None, settings, tokenizer, tmp)
+            stats["skipped_files"] = [{"file": unit.file, "reason": str(e).removeprefix(f"{unit.file}: ")}]
+        stats = {"unit": uid, "source": unit.to_json(), "settings": recorded, **stats}
+        output.commit_unit(out, uid, tmp, stats, unigram)
     return {**stats, "seconds": time.perf_counter() - started, "pid": os.getpid()}
 
 

@@ -265,7 +265,8 @@ def _bad_inputs(root: Path, good: Path) -> dict[str, tuple[Path, str]]:
     cases["missing text column"] = (parquet("notext.parquet", pa.table({"content": ok})), "no column 'text'")
     cases["non-string column"] = (parquet("ints.parquet", pa.table({"text": [1, 2]})), "has type int64, expected string")
     cases["null text"] = (parquet("null.parquet", fineweb_table(ok + [None])), "row 2: text is null")
-    cases["empty text"] = (parquet("empty.parquet", fineweb_table([ok[0], "", ok[1]])), "row 1: empty text")
+    # Not an error (an empty document is skipped and counted whatever --on-error says), but a skip.
+    cases["empty text"] = (parquet("empty.parquet", fineweb_table([ok[0], "", ok[1]])), "")
     cases["invalid UTF-8 (parquet)"] = (parquet("binary.parquet", fineweb_table([b"ok", b"\xff\xfebad"], pa.binary())),
                                         "row 1: invalid UTF-8")
     jsonl = root / "bad-utf8.jsonl"
@@ -287,8 +288,8 @@ def bad_inputs(corpus, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["corrupt parquet", "missing text column", "non-string column", "null text",
-                                  "empty text", "invalid UTF-8 (parquet)", "invalid UTF-8 (jsonl)",
-                                  "non-string text (jsonl)", "truncated zstd"])
+                                  "invalid UTF-8 (parquet)", "invalid UTF-8 (jsonl)", "non-string text (jsonl)",
+                                  "truncated zstd"])
 def test_bad_input_is_one_line_naming_file_and_problem(case, bad_inputs, tokenizer, tmp_path, capsys):
     path, message = bad_inputs[case]
     code, err = prep(path, "--out", tmp_path / "out", "--tokenizer", tokenizer, "--seq-len", SEQ_LEN,
