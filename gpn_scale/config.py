@@ -93,7 +93,10 @@ def parse_overrides(items: list[str]) -> dict:
         *parents, leaf = key.split(".")
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(raw)
+        try:
+            node[leaf] = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise UserError(f"override {item!r}: the value is not valid YAML ({str(e).splitlines()[0]})") from None
     return out
 
 

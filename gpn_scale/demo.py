@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from gpn_scale.config import CONFIG_ROOT
+from gpn_scale.jsonl import read_jsonl
 
 DEMO_CONFIG = CONFIG_ROOT / "train" / "demo.yaml"
 ANALYSIS_WINDOWS = 32  # 4,096 states: the analysis and its ablations in seconds
@@ -89,8 +90,7 @@ def main(argv: list[str]) -> int:
     held = evaluate_windows(model, windows)
     val_loss, val_tokens = held.loss, held.tokens
     entropy = unigram_entropy(np.load(data / "unigram.npy"))
-    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train_rows = [m for m in metrics if "loss" in m]
+    train_rows = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
     print(f"held-out loss {val_loss:.4f} nats (PPL {math.exp(val_loss):.2f}) over {val_tokens:,} tokens; "
           f"unigram entropy of the training split {entropy:.4f} nats")
 

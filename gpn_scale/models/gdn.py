@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -56,6 +56,7 @@ class GDNConfig:
     chunk_size: int = 64
     kernel: str = "auto"  # "auto": flash-linear-attention's chunk kernel on CUDA when installed; "torch"
     ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once
+    EXECUTION_KEYS: ClassVar[tuple[str, ...]] = ("core", "chunk_size", "kernel", "ce_chunk")  # may change when a run resumes
 
     def __post_init__(self):
         if self.family != "gdn":

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -48,6 +48,8 @@ class GPNConfig:
     ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once
     kernel: str = "auto"  # fused core's memory step and step groups: "triton", "cpp" (CPU), "torch", or "auto" (triton on CUDA, cpp on CPU)
     cuda_graphs: bool = True  # fused core on CUDA: capture its time loops once per shape, then replay
+    # May change when a run resumes: how the same math is executed (bptt is not: it cuts gradients).
+    EXECUTION_KEYS: ClassVar[tuple[str, ...]] = ("core", "core_chunk", "checkpoint_every", "ce_chunk", "kernel", "cuda_graphs")
 
     def __post_init__(self):
         if self.family not in FAMILIES:

@@ -12,7 +12,7 @@ back continues the stream exactly as one longer window would (incremental decodi
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -33,6 +33,7 @@ class TransformerConfig:
     d_ffn: int = 2752  # SwiGLU width; 2752 puts 12 x 768 at GPN+M 1L's parameter count
     rope_theta: float = 10000.0
     ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once
+    EXECUTION_KEYS: ClassVar[tuple[str, ...]] = ("ce_chunk",)  # may change when a run resumes
 
     def __post_init__(self):
         if self.family != "transformer":

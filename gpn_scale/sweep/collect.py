@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from gpn_scale.errors import UserError
+from gpn_scale.jsonl import read_jsonl
 from gpn_scale.sweep.fit import fit_power_law
 from gpn_scale.sweep.run import final_val_loss, status
 
@@ -31,9 +32,7 @@ def results(out: Path) -> list[dict]:
     rows = []
     for point_file in sorted(out.glob("*/point.json")):
         point, run_dir = json.loads(point_file.read_text()), point_file.parent
-        train_rows = []
-        if (run_dir / "metrics.jsonl").is_file():
-            train_rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+        train_rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
         tokens = train_rows[-1]["tokens"] if train_rows else 0
         rows.append({**{k: point[k] for k in COLUMNS if k in point}, "tokens": tokens,
                      "flops": _train_flops(point, tokens), "status": status(run_dir),

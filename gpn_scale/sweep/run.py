@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from gpn_scale.errors import UserError
+from gpn_scale.jsonl import read_jsonl
 from gpn_scale.launch import torchrun_command
 from gpn_scale.sweep.spec import Point, SweepSpec
 
@@ -24,11 +25,9 @@ def status(run_dir: Path) -> str:
 
 def final_val_loss(run_dir: Path) -> float | None:
     loss = None
-    if (run_dir / "metrics.jsonl").is_file():
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            if "val_loss" in row:
-                loss = row["val_loss"]
+    for row in read_jsonl(run_dir / "metrics.jsonl"):
+        if "val_loss" in row:
+            loss = row["val_loss"]
     return loss
 
 

@@ -94,25 +94,36 @@ def committed(root: Path) -> list[str]:
     return [t for t in tags(root) if (root / t / MANIFEST).is_file()]
 
 
-def newest_complete(root: Path, warn=print) -> str | None:
-    """The newest tag that verifies; each one skipped on the way is reported in one line."""
+def newest_complete(root: Path, warn=print, rejected: list | None = None) -> str | None:
+    """The newest tag that verifies; each one skipped on the way is reported in one line (and
+    appended to `rejected` as (tag, problem))."""
     for tag in tags(root):
         problem = verify(root / tag)
         if problem is None:
             return tag
         warn(f"warning: checkpoint {root / tag} skipped: {problem}")
+        if rejected is not None:
+            rejected.append((tag, problem))
     return None
 
 
 def commit(root: Path, tag: str, keep_last: int) -> None:
-    """Rank 0, after every rank finished writing `tag`: manifest, then `latest`, then pruning."""
+    """Rank 0, after every rank finished writing `tag`: manifest, then `latest`, then pruning.
+
+    Pruning removes only what is older than `tag`: the `keep_last - 1` newest older checkpoints
+    that verify are kept with it, and a checkpoint goes only once `keep_last` verified ones newer
+    than it exist. Newer directories (left by a run that resumed from an earlier step) stay until
+    this run's saves replace them.
+    """
     write_manifest(root / tag)
     _atomic_write(root / LATEST, tag)
-    for old in committed(root)[keep_last:]:
-        shutil.rmtree(root / old, ignore_errors=True)
-    for partial in tags(root):  # older leftovers of crashed saves
-        if step_of(partial) < step_of(tag) and not (root / partial / MANIFEST).is_file():
-            shutil.rmtree(root / partial, ignore_errors=True)
+    older = [t for t in tags(root) if step_of(t) < step_of(tag)]
+    kept = 1
+    for old in older:
+        if kept < keep_last and verify(root / old) is None:
+            kept += 1
+        elif kept >= keep_last:
+            shutil.rmtree(root / old, ignore_errors=True)
 
 
 def read_trainer_state(tag_dir: Path) -> dict:

@@ -8,6 +8,7 @@ as `run.dir/config.yaml`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,11 +48,22 @@ class TrainSection:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    nonfinite_patience: int = 0  # non-finite loss or grad norm: steps tolerated in a row before the run stops
 
     def __post_init__(self):
         for name in ("total_steps", "micro_batch", "save_every", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        for name, low, high in (("lr", 0.0, math.inf), ("min_lr_ratio", 0.0, 1.0), ("weight_decay", 0.0, math.inf),
+                                ("beta1", 0.0, 1.0), ("beta2", 0.0, 1.0), ("grad_clip", 0.0, math.inf)):
+            value = getattr(self, name)
+            open_high = name.startswith("beta")  # Adam with a beta of 1 never updates its moments
+            if not (math.isfinite(value) and low <= value <= high) or (name == "lr" and value == 0) or (open_high and value == high):
+                expected = "a finite number > 0" if name == "lr" else f"a finite number in [{low}, {high}{')' if open_high else ']'}"
+                raise ValueError(f"{name}: expected {expected}, got {value}")
+        for name in ("warmup_steps", "nonfinite_patience"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
         if self.grad_accum is not None and self.global_batch is not None:
             raise ValueError("grad_accum: give grad_accum or global_batch, not both")
         if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.total_steps:
@@ -146,3 +158,42 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
         if not value:
             raise UserError(f"{where}: {key}: missing")
     return cfg
+
+
+# What may differ between a checkpoint's run and its resumption: how the run is executed, observed
+# and paced, not what it computes. The world size may change with its micro-batch / accumulation
+# split (the engine keeps the global batch); the model's own execution keys are its config's
+# EXECUTION_KEYS.
+RESUMABLE = ("run.", "data.cache", "data.log_sample_ids", "train.total_steps", "train.stop_at_step",
+             "train.micro_batch", "train.grad_accum", "train.global_batch", "train.save_every", "train.keep_last",
+             "train.nonfinite_patience", "eval.", "logging.")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _normalised(key: str, value):
+    if key in ("data.train", "data.val") and isinstance(value, str) and "://" not in value:
+        return str(Path(value).resolve())
+    return value
+
+
+def config_changes(saved: dict, new: dict) -> tuple[list[tuple], list[tuple]]:
+    """(safe, unsafe) differences between a checkpoint's resolved config and this run's, each a
+    list of (key, saved value, new value). Keys the checkpoint's version did not have are new
+    settings at their defaults, not changes."""
+    from gpn_scale.models import MODEL_FAMILIES
+
+    config_cls = MODEL_FAMILIES[new["model"]["family"]][0]
+    resumable = RESUMABLE + tuple(f"model.{k}" for k in getattr(config_cls, "EXECUTION_KEYS", ()))
+    old_flat, new_flat = _flat(saved), _flat(new)
+    safe, unsafe = [], []
+    for key in sorted(old_flat.keys() & new_flat.keys()):
+        before, after = _normalised(key, old_flat[key]), _normalised(key, new_flat[key])
+        if before != after:
+            (safe if key.startswith(resumable) else unsafe).append((key, old_flat[key], new_flat[key]))
+    return safe, unsafe

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from gpn_scale.errors import UserError
 
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def _free_port() -> int:
@@ -64,7 +64,8 @@ def device() -> torch.device:
 
 
 class StopFlag:
-    """Set by SIGTERM / SIGUSR1 on any rank; every rank learns of it at the same step boundary."""
+    """Set by SIGTERM / SIGUSR1 / SIGINT on any rank; every rank learns of it at the same step
+    boundary. After a first SIGINT, a second one interrupts at once (Ctrl-C twice: no checkpoint)."""
 
     def __init__(self):
         self.signum = 0
@@ -74,6 +75,8 @@ class StopFlag:
 
     def _handler(self, signum, frame):
         self.signum = signum
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def close(self) -> None:
         """Ignore further stop signals: launchers may repeat them, and one arriving while the

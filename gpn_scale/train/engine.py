@@ -6,15 +6,19 @@ the optimiser, the recurrent state and the memory stay float32.
 
 Exit status: 0 when the run reached `train.total_steps` or `train.stop_at_step`;
 75 (EX_TEMPFAIL) when SIGTERM or SIGUSR1 made it checkpoint and stop early: launchers requeue
-on it and resume with `--resume auto`; 2 for bad input. The same outcome is written to
-`run.dir/status.json` (`running`, `preempted` or `finished`, with the step), for launchers that
-cannot see the trainer's exit status (torchrun reports any non-zero worker exit as 1).
+on it and resume with `--resume auto`; 130 when SIGINT (Ctrl-C) did the same (a second SIGINT
+aborts at once, without a checkpoint); 3 when the loss or gradient norm stopped being finite
+(no checkpoint of the non-finite state is written); 2 for bad input. The same outcome is written
+to `run.dir/status.json` (`running`, `preempted`, `interrupted`, `diverged` or `finished`, with
+the step), for launchers that cannot see the trainer's exit status (torchrun reports any
+non-zero worker exit as 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import math
 import os
@@ -27,13 +31,18 @@ import torch
 import yaml
 
 from gpn_scale.errors import UserError
+from gpn_scale.jsonl import JsonLines, truncate_jsonl
 from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import distributed as dist_utils
-from gpn_scale.train.config import TrainConfig, load_train_config
-from gpn_scale.train.metrics import MetricsLog, flops_per_token, peak_flops, truncate_jsonl
+from gpn_scale.train import preflight
+from gpn_scale.train.config import TrainConfig, config_changes, load_train_config
+from gpn_scale.train.lock import RunLock
+from gpn_scale.train.metrics import MetricsLog, flops_per_token, peak_flops
 from kernels.graph import graphs_of
 
 EXIT_PREEMPTED = 75
+EXIT_INTERRUPTED = 130
+EXIT_DIVERGED = 3
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -78,15 +87,20 @@ def deepspeed_config(cfg: TrainConfig, grad_accum: int, universal: bool) -> dict
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, resume: str):
+    def __init__(self, cfg: TrainConfig, resume: str, data: preflight.DataInfo | None = None,
+                 allow_config_change: bool = False):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.ckpt_root = self.run_dir / "checkpoints"
+        self.data_info = data
         self.rank, self.world, _ = dist_utils.init()
         self.is_main = self.rank == 0
         self.device = dist_utils.device()
         self.stop_flag = dist_utils.StopFlag()
-        self.resume_tag = self._choose_resume(resume)
+        self.grad_accum = grad_accum_for(cfg, self.world)
+        self.global_batch = cfg.train.micro_batch * self.grad_accum * self.world
+        self.config_changes: list[tuple] = []  # (key, checkpoint's value, this run's), applied on resume
+        self.resume_tag = self._choose_resume(resume, allow_config_change)
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -94,34 +108,54 @@ class Trainer:
         if self.is_main:
             print(message, file=sys.stderr, flush=True)
 
-    def _choose_resume(self, resume: str) -> str | None:
-        """The checkpoint tag to resume from (agreed by all ranks), or None for a fresh start."""
+    def _choose_resume(self, resume: str, allow_config_change: bool) -> str | None:
+        """The checkpoint tag to resume from (agreed by all ranks), or None for a fresh start
+        (`--resume auto` only where there is no checkpoint at all: one that exists but cannot be
+        used is an error, never a silent restart from step 0)."""
         choice = None
         if self.is_main:
-            if resume == "none":
-                complete = ckpt.committed(self.ckpt_root)
-                if complete:
-                    choice = UserError(
-                        f"run.dir {self.run_dir} already has checkpoints ({complete[0]}); pass --resume auto "
-                        "to continue it, or choose another run.dir"
-                    )
-            elif resume == "auto":
-                choice = ckpt.newest_complete(self.ckpt_root, warn=self._say)
-                if choice is None and ckpt.tags(self.ckpt_root):
-                    self._say(f"warning: no complete checkpoint in {self.ckpt_root}: starting from step 0")
-            else:
-                path = Path(resume)
-                problem = ckpt.verify(path)
-                if problem:
-                    choice = UserError(f"--resume {resume}: {problem}")
-                elif path.parent.resolve() != self.ckpt_root.resolve():
-                    choice = UserError(f"--resume {resume}: not a checkpoint of run.dir {self.run_dir}")
-                else:
-                    choice = path.name
-        choice = dist_utils.broadcast_object(choice)
+            try:
+                choice = self._resume_choice(resume, allow_config_change)
+            except UserError as e:
+                choice = e
+        choice, self.config_changes = dist_utils.broadcast_object((choice, self.config_changes))
         if isinstance(choice, UserError):
             raise choice
         return choice
+
+    def _resume_choice(self, resume: str, allow_config_change: bool) -> str | None:
+        if resume == "none":
+            return None
+        if resume == "auto":
+            rejected = []
+            tag = ckpt.newest_complete(self.ckpt_root, warn=self._say, rejected=rejected)
+            if tag is None and rejected:
+                listed = "; ".join(f"{t}: {why}" for t, why in rejected)
+                raise UserError(f"--resume auto: no checkpoint in {self.ckpt_root} can be resumed from ({listed}); "
+                                "restore one, or start a new run.dir")
+            if tag is None:
+                return None
+        else:
+            problem = ckpt.verify(Path(resume))
+            if problem:
+                raise UserError(f"--resume {resume}: {problem}")
+            tag = Path(resume).name
+        saved = ckpt.read_trainer_state(self.ckpt_root / tag)
+        if saved["global_batch"] != self.global_batch:
+            raise UserError(
+                f"train: the checkpoint was trained with a global batch of {saved['global_batch']}, this run has "
+                f"{self.global_batch}; set train.global_batch={saved['global_batch']} to keep the data order"
+            )
+        safe, unsafe = config_changes(saved["config"], self.cfg.to_dict())
+        seq_then, seq_now = saved.get("data_seq_len"), self.data_info and self.data_info.seq_len
+        if seq_then and seq_now and seq_then != seq_now:
+            unsafe.append(("data.train windows", seq_then, seq_now))
+        if unsafe and not allow_config_change:
+            listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in unsafe)
+            raise UserError(f"--resume: {tag} was trained with other settings: {listed}; set them back, or pass "
+                            "--allow-config-change to apply them from here on")
+        self.config_changes = safe + unsafe
+        return tag
 
     def _build(self):
         import deepspeed
@@ -133,16 +167,9 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.model = build_model(model_config(cfg.model, where="config: model")).to(self.device)
-        self.grad_accum = grad_accum_for(cfg, self.world)
-        self.global_batch = cfg.train.micro_batch * self.grad_accum * self.world
 
         saved = ckpt.read_trainer_state(self.ckpt_root / self.resume_tag) if self.resume_tag else None
         universal = saved is not None and saved["world_size"] != self.world and saved["zero_stage"] > 0
-        if saved is not None and saved["global_batch"] != self.global_batch:
-            raise UserError(
-                f"train: the checkpoint was trained with a global batch of {saved['global_batch']}, this run has "
-                f"{self.global_batch}; set train.global_batch={saved['global_batch']} to keep the data order"
-            )
 
         optimizer = torch.optim.AdamW(
             param_groups(self.model, cfg.train.weight_decay), lr=cfg.train.lr,
@@ -187,11 +214,23 @@ class Trainer:
         path, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_lr_scheduler_states=True)
         if path is None:
             raise UserError(f"{tag_dir}: DeepSpeed could not load this checkpoint")
+        self._apply_optimizer_settings()
         self.step, self.tokens = saved["step"], saved["tokens"]
         self.data.load_state_dict(saved["loader"])
         if not ckpt.load_rng(tag_dir, self.rank):
             torch.manual_seed(self.cfg.seed + self.rank + 1000 * self.step)  # a new rank: fresh, reproducible
         self._say(f"resumed from {tag_dir} at step {self.step} ({self.tokens:,} tokens)")
+
+    def _apply_optimizer_settings(self) -> None:
+        """The checkpoint restores the optimiser's and the schedule's hyperparameters as they were
+        saved; this run's config decides them (a change got past the resume check: recorded, and
+        either safe or allowed). Unchanged values come out bit for bit as loaded."""
+        t = self.cfg.train
+        groups = self.engine.optimizer.param_groups  # [decay, no decay], as param_groups made them
+        self.scheduler.base_lrs = [t.lr] * len(groups)
+        factor = lr_factor(self.scheduler.last_epoch, t.warmup_steps, t.total_steps, t.min_lr_ratio)
+        for group, decay in zip(groups, (t.weight_decay, 0.0)):
+            group.update(lr=t.lr * factor, initial_lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=decay)
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -255,17 +294,28 @@ class Trainer:
     def save(self) -> Path:
         tag = ckpt.tag_for(self.step)
         tag_dir = self.ckpt_root / tag
-        if self.is_main and tag_dir.exists():  # a leftover of a crashed save of the same step
+        if self.is_main and tag_dir.exists():  # a leftover of a crashed save of the same step, or one this run replaces
             shutil.rmtree(tag_dir)
         torch.distributed.barrier()
-        self.engine.save_checkpoint(str(self.ckpt_root), tag=tag, save_latest=False)
-        ckpt.save_rng(tag_dir, self.rank)
-        if self.is_main:
-            ckpt.write_trainer_state(tag_dir, {
-                "step": self.step, "tokens": self.tokens, "loader": self.data.state_dict(),
-                "world_size": self.world, "zero_stage": self.cfg.zero.stage, "global_batch": self.global_batch,
-                "config": self.cfg.to_dict(),
-            })
+        try:
+            self.engine.save_checkpoint(str(self.ckpt_root), tag=tag, save_latest=False)
+            ckpt.save_rng(tag_dir, self.rank)
+            if self.is_main:
+                ckpt.write_trainer_state(tag_dir, {
+                    "step": self.step, "tokens": self.tokens, "loader": self.data.state_dict(),
+                    "world_size": self.world, "zero_stage": self.cfg.zero.stage, "global_batch": self.global_batch,
+                    "data_seq_len": self.data_info and self.data_info.seq_len, "config": self.cfg.to_dict(),
+                })
+        except (OSError, RuntimeError) as e:
+            if not _disk_full(e, self.ckpt_root):
+                raise
+            # Without its manifest the partial save is ignored by --resume auto; removing it gives
+            # the space back (nothing of it is usable).
+            shutil.rmtree(tag_dir, ignore_errors=True)
+            previous = ckpt.committed(self.ckpt_root)
+            raise UserError(f"checkpoint {tag_dir}: no space left on device ({shutil.disk_usage(self.ckpt_root).free:,} "
+                            f"bytes free); the partial save was removed; free space and resume with --resume auto"
+                            + (f" (from {previous[0]})" if previous else "")) from None
         torch.distributed.barrier()  # every rank's files are on disk before the manifest
         if self.is_main:
             ckpt.commit(self.ckpt_root, tag, self.cfg.train.keep_last)
@@ -298,8 +348,14 @@ class Trainer:
         )
         log = MetricsLog(self.run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.project,
                          cfg.run.name or self.run_dir.name, self.step, t.total_steps, self.is_main)
+        if self.config_changes:
+            listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in self.config_changes)
+            self._say(f"resuming with changed settings: {listed}")
+            log.log({"step": self.step, "event": "config_change",
+                     "changes": {k: {"checkpoint": a, "now": b} for k, a, b in self.config_changes}})
         preempted, start_step = False, self.step
-        samples_file = open(self.run_dir / "samples.jsonl", "a") if self.is_main and cfg.data.log_sample_ids else None
+        nonfinite, diverged = 0, None
+        samples_file = JsonLines(self.run_dir / "samples.jsonl") if self.is_main and cfg.data.log_sample_ids else None
         while self.step < stop_at:
             began = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0]
@@ -309,22 +365,30 @@ class Trainer:
             if cfg.data.log_sample_ids:
                 every_rank = dist_utils.gather_objects(sample_ids)
                 if samples_file:
-                    samples_file.write(f'{{"step": {self.step}, "samples": {sorted(sum(every_rank, []))}}}\n')
-                    samples_file.flush()
+                    samples_file.write({"step": self.step, "samples": sorted(sum(every_rank, []))})
             tokens_per_s = step_tokens / (time.perf_counter() - began)
             seq_len = step_tokens // self.global_batch
             mfu = tokens_per_s * flops_per_token(self.model, seq_len) / (peak * self.world) if peak else None
             log.log({"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
                      "tokens_per_s": tokens_per_s, "mfu": mfu})
             log.progress(self.step, loss, tokens_per_s)
+            # Every rank sees the same mean loss and global norm, so every rank decides alike.
+            nonfinite = 0 if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)) else nonfinite + 1
+            if nonfinite > t.nonfinite_patience:
+                diverged = f"loss {loss}, grad norm {grad_norm}"
+                break
             if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < t.total_steps:
                 log.log({"step": self.step, **self.evaluate()})
             if self.stop_flag.agreed():
                 preempted = True
                 break
-            if self.step % t.save_every == 0 and self.step < stop_at:
+            if self.step % t.save_every == 0 and self.step < stop_at and not nonfinite:
                 self.save()
-        if self.step == start_step:  # resumed at its last step: nothing new to evaluate or save
+        if nonfinite and not diverged:  # stopped within the patience, but on a non-finite step
+            diverged = f"{nonfinite} non-finite step(s) at the end"
+        if diverged:
+            tag_dir = None  # the non-finite state is not saved
+        elif self.step == start_step:  # resumed at its last step: nothing new to evaluate or save
             tag_dir = self.ckpt_root / ckpt.tag_for(self.step)
         else:
             if self.step >= t.total_steps:
@@ -334,17 +398,25 @@ class Trainer:
             samples_file.close()
         log.close()
         self.stop_flag.close()
-        self._write_status("preempted" if preempted else "finished")
+        interrupted = preempted and self.stop_flag.signal_name == "SIGINT"
+        self._write_status("diverged" if diverged else "interrupted" if interrupted else "preempted" if preempted
+                           else "finished")
+        if diverged:
+            good = ckpt.committed(self.ckpt_root)
+            self._say(f"error: step {self.step}: {diverged}: the run diverged; nothing saved after it"
+                      + (f", the newest checkpoint is {self.ckpt_root / good[0]}" if good else "")
+                      + f" (lower train.lr or raise train.warmup_steps; train.nonfinite_patience={t.nonfinite_patience})")
+            return EXIT_DIVERGED
         if preempted:
+            code = EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED
             self._say(f"{self.stop_flag.signal_name} received: checkpointed at step {self.step} "
-                      f"in {tag_dir}; exiting with {EXIT_PREEMPTED} (resume with --resume auto)")
-            return EXIT_PREEMPTED
+                      f"in {tag_dir}; exiting with {code} (resume with --resume auto)")
+            return code
         graphs = graphs_of(self.model)
         if graphs is not None:
             self._say(f"fused core graphs: {graphs.summary()}")
         self._say(f"done at step {self.step}: checkpoint {tag_dir}, metrics {self.run_dir / 'metrics.jsonl'}")
         return 0
-
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="gpn-scale train", description=__doc__.split("\n\n")[0])
@@ -352,11 +424,31 @@ def main(argv: list[str]) -> int:
     ap.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.total_steps=100 zero.stage=3")
     ap.add_argument("--resume", default="none",
                     help="auto: the newest complete checkpoint of run.dir; none: start fresh; or a checkpoint dir")
+    ap.add_argument("--allow-config-change", action="store_true",
+                    help="on resume, apply settings that differ from the checkpoint's even where they change what "
+                         "the run computes (lr, model, data, ...); the change is recorded in metrics.jsonl")
     args = ap.parse_args(argv)
     cfg = load_train_config(args.config, args.overrides)
+    data = preflight.check(cfg, args.resume)
     os.environ.setdefault("WANDB_SILENT", "true")
+    lock = RunLock(Path(cfg.run.dir)) if os.environ.get("RANK", "0") == "0" else None
     try:
-        return Trainer(cfg, args.resume).run()
+        return Trainer(cfg, args.resume, data, args.allow_config_change).run()
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise UserError(f"{e.filename or cfg.run.dir}: no space left on device") from None
+        raise
     finally:
+        if lock is not None:
+            lock.release()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _disk_full(error: Exception, path: Path) -> bool:
+    """Whether a failed write was the disk filling up: torch.save reports it only as a failed
+    write ("unexpected pos ..."), so a nearly full filesystem is taken as the cause."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return True
+    usage = shutil.disk_usage(path)
+    return usage.free < min(64 << 20, usage.total // 100)

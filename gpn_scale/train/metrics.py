@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import secrets
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from gpn_scale.jsonl import JsonLines, truncate_jsonl
 
 # Off a terminal (a SLURM log, nohup) a redrawn bar is unreadable: a plain line this often instead.
 LINE_EVERY_S = 30.0
@@ -47,14 +48,6 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     return 6.0 * n + 3 * extra
 
 
-def truncate_jsonl(path: Path, after_step: int) -> None:
-    """Drop lines of steps after `after_step`: a resumed run rewrites them."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= after_step]
-    path.write_text("".join(line + "\n" for line in kept))
-
-
 class MetricsLog:
     def __init__(self, run_dir: Path, config: dict, wandb_mode: str, project: str, name: str,
                  start_step: int, total_steps: int, enabled: bool):
@@ -66,8 +59,11 @@ class MetricsLog:
         self.last_line = time.monotonic()
         if not enabled:
             return
-        truncate_jsonl(self.path, start_step)
-        self.file = open(self.path, "a")
+        kept = truncate_jsonl(self.path, start_step)
+        if kept is not None:
+            print(f"{self.path}: records after step {start_step} (or torn) dropped; the previous file is kept as {kept}",
+                  file=sys.stderr, flush=True)
+        self.file = JsonLines(self.path)
         if wandb_mode != "disabled":
             import wandb
 
@@ -85,8 +81,7 @@ class MetricsLog:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        self.file.write(record)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
 

@@ -1,0 +1,83 @@
+"""Checks a training run makes before anything heavy starts (DeepSpeed, the process group, the
+model): every rank makes them on its own, from files alone, so a bad path, a vocabulary the model
+cannot embed or a run directory that is not free is an error in seconds, not after minutes of
+startup or, worse, after all the steps have run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpn_scale.errors import UserError
+from gpn_scale.train import checkpoint as ckpt
+from gpn_scale.train.config import TrainConfig
+from gpn_scale.train.data import resolve_location
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    seq_len: int | None  # tokens per window, from the MDS index
+    samples: int | None
+    vocab_size: int | None  # of the tokenizer that made it (the prep's stats.json), when known
+
+
+def data_info(location: str, split: str) -> DataInfo | None:
+    """What a local MDS directory holds, from its index.json and the prep's stats.json beside it;
+    None for a remote location (its files are fetched later)."""
+    if "://" in location:
+        return None
+    resolve_location(location, None, split)  # an MDS directory, or a one-line error
+    index_path = Path(location) / "index.json"
+    try:
+        shards = json.loads(index_path.read_text())["shards"]
+        encodings = {s["column_encodings"][s["column_names"].index("tokens")] for s in shards}
+        samples = sum(s["samples"] for s in shards)
+    except (ValueError, KeyError, TypeError, IndexError):
+        raise UserError(f"data.{split}: {index_path}: not an index of the prep's MDS shards (a `tokens` column)") from None
+    lengths = {int(e.rsplit(":", 1)[-1]) for e in encodings if e.count(":") == 2}
+    if len(lengths) > 1:
+        raise UserError(f"data.{split}: {index_path}: shards of different window lengths {sorted(lengths)}")
+    vocab = None
+    stats_path = Path(location).parent / "stats.json"
+    if stats_path.is_file():
+        try:
+            vocab = int(json.loads(stats_path.read_text())["vocab_size"])
+        except (ValueError, KeyError, TypeError):
+            raise UserError(f"{stats_path}: unreadable (expected the prep's stats.json with vocab_size)") from None
+    return DataInfo(lengths.pop() if lengths else None, samples, vocab)
+
+
+def check(cfg: TrainConfig, resume: str) -> DataInfo | None:
+    """Everything that can be checked before the run starts; returns what the training data holds."""
+    model_vocab = cfg.model.get("vocab_size")
+    infos = {}
+    for split, location in (("train", cfg.data.train), ("val", cfg.data.val)):
+        if location is None:
+            continue
+        info = infos[split] = data_info(location, split)
+        if info is None:
+            continue
+        if info.samples == 0:
+            raise UserError(f"data.{split}: {location}: no samples (an empty prep output)")
+        if info.vocab_size is not None and model_vocab is not None and info.vocab_size > model_vocab:
+            raise UserError(f"data.{split}: {location} was tokenized with a vocabulary of {info.vocab_size} "
+                            f"(stats.json), more than the model's vocab_size {model_vocab}")
+    train, val = infos.get("train"), infos.get("val")
+    if train and val and train.seq_len and val.seq_len and train.seq_len != val.seq_len:
+        raise UserError(f"data.val: windows of {val.seq_len} tokens, data.train's have {train.seq_len}")
+
+    root = Path(cfg.run.dir) / "checkpoints"
+    if resume == "none":
+        complete = ckpt.committed(root)
+        if complete:
+            raise UserError(f"run.dir {cfg.run.dir} already has checkpoints ({complete[0]}); pass --resume auto "
+                            "to continue it, or choose another run.dir")
+    elif resume != "auto":
+        path = Path(resume)
+        if not path.is_dir():
+            raise UserError(f"--resume {resume}: no such checkpoint directory")
+        if path.resolve().parent != root.resolve():
+            raise UserError(f"--resume {resume}: not a checkpoint of run.dir {cfg.run.dir}")
+    return train

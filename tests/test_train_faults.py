@@ -1,0 +1,243 @@
+"""`gpn-scale train` under faults and careless use: nothing is lost, nothing is silently wrong.
+
+Each test works on a copy of one trained run directory (6 steps, a checkpoint every 2) and
+drives the CLI in a real process, as a user would.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpn_scale.jsonl import read_jsonl
+from gpn_scale.train import checkpoint as ckpt
+from gpn_scale.train.engine import EXIT_DIVERGED, EXIT_INTERRUPTED
+from mds_fixture import write_windows
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "train" / "gpn_m_tiny.yaml"
+STEPS = 6
+
+
+def cmd(data, run_dir, *overrides, resume=None):
+    return [sys.executable, "-m", "gpn_scale", "train", str(CONFIG), f"run.dir={run_dir}", f"data.train={data / 'train'}",
+            f"data.val={data / 'val'}", "data.log_sample_ids=true", f"train.total_steps={STEPS}", "train.save_every=2",
+            "zero.stage=1", *overrides] + (["--resume", resume] if resume else [])
+
+
+def env():
+    return dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+
+
+def train(data, run_dir, *overrides, resume=None, expect=0):
+    proc = subprocess.run(cmd(data, run_dir, *overrides, resume=resume), env=env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == expect, proc.stderr[-5000:]
+    return proc
+
+
+def error_line(proc) -> str:
+    """The one line the CLI prints for bad input: no traceback."""
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
+def losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r}
+
+
+def changes_applied(proc) -> set[str]:
+    """The settings a resume reported as changed ("key old -> new"; a moved run.dir by its key)."""
+    [line] = [l for l in proc.stderr.splitlines() if l.startswith("resuming with changed settings: ")]
+    items = line.split(": ", 1)[1].split(", ")
+    return {"run.dir" if item.startswith("run.dir ") else item for item in items}
+
+
+def corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    write_windows(root / "train", 200, 32, 512)
+    write_windows(root / "val", 8, 32, 512, seed=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory):
+    run = tmp_path_factory.mktemp("trained") / "run"
+    train(data, run)
+    assert sorted(losses(run)) == list(range(1, STEPS + 1))
+    return run
+
+
+@pytest.fixture
+def run(trained, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    return copy
+
+
+def test_checks_run_before_anything_starts(data, tmp_path):
+    """Bad paths, a vocabulary the model cannot embed and a taken run.dir: one line, before any step."""
+    fresh = tmp_path / "fresh"
+    proc = train(data, fresh, "data.val=/nonexistent", expect=2)
+    assert "data.val: /nonexistent: no MDS index.json" in error_line(proc)
+    assert not (fresh / "status.json").exists() and not (fresh / "checkpoints").exists()
+
+    prep = tmp_path / "prep"  # a prep output whose tokenizer is bigger than the model's vocabulary
+    shutil.copytree(data / "train", prep / "train")
+    (prep / "stats.json").write_text(json.dumps({"vocab_size": 1000, "seq_len": 32}))
+    proc = subprocess.run(cmd(data, fresh, f"data.train={prep / 'train'}"), env=env(), capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "vocabulary of 1000" in error_line(proc) and "vocab_size 512" in error_line(proc)
+
+    for override, message in (("train.lr=-1", "train.lr: expected a finite number > 0, got -1"),
+                              ("train.lr=.nan", "train.lr: expected a finite number > 0, got nan"),
+                              ("train.lr=[1,", "override 'train.lr=[1,': the value is not valid YAML")):
+        assert message in error_line(train(data, fresh, override, expect=2))
+    assert not fresh.exists()
+
+
+def test_a_taken_run_dir_refuses_and_sigint_checkpoints(data, run):
+    """A second trainer on a run.dir refuses, naming the holder; Ctrl-C checkpoints and exits 130;
+    a lock left by a dead process is taken over."""
+    first = subprocess.Popen(cmd(data, run, "train.total_steps=400", resume="auto"), env=env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while max(losses(run)) < STEPS + 1:  # training, not starting
+            assert first.poll() is None and time.time() < deadline, first.stderr.read()[-3000:] if first.poll() else "slow"
+            time.sleep(0.2)
+        second = train(data, run, "train.total_steps=400", resume="auto", expect=2)
+        assert f"is in use by pid {first.pid} on {socket.gethostname()}" in error_line(second)
+        first.send_signal(signal.SIGINT)
+        _, stderr = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert first.returncode == EXIT_INTERRUPTED, stderr[-3000:]
+    stopped = max(losses(run))
+    assert f"SIGINT received: checkpointed at step {stopped}" in stderr
+    assert ckpt.verify(run / "checkpoints" / ckpt.tag_for(stopped)) is None
+    assert json.loads((run / "status.json").read_text())["status"] == "interrupted"
+    assert not (run / "trainer.lock").exists()
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (run / "trainer.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout)}))
+    proc = train(data, run, "train.total_steps=400", f"train.stop_at_step={stopped + 1}", resume="auto")
+    assert f"taking over the stale lock {run / 'trainer.lock'} (process {int(dead.stdout)} is gone)" in proc.stderr
+
+
+def test_rotation_keeps_what_it_just_wrote(data, run):
+    """Newer checkpoints that do not verify are neither counted as kept nor sorted above the new one."""
+    ckpts = run / "checkpoints"
+    for tag in ("step_00000004", "step_00000006"):
+        corrupt(ckpts / tag / "mp_rank_00_model_states.pt")
+    proc = train(data, run, "train.keep_last=1", "train.stop_at_step=4", resume="auto")
+    assert f"resumed from {ckpts / 'step_00000002'}" in proc.stderr
+    latest = (ckpts / "latest").read_text()
+    assert latest == "step_00000004" and ckpt.verify(ckpts / latest) is None
+    assert f"done at step 4: checkpoint {ckpts / latest}" in proc.stderr
+    assert not (ckpts / "step_00000002").exists()  # replaced by a newer verified one
+    assert (ckpts / "step_00000006").exists()  # newer than this run: left for its saves to replace
+
+
+@pytest.mark.parametrize("fault", ["manifests deleted", "all corrupted"])
+def test_resume_auto_never_restarts_from_scratch_over_checkpoints(data, run, fault):
+    ckpts = run / "checkpoints"
+    history = (run / "metrics.jsonl").read_text()
+    for tag in ckpt.tags(ckpts):
+        if fault == "manifests deleted":
+            (ckpts / tag / ckpt.MANIFEST).unlink()
+        else:
+            corrupt(ckpts / tag / "mp_rank_00_model_states.pt")
+    line = error_line(train(data, run, resume="auto", expect=2))
+    assert "--resume auto: no checkpoint in" in line
+    for tag in ("step_00000002", "step_00000004", "step_00000006"):
+        assert f"{tag}: {'incomplete' if fault == 'manifests deleted' else 'mp_rank_00_model_states.pt does not match'}" in line
+    assert (run / "metrics.jsonl").read_text() == history
+
+
+def test_a_diverging_run_stops_without_saving_its_state(data, run):
+    ckpts = run / "checkpoints"
+    before = {t: (ckpts / t / ckpt.MANIFEST).read_text() for t in ckpt.tags(ckpts)}
+    proc = train(data, run, "train.lr=1e8", "train.total_steps=12", "--allow-config-change", resume="auto",
+                 expect=EXIT_DIVERGED)
+    assert changes_applied(proc) == {"run.dir", "train.lr 0.0006 -> 100000000.0", "train.total_steps 6 -> 12"}
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
+    assert len(lines) == 1 and "the run diverged" in lines[0] and "Traceback" not in proc.stderr
+    assert json.loads((run / "status.json").read_text())["status"] == "diverged"
+    records = [r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r and r["step"] > STEPS]
+    bad = [r["step"] for r in records if not all(map(_finite, (r["loss"], r["grad_norm"])))]
+    assert bad == [records[-1]["step"]]  # the first non-finite step ends the run
+    # Every checkpoint is finite: the ones from before kept as they were, any new one from a finite step.
+    for tag in ckpt.tags(ckpts):
+        assert ckpt.verify(ckpts / tag) is None
+        assert tag in before or ckpt.step_of(tag) < bad[0]
+    assert all((ckpts / t / ckpt.MANIFEST).read_text() == m for t, m in before.items() if (ckpts / t).exists())
+    assert (ckpts / "step_00000006").exists()
+
+
+def _finite(x) -> bool:
+    return x is not None and abs(x) < float("inf")
+
+
+def test_a_torn_metrics_line_is_dropped_and_kept(data, run):
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "loss": 5.1, "l')  # the disk filled mid-write
+    proc = train(data, run, "train.total_steps=8", "model.core_chunk=8", resume="auto")
+    assert changes_applied(proc) == {"run.dir", "model.core_chunk 32 -> 8", "train.total_steps 6 -> 8"}
+    assert sorted(losses(run)) == list(range(1, 9))
+    kept = run / "metrics.jsonl.before_step_6"
+    assert kept.read_text().endswith('"l') and f"previous file is kept as {kept}" in proc.stdout + proc.stderr
+    [change] = [r for r in read_jsonl(run / "metrics.jsonl") if r.get("event") == "config_change"]
+    assert change["step"] == STEPS and change["changes"]["model.core_chunk"] == {"checkpoint": 32, "now": 8}
+    assert change["changes"]["train.total_steps"] == {"checkpoint": 6, "now": 8} and len(change["changes"]) == 3
+
+
+def test_resume_refuses_changed_settings(data, run, tmp_path):
+    other = tmp_path / "other"  # the same prep at another window length
+    write_windows(other / "train", 200, 16, 512)
+    config = (run / "config.yaml").read_text()
+    for overrides, named in ((["train.lr=0.5"], "train.lr 0.0006 -> 0.5"),
+                             (["model.vocab_size=600"], "model.vocab_size 512 -> 600"),
+                             ([f"data.train={other / 'train'}", "data.val=null"], "data.train windows 32 -> 16")):
+        line = error_line(train(data, run, *overrides, resume="auto", expect=2))
+        assert named in line and "--allow-config-change" in line
+    assert (run / "config.yaml").read_text() == config  # a refused resume rewrites nothing
+
+
+def test_disk_full_during_a_save_keeps_every_checkpoint(data, run, tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    used = sum(p.stat().st_size for p in run.rglob("*") if p.is_file())
+    size = used + 600_000  # room for the metrics, not for another checkpoint (~1.2 MB)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        small = mount / "run"
+        shutil.copytree(run, small)
+        proc = train(data, small, "train.total_steps=8", resume="auto", expect=2)
+        line = error_line(proc)
+        assert "step_00000008: no space left on device" in line and "--resume auto (from step_00000006)" in line
+        ckpts = small / "checkpoints"
+        assert (ckpts / "latest").read_text() == "step_00000006"
+        assert all(ckpt.verify(ckpts / t) is None for t in ckpt.tags(ckpts))
+        subprocess.run(["mount", "-o", f"remount,size={size + 4_000_000}", str(mount)], check=True)
+        train(data, small, "train.total_steps=8", resume="auto")
+        assert sorted(losses(small)) == list(range(1, 9))
+    finally:
+        subprocess.run(["umount", "-l", str(mount)])
