@@ -138,7 +138,7 @@ def test_a_taken_run_dir_refuses_and_sigint_checkpoints(data, run):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (run / "trainer.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout)}))
     proc = train(data, run, "train.total_steps=400", f"train.stop_at_step={stopped + 1}", resume="auto")
-    assert f"taking over the stale lock {run / 'trainer.lock'} (process {int(dead.stdout)} is gone)" in proc.stderr
+    assert f"took over the stale lock {run / 'trainer.lock'} (process {int(dead.stdout)} is gone)" in proc.stderr
 
 
 def test_rotation_keeps_what_it_just_wrote(data, run):
@@ -241,3 +241,29 @@ def test_disk_full_during_a_save_keeps_every_checkpoint(data, run, tmp_path):
         assert sorted(losses(small)) == list(range(1, 9))
     finally:
         subprocess.run(["umount", "-l", str(mount)])
+
+
+def test_a_lock_from_another_host_is_stale_only_without_heartbeat(tmp_path, monkeypatch):
+    from gpn_scale.errors import UserError
+    from gpn_scale.train import lock
+
+    path = tmp_path / lock.LOCK
+    path.write_text(json.dumps({"host": "node-7", "pid": 1, "started": "then"}))
+    with pytest.raises(UserError, match=f"is in use by pid 1 on node-7 since then \\({path}\\)"):
+        lock.RunLock(tmp_path)
+    old = time.time() - lock.STALE_S - 5
+    os.utime(path, (old, old))
+    warnings = []
+    held = lock.RunLock(tmp_path, warn=warnings.append)
+    assert warnings == [f"warning: took over the stale lock {path} (no heartbeat from node-7 for {lock.STALE_S + 5:.0f} s)"]
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    held.release()
+    assert not path.exists()
+
+    # A requeued SLURM job (same job id, next restart) takes over its own lock at once, from any host.
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    path.write_text(json.dumps({"host": "node-7", "pid": 1, "slurm_job": "42", "slurm_restart": "0"}))
+    held = lock.RunLock(tmp_path, warn=warnings.append)
+    assert warnings[-1].endswith("(SLURM job 42 was requeued)")
+    held.release()

@@ -73,10 +73,12 @@ class RunLock:
 
     def _take_over_if_stale(self, warn) -> None:
         try:
-            holder = json.loads(self.path.read_text() or "{}")
+            text = self.path.read_text()
             age = time.time() - self.path.stat().st_mtime
         except FileNotFoundError:  # released meanwhile: try again
             return
+        try:
+            holder = json.loads(text)
         except ValueError:  # written half-way by a holder that died at once
             holder, age = {}, STALE_S + 1
         why = _stale(holder, age)
@@ -84,11 +86,18 @@ class RunLock:
             raise UserError(
                 f"run.dir {self.path.parent} is in use by pid {holder.get('pid')} on {holder.get('host')} "
                 f"since {holder.get('started')} ({self.path}); wait for it, or choose another run.dir")
-        warn(f"warning: taking over the stale lock {self.path} ({why})")
+        # Move the stale lock aside under a name of our own, then check it is the one judged: two
+        # starters that both found it stale must not remove the lock the faster one just made.
+        aside = self.path.with_name(f"{LOCK}.stale.{os.getpid()}")
         try:
-            self.path.unlink()
+            os.replace(self.path, aside)
         except FileNotFoundError:
-            pass
+            return
+        if aside.read_text() != text:  # another starter's fresh lock: put it back, and lose the race
+            os.replace(aside, self.path)
+            return
+        aside.unlink()
+        warn(f"warning: took over the stale lock {self.path} ({why})")
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
