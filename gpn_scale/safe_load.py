@@ -31,6 +31,7 @@ from __future__ import annotations
 import copyreg
 import importlib
 import io
+import os
 import pickle
 import pickletools
 import tarfile
@@ -208,11 +209,25 @@ def scan_file(path: str | Path, found: set[str] | None = None) -> str | None:
 def scan_checkpoint(directory: str | Path) -> str | None:
     """None when every file under `directory` (recursively: `universal/` too) passes `scan_file`,
     else the one-line reason to refuse the first that does not."""
-    for path in sorted(p for p in Path(directory).rglob("*") if p.is_file()):
+    for path in _files(Path(directory)):
         problem = scan_file(path)
         if problem:
             return problem
     return None
+
+
+def _files(directory: Path) -> list[Path]:
+    """Every file under `directory`, through symbolic links to directories too (a loader follows
+    them), each directory once."""
+    files, seen = [], set()
+    for root, dirs, names in os.walk(directory, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        files += [Path(root) / n for n in names if (Path(root) / n).is_file()]
+    return sorted(files)
 
 
 def check_checkpoint(directory: str | Path) -> None:

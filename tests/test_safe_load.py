@@ -161,6 +161,25 @@ def test_scanner_follows_the_memo_and_refuses_what_it_cannot_name():
     assert safe_load.pickle_globals(b'{"step": 1}')[0] == []  # JSON is not a pickle
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")
+def test_archives_torch_load_would_run_otherwise_and_linked_directories(tmp_path):
+    """TorchScript (torch.load hands it to torch.jit.load) and tar (torch's oldest format) are
+    refused; a directory linked into a checkpoint is scanned like one inside it."""
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), tmp_path / "scripted.pt")
+    assert "TorchScript archive" in safe_load.scan_file(tmp_path / "scripted.pt")
+    import tarfile
+
+    with tarfile.open(tmp_path / "old.pt", "w") as tar:
+        tar.add(tmp_path / "scripted.pt", arcname="pickle")
+    assert "tar archive" in safe_load.scan_file(tmp_path / "old.pt")
+    (tmp_path / "elsewhere").mkdir()
+    plant_plain_pickle(tmp_path / "elsewhere" / "fp32.pt", tmp_path / "marker")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "universal").symlink_to(tmp_path / "elsewhere")
+    problem = safe_load.scan_checkpoint(tmp_path / "ckpt")
+    assert f"{tmp_path / 'ckpt' / 'universal' / 'fp32.pt'}: refusing to load" in problem and "posix.system" in problem
+
+
 # ---- refusals, through the CLI
 
 RESUME_PLANTS = {  # a different file, and way of pickling, at each stage
