@@ -9,7 +9,7 @@ import reference_gpn
 from gpn_scale.cli import main as cli
 from gpn_scale.convert import from_reference
 from gpn_scale.errors import UserError
-from gpn_scale.native import load_native, save_native
+from gpn_scale.native import add_manifest, load_native, save_native
 
 
 def test_convert_writes_a_native_checkpoint_that_reproduces_the_model(tmp_path, capsys):
@@ -45,5 +45,8 @@ def test_load_native_errors(tmp_path):
 
     save_native(build_model(model_config("gpn_tiny")), tmp_path)
     (tmp_path / "model.yaml").write_text((tmp_path / "model.yaml").read_text().replace("d_ffn: 128", "d_ffn: 64"))
+    with pytest.raises(UserError, match=r"model.yaml has \d+ bytes, the manifest says \d+"):
+        load_native(tmp_path)
+    add_manifest(tmp_path)  # the edit recorded: now the weights do not fit the config
     with pytest.raises(UserError, match="weights do not match model.yaml"):
         load_native(tmp_path)

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpn_scale import safe_load
 from gpn_scale.errors import UserError
 
 MANIFEST, LATEST, TRAINER_STATE = "manifest.json", "latest", "trainer_state.json"
@@ -135,8 +136,12 @@ def write_trainer_state(tag_dir: Path, state: dict) -> None:
 
 
 def save_rng(tag_dir: Path, rank: int) -> None:
+    """RNG format 2: plain tuples, lists and numbers, and one uint8 tensor, so the file names no NumPy
+    global (format 1 held NumPy's state tuple with its uint32 key array; it still loads)."""
+    name, key, pos, has_gauss, gauss = np.random.get_state()
     torch.save(
-        {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        {"python": random.getstate(), "numpy": (name, key.tolist(), pos, has_gauss, gauss),
+         "torch": torch.get_rng_state()},
         tag_dir / f"rng_rank{rank}.pt",
     )
 
@@ -146,7 +151,7 @@ def load_rng(tag_dir: Path, rank: int) -> bool:
     path = tag_dir / f"rng_rank{rank}.pt"
     if not path.is_file():
         return False
-    state = torch.load(path, weights_only=False)
+    state = safe_load.load(path)
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -157,6 +162,7 @@ def to_universal(tag_dir: Path, workers: int = 1) -> Path:
     """Convert a DeepSpeed ZeRO checkpoint to its world-size-independent (universal) form."""
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
+    safe_load.check_checkpoint(tag_dir)  # DeepSpeed unpickles its files (and an existing universal/) itself
     out = tag_dir / UNIVERSAL
     if (out / MANIFEST).is_file():
         return out
@@ -190,7 +196,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"{path}: no checkpoints there")
     bad = 0
     for t in targets:
-        problem = verify(t)
+        problem = verify(t) or safe_load.scan_checkpoint(t)
         bad += problem is not None
         print(f"{t}: {problem or 'ok'}")
     return 1 if bad else 0
@@ -212,6 +218,7 @@ def load_trained_model(path: str | Path, device: str | torch.device = "cpu") -> 
     problem = verify(path)
     if problem:
         raise UserError(f"{path}: {problem}")
+    safe_load.check_checkpoint(path)  # before anything is unpickled, by us or by zero_to_fp32
     state = read_trainer_state(path)
     model = build_model(model_config(state["config"]["model"], where=f"{path / TRAINER_STATE}: model"))
     if state["zero_stage"] == 3:  # parameters are sharded across the ranks' files
@@ -219,6 +226,6 @@ def load_trained_model(path: str | Path, device: str | torch.device = "cpu") -> 
 
         weights = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
     else:
-        weights = torch.load(path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+        weights = safe_load.load(path / "mp_rank_00_model_states.pt")["module"]
     model.load_state_dict({k: v.float() for k, v in weights.items()})
     return model.to(device)

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from gpn_scale import safe_load
 from gpn_scale.errors import UserError
 from gpn_scale.jsonl import JsonLines, truncate_jsonl
 from gpn_scale.train import checkpoint as ckpt
@@ -140,6 +141,9 @@ class Trainer:
             if problem:
                 raise UserError(f"--resume {resume}: {problem}")
             tag = Path(resume).name
+        unsafe = safe_load.scan_checkpoint(self.ckpt_root / tag)  # before any rank's DeepSpeed unpickles its files
+        if unsafe:
+            raise UserError(unsafe)
         saved = ckpt.read_trainer_state(self.ckpt_root / tag)
         if saved["global_batch"] != self.global_batch:
             raise UserError(
