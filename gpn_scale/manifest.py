@@ -1,7 +1,7 @@
 """`manifest.json`: the size and sha256 of each file of a checkpoint directory, written last.
 
-The format of training checkpoints (`gpn_scale/train/checkpoint.py`), here for native checkpoints
-(`gpn_scale/native.py`) without the trainer package: standard library only.
+Shared by training checkpoints (`gpn_scale/train/checkpoint.py`) and native ones
+(`gpn_scale/native.py`), which load without the trainer package: standard library only.
 """
 
 from __future__ import annotations

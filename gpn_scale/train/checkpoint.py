@@ -15,7 +15,6 @@ it (truncated, corrupted) is skipped by `--resume auto` with a one-line warning.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -25,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpn_scale import safe_load
+from gpn_scale import manifest, safe_load
 from gpn_scale.errors import UserError
 
-MANIFEST, LATEST, TRAINER_STATE = "manifest.json", "latest", "trainer_state.json"
+MANIFEST, LATEST, TRAINER_STATE = manifest.MANIFEST, "latest", "trainer_state.json"
 UNIVERSAL = "universal"  # sub-directory with the world-size-independent form of a checkpoint
 
 
@@ -40,14 +39,6 @@ def step_of(tag: str) -> int:
     return int(tag.split("_")[-1])
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -57,29 +48,16 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def write_manifest(tag_dir: Path) -> None:
-    files = sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
-    entries = {str(p.relative_to(tag_dir)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
-    _atomic_write(tag_dir / MANIFEST, json.dumps({"files": entries}, indent=1))
+    """Every file under tag_dir (universal/ included), in the format native checkpoints share."""
+    files = sorted(str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    manifest.write_manifest(tag_dir, files)
 
 
 def verify(tag_dir: Path) -> str | None:
     """None when the checkpoint is complete and intact, else what is wrong with it."""
-    manifest = tag_dir / MANIFEST
-    if not manifest.is_file():
+    if not (tag_dir / MANIFEST).is_file():
         return "incomplete (no manifest: the save did not finish)"
-    try:
-        entries = json.loads(manifest.read_text())["files"]
-    except (json.JSONDecodeError, KeyError):
-        return "manifest.json is unreadable"
-    for rel, want in entries.items():
-        path = tag_dir / rel
-        if not path.is_file():
-            return f"{rel} is missing"
-        if path.stat().st_size != want["bytes"]:
-            return f"{rel} has {path.stat().st_size} bytes, the manifest says {want['bytes']}"
-        if _sha256(path) != want["sha256"]:
-            return f"{rel} does not match its sha256 (corrupted)"
-    return None
+    return manifest.verify_manifest(tag_dir)
 
 
 def tags(root: Path) -> list[str]:
