@@ -105,6 +105,10 @@ def test_checks_run_before_anything_starts(data, tmp_path):
     assert proc.returncode == 2
     assert "vocabulary of 1000" in error_line(proc) and "vocab_size 512" in error_line(proc)
 
+    empty = tmp_path / "empty"  # a prep output with no windows
+    write_windows(empty / "train", 0, 32, 512)
+    assert "no samples (an empty prep output)" in error_line(train(data, fresh, f"data.train={empty / 'train'}", expect=2))
+
     for override, message in (("train.lr=-1", "train.lr: expected a finite number > 0, got -1"),
                               ("train.lr=.nan", "train.lr: expected a finite number > 0, got nan"),
                               ("train.lr=[1,", "override 'train.lr=[1,': the value is not valid YAML")):
