@@ -8,45 +8,24 @@ first, so an element a kernel fails to write fails the comparison (assert_close 
 pass). Sizes are odd, d_k != d_v, and the column-block loops run several partial blocks.
 """
 
-import os
+import dataclasses
 
+import pytest
 import torch
+from triton_kernels import DEVICE, interpreter  # noqa: F401  (the fixture: autouse)
+from triton_kernels import elementwise as E
+from triton_kernels import elementwise_cpu as EC
+from triton_kernels import memory_step as K
 
-# Without CUDA the kernels run in Triton's interpreter, which reads TRITON_INTERPRET when a kernel
-# is defined and when it runs: it is set around the import here and around each test below, never
-# for other modules' tests (whose subprocesses would inherit it).
-INTERPRET = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import kernels.elementwise as E  # noqa: E402
-import kernels.elementwise_cpu as EC  # noqa: E402
-import kernels.memory_step as K  # noqa: E402
-
-if INTERPRET:
-    del os.environ["TRITON_INTERPRET"]
-
-import dataclasses  # noqa: E402
-
-import pytest  # noqa: E402
-
-from kernels import layout  # noqa: E402
-from gpn_scale.models import GPN, GPNConfig, GPNState  # noqa: E402
-from gpn_scale.models import memory_step as T  # noqa: E402
-from gpn_scale.models import step_ops as S  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from kernels import layout
+from gpn_scale.models import GPN, GPNConfig, GPNState
+from gpn_scale.models import memory_step as T
+from gpn_scale.models import step_ops as S
 
 # (B, H, dk, dv, tile): with tile 64 and dk <= 8 the kernels take 16 columns at a time, so
 # dv = 33 runs two full blocks and a partial one.
 SHAPES = [(1, 1, 5, 7, K.TILE), (3, 3, 7, 5, K.TILE), (3, 4, 6, 33, 64), (1, 3, 3, 17, 64)]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float64: 1e-12}
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    if INTERPRET:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -14,37 +14,18 @@ The C++ CPU kernels (`cpp`) take the same range tests against their own fixed bo
 """
 
 import math
-import os
 
 import numpy as np
+import pytest
 import torch
+from compiled_kernels import compiled
+from triton_kernels import DEVICE, interpreter  # noqa: F401  (the fixture: autouse)
+from triton_kernels import elementwise as E
+from triton_kernels import elementwise_cpu as EC
+from triton_kernels import memory_step as K
+from triton_kernels import numerics as N
 
-# As tests/test_kernels.py: without CUDA the kernels run in Triton's interpreter, which reads
-# TRITON_INTERPRET when a kernel is defined and when it runs.
-INTERPRET = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import kernels.elementwise as E  # noqa: E402
-import kernels.elementwise_cpu as EC  # noqa: E402
-import kernels.memory_step as K  # noqa: E402
-import kernels.numerics as N  # noqa: E402
-
-if INTERPRET:
-    del os.environ["TRITON_INTERPRET"]
-
-import pytest  # noqa: E402
-from compiled_kernels import compiled  # noqa: E402
-
-from gpn_scale.models.ops import RMS_EPS  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    if INTERPRET:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+from gpn_scale.models.ops import RMS_EPS
 
 
 # ---- the documented errors of the instructions (relative, as fractions of the exact result) ----
@@ -208,7 +189,6 @@ def test_sigmoid_is_accurate_over_floats_range(impl):
 
 def gates(impl, a, A):
     """post_projection's write gates for rows of a: (beta, gamma = softplus(a) A, decay = e^gamma)."""
-    H = a.shape[1]
     out = [torch.full_like(a, float("nan")) for _ in range(3)]
     ffn = torch.empty(1, 1, device=DEVICE)
     IMPLS[impl].post_projection(ffn, ffn, ffn, beta=a, a=a, A=A, out_beta=out[0], out_gamma=out[1], out_decay=out[2])
