@@ -1,4 +1,4 @@
-"""Interop with checkpoints of the paper's reference trainer (GPN_MODEL.md section 5).
+"""Interop with checkpoints of the paper's reference trainer (docs/model.md, "Reference checkpoints").
 
 The reference saves `<run>/<name>_<step>/checkpoint.pkl`, a pickle of
 `{"step", "data_position", "params": {name: numpy array}, "opt_state": optax state}`, beside a

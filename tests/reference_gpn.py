@@ -1,8 +1,8 @@
-"""An independent float64 NumPy transcription of GPN_MODEL.md, on reference-layout parameters.
+"""An independent float64 NumPy transcription of docs/model.md, on reference-layout parameters.
 
 It shares no code with `gpn_scale`: it reads the flat reference dict (`embedding`, `L0_ffn_w1_k`,
-...) and runs the loop token by token exactly as the spec writes it. Tests use it as the stand-in
-for the paper's own code.
+...) and runs the loop token by token exactly as docs/model.md writes it. Tests use it as the
+stand-in for the paper's own code.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The native model against the spec: reference-format checkpoints in, the same numbers out."""
+"""The native model against its definition (docs/model.md, via tests/reference_gpn.py):
+reference-format checkpoints in, the same numbers out."""
 
 import pickle
 import zlib

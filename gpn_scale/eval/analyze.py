@@ -1,5 +1,5 @@
-"""`gpn-scale analyze`: the paper's analyses (GPN_MODEL.md section 9) and the ablations it lacked, on
-held-out windows, as one result dict (scalars for report.json) plus the arrays the figures draw."""
+"""`gpn-scale analyze`: the paper's analyses (docs/model.md, "Analyses") and the ablations it lacked,
+on held-out windows, as one result dict (scalars for report.json) plus the arrays the figures draw."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Geometry of the predicted states and of their mean direction s-bar (GPN_MODEL.md section 9).
+"""Geometry of the predicted states and of their mean direction s-bar (docs/model.md, "Analyses").
 
 Every function takes plain arrays: X is (n, d), one state per row. Spectra are of the centred
 states (the covariance): the mean direction is large (the paper: |s-bar| ~107 against norms ~132),

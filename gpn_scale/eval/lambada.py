@@ -1,4 +1,4 @@
-"""LAMBADA by the paper's protocol (GPN_MODEL.md section 8), for any model family.
+"""LAMBADA by the paper's protocol (docs/model.md, "Results"), for any model family.
 
 Each line of the file (EleutherAI's format) is a JSON object with "text". The target is the last
 whitespace-separated word: the context is the text before the whitespace that precedes it, the

@@ -1,8 +1,9 @@
 """The fused recurrent core: the time loop of GPN / GPN+M with a hand-written backward through time.
 
 Autograd's time loop keeps every intermediate of every step (M several times per token) and
-spends most of its time on bookkeeping for thousands of tiny ops. This core does what the math
-needs (DESIGN.md, "Where the time goes", points 2-4):
+spends most of its time on bookkeeping for thousands of tiny ops. This core does only what the
+math needs, since the loop itself cannot be parallelised (docs/core.md, "Where the time goes",
+points 2-4):
 
 - Fused projections. Every projection of a layer's input c is one GEMM of c / rms(c) against
   the concatenated matrices with the norm weights folded in, `rms(c; w) @ W = (c / rms(c)) @

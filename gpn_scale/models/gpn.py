@@ -1,10 +1,11 @@
-"""GPN and GPN+M, exactly as GPN_MODEL.md.
+"""GPN and GPN+M, exactly as docs/model.md defines them.
 
 Parameters keep the paper's names, shapes and `in x out` layout (`y = x @ W`), so reference
 checkpoints map one to one: top-level names are the reference's, per-layer names live under
 `layers.{i}.` where the reference writes `L{i}_` (GPN+M) or nothing (one-layer GPN).
 
-Shape of the computation (DESIGN.md, "Where the time goes", point 1): the input projection
+Shape of the computation: the loop cannot run in parallel, so what does not feed back into it
+leaves it (docs/core.md, "Where the time goes", point 1). The input projection
 `u_t = rms(emb[x_t]) @ fuse_proj_k` runs for all t before the time loop, the decoder and the
 cross-entropy for all t after it (chunked, see `ops.linear_cross_entropy`); only the recurrent
 core stays in the loop.
@@ -235,7 +236,7 @@ class GPN(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        """The paper's initialisers (GPN_MODEL.md section 5), drawn from torch's global RNG."""
+        """The paper's initialisers (docs/model.md, "Initialisers"), drawn from torch's global RNG."""
         nn.init.normal_(self.embedding, 0.0, 0.02)
         nn.init.ones_(self.decode_norm_w)
         lecun_normal_(self.decode_proj_k)

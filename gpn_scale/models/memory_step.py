@@ -1,6 +1,6 @@
 """The memory step of GPN+M, forward and backward, in plain PyTorch.
 
-One step of the shared matrix memory (GPN_MODEL.md section 4): the gated delta write, then a
+One step of the shared matrix memory (docs/model.md, "Memory"): the gated delta write, then a
 read whose output is RMS-normalised and gated. This is the contract a fused kernel keeps (same
 signatures, same outputs): the fused core calls `memory_step` for the write and layer 0's read
 (the only read whose query is known when the write happens), `memory_read` for the reads of

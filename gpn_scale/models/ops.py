@@ -1,4 +1,4 @@
-"""Small numerical building blocks shared by the models (GPN_MODEL.md section 2)."""
+"""Small numerical building blocks shared by the models (docs/model.md, "Building blocks")."""
 
 from __future__ import annotations
 
