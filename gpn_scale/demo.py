@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
         print(f"already prepared: {data}")
 
     _stage("3/5 training a small GPN+M with DeepSpeed")
-    from gpn_scale.train import checkpoint as ckpt
+    from gpn_scale.checkpoints import tags
     from gpn_scale.train.engine import main as train
 
     run_dir = out / "train"
@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
                  f"model.vocab_size={args.vocab_size}"]
     if args.steps:
         overrides.append(f"train.total_steps={args.steps}")
-    resume = "auto" if ckpt.tags(run_dir / "checkpoints") else "none"
+    resume = "auto" if tags(run_dir / "checkpoints") else "none"
     status = train([str(DEMO_CONFIG), *overrides, "--resume", resume])
     if status != 0:
         return status
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
     _stage("4/5 evaluation on the held-out split")
     from gpn_scale.eval.data import open_data, read_windows
     from gpn_scale.eval.heldout import evaluate_windows
-    from gpn_scale.native import load_model
+    from gpn_scale.checkpoints import load_model
 
     model = load_model(run_dir)
     prepared = open_data(data)  # its val split, stats.json, tokenizer copy and unigram counts

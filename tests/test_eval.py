@@ -159,12 +159,13 @@ def test_a_run_records_its_tokenizer_and_refuses_another(setup, tmp_path):
     from gpn_scale.eval.cli import resolve_tokenizer
     from gpn_scale.eval.codec import Codec
     from gpn_scale.eval.data import training_prep
+    from gpn_scale.checkpoints import TRAINER_STATE, tag_for
     from gpn_scale.train import checkpoint as ckpt
 
     root, tok_path, prep, model = setup
-    tag = tmp_path / "run" / "checkpoints" / ckpt.tag_for(10)
+    tag = tmp_path / "run" / "checkpoints" / tag_for(10)
     tag.mkdir(parents=True)
-    (tag / ckpt.TRAINER_STATE).write_text(json.dumps({"config": {"data": {"train": str(prep / "train")}}}))
+    (tag / TRAINER_STATE).write_text(json.dumps({"config": {"data": {"train": str(prep / "train")}}}))
     ckpt.write_manifest(tag)
     trained = training_prep(tmp_path / "run")
     assert trained.root == prep and trained.tokenizer_sha256 == Codec(tok_path).sha256

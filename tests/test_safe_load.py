@@ -26,13 +26,14 @@ import torch
 
 from gpn_scale import safe_load
 from gpn_scale.cli import main
+from gpn_scale.checkpoints import tag_for
 from gpn_scale.native import add_manifest, save_native
 from gpn_scale.train import checkpoint as ckpt
 from mds_fixture import write_windows
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "train" / "gpn_m_tiny.yaml"
-TAG = ckpt.tag_for(1)
+TAG = tag_for(1)
 
 
 def env():

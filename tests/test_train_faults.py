@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from gpn_scale.jsonl import read_jsonl
-from gpn_scale.train import checkpoint as ckpt
+from gpn_scale import checkpoints as ckpt
 from gpn_scale.train.engine import EXIT_DIVERGED, EXIT_INTERRUPTED
 from mds_fixture import write_windows
 

@@ -21,7 +21,7 @@ STATES_TARGET = 16384  # analyze: enough windows for this many states by default
 def load_checkpoint(path: str, device: str = "cpu"):
     import torch
 
-    from gpn_scale.native import load_model
+    from gpn_scale.checkpoints import load_model
 
     if not Path(path).exists():
         raise UserError(f"{path}: no such checkpoint")

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpn_scale import checkpoints
 from gpn_scale.errors import UserError
 
 
@@ -92,16 +93,10 @@ def check_model_fits(model, data: PrepData, windows: torch.Tensor | None = None,
 def training_prep(checkpoint: str | Path) -> PrepData | None:
     """The prep output a training run read, when CKPT is a run or training checkpoint whose recorded
     training data is still there; None otherwise (e.g. a native checkpoint)."""
-    from gpn_scale.train import checkpoint as ckpt
-
-    path = Path(checkpoint)
-    if not (path / ckpt.TRAINER_STATE).is_file():
-        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        tag = ckpt.newest_complete(root, warn=lambda *_: None) if root.is_dir() else None
-        if tag is None:
-            return None
-        path = root / tag
-    train_dir = ckpt.read_trainer_state(path)["config"].get("data", {}).get("train")
+    path = checkpoints.training_checkpoint(checkpoint)
+    if path is None:
+        return None
+    train_dir = checkpoints.read_trainer_state(path)["config"].get("data", {}).get("train")
     if not train_dir:
         return None
     for root in (Path(train_dir), Path(train_dir).parent):

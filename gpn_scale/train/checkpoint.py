@@ -1,12 +1,5 @@
-"""Sharded checkpoints that are either complete or ignored.
-
-Layout, under `run.dir/checkpoints/`:
-
-    step_00000500/            DeepSpeed's sharded save (model, optimiser and scheduler states)
-        trainer_state.json    step, tokens, loader position, world size, ZeRO stage
-        rng_rank{r}.pt        Python / NumPy / torch RNG states of each rank
-        manifest.json         every file above with its size and sha256: written last
-    latest                    the newest complete tag: moved only after its manifest exists
+"""Writing sharded checkpoints that are either complete or ignored, and rotating them; the
+`gpn-scale ckpt` tools. The layout, and reading it, are `gpn_scale.checkpoints`'.
 
 A directory without a manifest (a crash mid-save, on any rank) or whose files no longer match
 it (truncated, corrupted) is skipped by `--resume auto` with a one-line warning.
@@ -25,18 +18,11 @@ import numpy as np
 import torch
 
 from gpn_scale import manifest, safe_load
+from gpn_scale.checkpoints import MANIFEST, TRAINER_STATE, step_of, tags, verify
 from gpn_scale.errors import UserError
 
-MANIFEST, LATEST, TRAINER_STATE = manifest.MANIFEST, "latest", "trainer_state.json"
+LATEST = "latest"
 UNIVERSAL = "universal"  # sub-directory with the world-size-independent form of a checkpoint
-
-
-def tag_for(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def step_of(tag: str) -> int:
-    return int(tag.split("_")[-1])
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -51,39 +37,6 @@ def write_manifest(tag_dir: Path) -> None:
     """Every file under tag_dir (universal/ included), in the format native checkpoints share."""
     files = sorted(str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
     manifest.write_manifest(tag_dir, files)
-
-
-def verify(tag_dir: Path) -> str | None:
-    """None when the checkpoint is complete and intact, else what is wrong with it."""
-    if not (tag_dir / MANIFEST).is_file():
-        return "incomplete (no manifest: the save did not finish)"
-    return manifest.verify_manifest(tag_dir)
-
-
-def tags(root: Path) -> list[str]:
-    """Checkpoint tags under root, newest first."""
-    if not root.is_dir():
-        return []
-    found = [p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()]
-    return sorted(found, key=step_of, reverse=True)
-
-
-def committed(root: Path) -> list[str]:
-    """Tags whose save finished (a manifest exists), newest first; not verified against it."""
-    return [t for t in tags(root) if (root / t / MANIFEST).is_file()]
-
-
-def newest_complete(root: Path, warn=print, rejected: list | None = None) -> str | None:
-    """The newest tag that verifies; each one skipped on the way is reported in one line (and
-    appended to `rejected` as (tag, problem))."""
-    for tag in tags(root):
-        problem = verify(root / tag)
-        if problem is None:
-            return tag
-        warn(f"warning: checkpoint {root / tag} skipped: {problem}")
-        if rejected is not None:
-            rejected.append((tag, problem))
-    return None
 
 
 def commit(root: Path, tag: str, keep_last: int) -> None:
@@ -103,10 +56,6 @@ def commit(root: Path, tag: str, keep_last: int) -> None:
             kept += 1
         elif kept >= keep_last:
             shutil.rmtree(root / old, ignore_errors=True)
-
-
-def read_trainer_state(tag_dir: Path) -> dict:
-    return json.loads((tag_dir / TRAINER_STATE).read_text())
 
 
 def write_trainer_state(tag_dir: Path, state: dict) -> None:
@@ -178,32 +127,3 @@ def main(argv: list[str]) -> int:
         bad += problem is not None
         print(f"{t}: {problem or 'ok'}")
     return 1 if bad else 0
-
-
-def load_trained_model(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
-    """The model of a training checkpoint (`.../checkpoints/step_N`) or of a run directory's newest
-    complete checkpoint, in float32, whatever ZeRO stage wrote it."""
-    from gpn_scale.config import model_config
-    from gpn_scale.models import build_model
-
-    path = Path(path)
-    if not (path / TRAINER_STATE).is_file():
-        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        tag = newest_complete(root)
-        if tag is None:
-            raise UserError(f"{path}: no complete training checkpoint there")
-        path = root / tag
-    problem = verify(path)
-    if problem:
-        raise UserError(f"{path}: {problem}")
-    safe_load.check_checkpoint(path)  # before anything is unpickled, by us or by zero_to_fp32
-    state = read_trainer_state(path)
-    model = build_model(model_config(state["config"]["model"], where=f"{path / TRAINER_STATE}: model"))
-    if state["zero_stage"] == 3:  # parameters are sharded across the ranks' files
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        weights = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
-    else:
-        weights = safe_load.load(path / "mp_rank_00_model_states.pt")["module"]
-    model.load_state_dict({k: v.float() for k, v in weights.items()})
-    return model.to(device)

@@ -31,6 +31,7 @@ import torch
 import yaml
 
 from gpn_scale import safe_load
+from gpn_scale import checkpoints
 from gpn_scale.errors import UserError
 from gpn_scale.jsonl import JsonLines, truncate_jsonl
 from gpn_scale.train import checkpoint as ckpt
@@ -129,7 +130,7 @@ class Trainer:
             return None
         if resume == "auto":
             rejected = []
-            tag = ckpt.newest_complete(self.ckpt_root, warn=self._say, rejected=rejected)
+            tag = checkpoints.newest_complete(self.ckpt_root, warn=self._say, rejected=rejected)
             if tag is None and rejected:
                 listed = "; ".join(f"{t}: {why}" for t, why in rejected)
                 raise UserError(f"--resume auto: no checkpoint in {self.ckpt_root} can be resumed from ({listed}); "
@@ -137,14 +138,14 @@ class Trainer:
             if tag is None:
                 return None
         else:
-            problem = ckpt.verify(Path(resume))
+            problem = checkpoints.verify(Path(resume))
             if problem:
                 raise UserError(f"--resume {resume}: {problem}")
             tag = Path(resume).name
         unsafe = safe_load.scan_checkpoint(self.ckpt_root / tag)  # before any rank's DeepSpeed unpickles its files
         if unsafe:
             raise UserError(unsafe)
-        saved = ckpt.read_trainer_state(self.ckpt_root / tag)
+        saved = checkpoints.read_trainer_state(self.ckpt_root / tag)
         if saved["global_batch"] != self.global_batch:
             raise UserError(
                 f"train: the checkpoint was trained with a global batch of {saved['global_batch']}, this run has "
@@ -172,7 +173,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.model = build_model(model_config(cfg.model, where="config: model")).to(self.device)
 
-        saved = ckpt.read_trainer_state(self.ckpt_root / self.resume_tag) if self.resume_tag else None
+        saved = checkpoints.read_trainer_state(self.ckpt_root / self.resume_tag) if self.resume_tag else None
         universal = saved is not None and saved["world_size"] != self.world and saved["zero_stage"] > 0
 
         optimizer = torch.optim.AdamW(
@@ -296,7 +297,7 @@ class Trainer:
         return self._val()
 
     def save(self) -> Path:
-        tag = ckpt.tag_for(self.step)
+        tag = checkpoints.tag_for(self.step)
         tag_dir = self.ckpt_root / tag
         if self.is_main and tag_dir.exists():  # a leftover of a crashed save of the same step, or one this run replaces
             shutil.rmtree(tag_dir)
@@ -316,7 +317,7 @@ class Trainer:
             # Without its manifest the partial save is ignored by --resume auto; removing it gives
             # the space back (nothing of it is usable).
             shutil.rmtree(tag_dir, ignore_errors=True)
-            previous = ckpt.committed(self.ckpt_root)
+            previous = checkpoints.committed(self.ckpt_root)
             raise UserError(f"checkpoint {tag_dir}: no space left on device ({shutil.disk_usage(self.ckpt_root).free:,} "
                             f"bytes free); the partial save was removed; free space and resume with --resume auto"
                             + (f" (from {previous[0]})" if previous else "")) from None
@@ -393,7 +394,7 @@ class Trainer:
         if diverged:
             tag_dir = None  # the non-finite state is not saved
         elif self.step == start_step:  # resumed at its last step: nothing new to evaluate or save
-            tag_dir = self.ckpt_root / ckpt.tag_for(self.step)
+            tag_dir = self.ckpt_root / checkpoints.tag_for(self.step)
         else:
             if self.step >= t.total_steps:
                 log.log({"step": self.step, **self.evaluate()})
@@ -406,7 +407,7 @@ class Trainer:
         self._write_status("diverged" if diverged else "interrupted" if interrupted else "preempted" if preempted
                            else "finished")
         if diverged:
-            good = ckpt.committed(self.ckpt_root)
+            good = checkpoints.committed(self.ckpt_root)
             self._say(f"error: step {self.step}: {diverged}: the run diverged; nothing saved after it"
                       + (f", the newest checkpoint is {self.ckpt_root / good[0]}" if good else "")
                       + f" (lower train.lr or raise train.warmup_steps; train.nonfinite_patience={t.nonfinite_patience})")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpn_scale.errors import UserError
-from gpn_scale.train import checkpoint as ckpt
+from gpn_scale import checkpoints
 from gpn_scale.train.config import TrainConfig
 from gpn_scale.train.data import resolve_location
 
@@ -70,7 +70,7 @@ def check(cfg: TrainConfig, resume: str) -> DataInfo | None:
 
     root = Path(cfg.run.dir) / "checkpoints"
     if resume == "none":
-        complete = ckpt.committed(root)
+        complete = checkpoints.committed(root)
         if complete:
             raise UserError(f"run.dir {cfg.run.dir} already has checkpoints ({complete[0]}); pass --resume auto "
                             "to continue it, or choose another run.dir")

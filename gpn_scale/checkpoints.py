@@ -1,0 +1,158 @@
+"""Reading what the system writes, for everything that loads a model: evaluation, generation,
+analysis, conversion and export, and the trainer when it resumes. Nothing here needs the trainer
+(DeepSpeed is imported only to gather a ZeRO-3 checkpoint's shards).
+
+Training checkpoints, under a run's `checkpoints/` (written by `gpn_scale.train.checkpoint`):
+
+    step_00000500/            DeepSpeed's sharded save (model, optimiser and scheduler states)
+        trainer_state.json    step, tokens, loader position, world size, ZeRO stage, config
+        rng_rank{r}.pt        Python / NumPy / torch RNG states of each rank
+        manifest.json         every file above with its size and sha256: written last
+    latest                    the newest complete tag: moved only after its manifest exists
+
+A directory without a manifest (a crash mid-save) or whose files no longer match it (truncated,
+corrupted) is not a checkpoint to load. Native checkpoints (`gpn_scale.native`) are
+`model.safetensors` + `model.yaml` + `manifest.json`. Every file that holds a pickle is scanned
+before anything unpickles it (`gpn_scale.safe_load`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from gpn_scale import manifest, safe_load
+from gpn_scale.config import model_config
+from gpn_scale.errors import UserError
+from gpn_scale.models import build_model
+from gpn_scale.native import CONFIG, WEIGHTS
+
+MANIFEST, TRAINER_STATE = manifest.MANIFEST, "trainer_state.json"
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(tag: str) -> int:
+    return int(tag.split("_")[-1])
+
+
+def verify(tag_dir: Path) -> str | None:
+    """None when the checkpoint is complete and intact, else what is wrong with it."""
+    if not (tag_dir / MANIFEST).is_file():
+        return "incomplete (no manifest: the save did not finish)"
+    return manifest.verify_manifest(tag_dir)
+
+
+def tags(root: Path) -> list[str]:
+    """Checkpoint tags under root, newest first."""
+    if not root.is_dir():
+        return []
+    found = [p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()]
+    return sorted(found, key=step_of, reverse=True)
+
+
+def committed(root: Path) -> list[str]:
+    """Tags whose save finished (a manifest exists), newest first; not verified against it."""
+    return [t for t in tags(root) if (root / t / MANIFEST).is_file()]
+
+
+def newest_complete(root: Path, warn=print, rejected: list | None = None) -> str | None:
+    """The newest tag that verifies; each one skipped on the way is reported in one line (and
+    appended to `rejected` as (tag, problem))."""
+    for tag in tags(root):
+        problem = verify(root / tag)
+        if problem is None:
+            return tag
+        warn(f"warning: checkpoint {root / tag} skipped: {problem}")
+        if rejected is not None:
+            rejected.append((tag, problem))
+    return None
+
+
+def training_checkpoint(path: str | Path, warn=lambda message: None) -> Path | None:
+    """A training checkpoint directory as given, or a run directory's (or its `checkpoints/`)
+    newest complete one; None where there is none. `warn` hears of each one skipped."""
+    path = Path(path)
+    if (path / TRAINER_STATE).is_file():
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    tag = newest_complete(root, warn=warn)
+    return None if tag is None else root / tag
+
+
+def read_trainer_state(tag_dir: Path) -> dict:
+    return json.loads((tag_dir / TRAINER_STATE).read_text())
+
+
+def load_trained_model(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The model of a training checkpoint (`.../checkpoints/step_N`) or of a run directory's newest
+    complete checkpoint, in float32, whatever ZeRO stage wrote it."""
+    found = training_checkpoint(path, warn=print)
+    if found is None:
+        raise UserError(f"{path}: no complete training checkpoint there")
+    path = found
+    problem = verify(path)
+    if problem:
+        raise UserError(f"{path}: {problem}")
+    safe_load.check_checkpoint(path)  # before anything is unpickled, by us or by zero_to_fp32
+    state = read_trainer_state(path)
+    model = build_model(model_config(state["config"]["model"], where=f"{path / TRAINER_STATE}: model"))
+    if state["zero_stage"] == 3:  # parameters are sharded across the ranks' files
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+    else:
+        weights = safe_load.load(path / "mp_rank_00_model_states.pt")["module"]
+    model.load_state_dict({k: v.float() for k, v in weights.items()})
+    return model.to(device)
+
+
+# ---- native checkpoints ----------------------------------------------------------------------
+
+
+def check_manifest(path: Path) -> None:
+    """UserError unless the files match the manifest; a checkpoint without one: a warning."""
+    if not (path / MANIFEST).is_file():
+        print(f"warning: {path} has no {MANIFEST} (written before native checkpoints had one): its files are "
+              "not verified; gpn_scale.native.add_manifest(DIR) writes one", file=sys.stderr)
+        return
+    problem = manifest.verify_manifest(path, required=(WEIGHTS, CONFIG))
+    if problem:
+        raise UserError(f"{path}: {problem}")
+
+
+def load_native(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
+    path = Path(path)
+    for name in (WEIGHTS, CONFIG):
+        if not (path / name).is_file():
+            raise UserError(f"{path}: not a native checkpoint (missing {name})")
+    check_manifest(path)
+    cfg = model_config(path / CONFIG)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    try:
+        state = load_file(path / WEIGHTS, device=str(device))
+    except SafetensorError as e:
+        raise UserError(f"{path / WEIGHTS}: unreadable weights ({e})") from None
+    try:
+        model.load_state_dict(state, assign=True)
+    except RuntimeError as e:
+        first = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
+        raise UserError(f"{path / WEIGHTS}: weights do not match {CONFIG}: {first}") from None
+    return model
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """Any model the system writes: a native checkpoint (model.safetensors + model.yaml), a training
+    checkpoint directory, or a run directory (its newest complete checkpoint)."""
+    path = Path(path)
+    if (path / WEIGHTS).is_file():
+        return load_native(path, device)
+    return load_trained_model(path, device)
