@@ -107,6 +107,7 @@ def load_trained_model(path: str | Path, device: str | torch.device = "cpu") -> 
     if state["zero_stage"] == 3:  # parameters are sharded across the ranks' files
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        # zero_to_fp32 unpickles the shards unrestricted: trusted only because check_checkpoint scanned them above
         weights = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
     else:
         weights = safe_load.load(path / "mp_rank_00_model_states.pt")["module"]

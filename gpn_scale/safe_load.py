@@ -7,9 +7,9 @@ universal conversion), every file under its directory is scanned for the globals
 for, without executing anything (`pickletools.genops`, following the unpickler's stack and memo so
 that STACK_GLOBAL's module and name are known), and a file asking for anything outside `ALLOWED`
 is refused with one line naming it and the global. This guards DeepSpeed's own loads too
-(`load_checkpoint`, `ds_to_universal`, `zero_to_fp32` call `torch.load(weights_only=False)`): a
-pickle that names only these globals can build tensors, containers and these few DeepSpeed
-records, and call nothing else. Our own loads also go through torch's restricted unpickler
+(`load_checkpoint`, `ds_to_universal`, `zero_to_fp32` unpickle without torch's restrictions, and
+each call site says that its files were scanned first): a pickle that names only these globals
+can build tensors, containers and these few DeepSpeed records, and call nothing else. Our own loads also go through torch's restricted unpickler
 (`load`: `weights_only=True`, allowing exactly the globals of the file, all of them in `ALLOWED`).
 
 What `torch.load` would unpickle, and so what is scanned, per file:

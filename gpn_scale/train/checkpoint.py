@@ -98,7 +98,7 @@ def to_universal(tag_dir: Path, workers: int = 1) -> Path:
         input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=workers, num_merge_workers=workers,
         keep_temp_folder=False, strict=True, inject_missing_state=True,  # plain models carry no version tag
     )
-    ds_to_universal(args)
+    ds_to_universal(args)  # unpickles tag_dir's files unrestricted: scanned just above
     write_manifest(out)
     return out
 

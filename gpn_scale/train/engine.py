@@ -216,6 +216,8 @@ class Trainer:
             load_dir, tag = tag_dir, ckpt.UNIVERSAL
         else:
             load_dir, tag = self.ckpt_root, self.resume_tag
+        # DeepSpeed unpickles these files without torch's restrictions: they are trusted because rank 0
+        # scanned every file of this checkpoint, universal/ included, in _resume_choice (safe_load).
         path, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_lr_scheduler_states=True)
         if path is None:
             raise UserError(f"{tag_dir}: DeepSpeed could not load this checkpoint")
