@@ -76,14 +76,15 @@ def newest_complete(root: Path, warn=print, rejected: list | None = None) -> str
     return None
 
 
-def training_checkpoint(path: str | Path, warn=lambda message: None) -> Path | None:
-    """A training checkpoint directory as given, or a run directory's (or its `checkpoints/`)
-    newest complete one; None where there is none. `warn` hears of each one skipped."""
+def training_checkpoint(path: str | Path, warn=lambda message: None, verified: bool = True) -> Path | None:
+    """A training checkpoint directory as given (not verified here), or a run directory's (or its
+    `checkpoints/`) newest one: the newest that verifies, or with `verified=False` the newest with
+    a manifest, which costs no hashing. None where there is none. `warn` hears of each skipped."""
     path = Path(path)
     if (path / TRAINER_STATE).is_file():
         return path
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    tag = newest_complete(root, warn=warn)
+    tag = newest_complete(root, warn=warn) if verified else next(iter(committed(root)), None)
     return None if tag is None else root / tag
 
 
@@ -94,13 +95,16 @@ def read_trainer_state(tag_dir: Path) -> dict:
 def load_trained_model(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
     """The model of a training checkpoint (`.../checkpoints/step_N`) or of a run directory's newest
     complete checkpoint, in float32, whatever ZeRO stage wrote it."""
-    found = training_checkpoint(path, warn=print)
-    if found is None:
-        raise UserError(f"{path}: no complete training checkpoint there")
-    path = found
-    problem = verify(path)
-    if problem:
-        raise UserError(f"{path}: {problem}")
+    path = Path(path)
+    if (path / TRAINER_STATE).is_file():  # a checkpoint named directly: verified here
+        problem = verify(path)
+        if problem:
+            raise UserError(f"{path}: {problem}")
+    else:  # a run directory: its newest checkpoint that verifies
+        found = training_checkpoint(path, warn=print)
+        if found is None:
+            raise UserError(f"{path}: no complete training checkpoint there")
+        path = found
     safe_load.check_checkpoint(path)  # before anything is unpickled, by us or by zero_to_fp32
     state = read_trainer_state(path)
     model = build_model(model_config(state["config"]["model"], where=f"{path / TRAINER_STATE}: model"))

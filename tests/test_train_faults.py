@@ -271,3 +271,25 @@ def test_a_lock_from_another_host_is_stale_only_without_heartbeat(tmp_path, monk
     held = lock.RunLock(tmp_path, warn=warnings.append)
     assert warnings[-1].endswith("(SLURM job 42 was requeued)")
     held.release()
+
+
+def test_rotation_hashes_only_checkpoints_this_run_has_not_verified(tmp_path, monkeypatch):
+    from gpn_scale.train import checkpoint as writer
+
+    for step in (2, 4, 6, 8):
+        tag_dir = tmp_path / ckpt.tag_for(step)
+        tag_dir.mkdir()
+        (tag_dir / "weights.pt").write_bytes(bytes([step]) * 100)
+        if step < 8:
+            writer.write_manifest(tag_dir)
+    corrupt(tmp_path / ckpt.tag_for(2) / "weights.pt")
+    hashed = []
+    monkeypatch.setattr(writer, "verify", lambda d: hashed.append(d.name) or ckpt.verify(d))
+    verified = {ckpt.tag_for(6)}  # e.g. the checkpoint this run resumed from
+    writer.commit(tmp_path, ckpt.tag_for(8), 3, verified)
+    assert hashed == [ckpt.tag_for(4)]  # not 6: verified already; not 2: three newer ones verify, so it goes
+    assert verified == {ckpt.tag_for(s) for s in (4, 6, 8)}
+    assert ckpt.tags(tmp_path) == [ckpt.tag_for(s) for s in (8, 6, 4)]
+    writer.commit(tmp_path, ckpt.tag_for(8), 2, verified)
+    assert hashed == [ckpt.tag_for(4)] and ckpt.tags(tmp_path) == [ckpt.tag_for(8), ckpt.tag_for(6)]
+    assert verified == {ckpt.tag_for(6), ckpt.tag_for(8)}

@@ -93,7 +93,7 @@ def check_model_fits(model, data: PrepData, windows: torch.Tensor | None = None,
 def training_prep(checkpoint: str | Path) -> PrepData | None:
     """The prep output a training run read, when CKPT is a run or training checkpoint whose recorded
     training data is still there; None otherwise (e.g. a native checkpoint)."""
-    path = checkpoints.training_checkpoint(checkpoint)
+    path = checkpoints.training_checkpoint(checkpoint, verified=False)  # loading the model verified it
     if path is None:
         return None
     train_dir = checkpoints.read_trainer_state(path)["config"].get("data", {}).get("train")

@@ -39,23 +39,30 @@ def write_manifest(tag_dir: Path) -> None:
     manifest.write_manifest(tag_dir, files)
 
 
-def commit(root: Path, tag: str, keep_last: int) -> None:
+def commit(root: Path, tag: str, keep_last: int, verified: set[str]) -> None:
     """Rank 0, after every rank finished writing `tag`: manifest, then `latest`, then pruning.
 
     Pruning removes only what is older than `tag`: the `keep_last - 1` newest older checkpoints
     that verify are kept with it, and a checkpoint goes only once `keep_last` verified ones newer
     than it exist. Newer directories (left by a run that resumed from an earlier step) stay until
     this run's saves replace them.
+
+    `verified`: the tags this process has verified or written itself (the caller keeps it; `tag`
+    is added). Only the others are hashed again, so a save does not re-read the checkpoints
+    before it.
     """
     write_manifest(root / tag)
     _atomic_write(root / LATEST, tag)
+    verified.add(tag)
     older = [t for t in tags(root) if step_of(t) < step_of(tag)]
     kept = 1
     for old in older:
-        if kept < keep_last and verify(root / old) is None:
+        if kept < keep_last and (old in verified or verify(root / old) is None):
+            verified.add(old)
             kept += 1
         elif kept >= keep_last:
             shutil.rmtree(root / old, ignore_errors=True)
+            verified.discard(old)
 
 
 def write_trainer_state(tag_dir: Path, state: dict) -> None:

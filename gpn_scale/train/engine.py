@@ -103,6 +103,8 @@ class Trainer:
         self.global_batch = cfg.train.micro_batch * self.grad_accum * self.world
         self.config_changes: list[tuple] = []  # (key, checkpoint's value, this run's), applied on resume
         self.resume_tag = self._choose_resume(resume, allow_config_change)
+        # Checkpoints rank 0 has verified or written: rotation does not hash them again at each save.
+        self.verified: set[str] = {self.resume_tag} if self.resume_tag else set()
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -325,7 +327,7 @@ class Trainer:
                             + (f" (from {previous[0]})" if previous else "")) from None
         torch.distributed.barrier()  # every rank's files are on disk before the manifest
         if self.is_main:
-            ckpt.commit(self.ckpt_root, tag, self.cfg.train.keep_last)
+            ckpt.commit(self.ckpt_root, tag, self.cfg.train.keep_last, self.verified)
         torch.distributed.barrier()
         return tag_dir
 
