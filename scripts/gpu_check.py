@@ -644,11 +644,9 @@ def _graph_stats(log_text: str) -> dict | None:
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return {}
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    from gpn_scale.jsonl import read_jsonl  # the standard library only, as the engine's own reader
+
+    return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r}
 
 
 def stage_engine(part: Part, mode: Mode, out: Path, wheels: Path) -> None:
