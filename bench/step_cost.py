@@ -1,0 +1,544 @@
+"""GPU cost of one time step of GPN+M's fused core, counted on any device: launches, bytes, FLOPs, and a roofline for one H200.
+
+    PYTHONPATH=. python bench/step_cost.py                           # gpn_m_130m_1l, batch 32, bf16, Triton kernels
+    PYTHONPATH=. python bench/step_cost.py --kernel torch --batch 256 --json step_cost.json
+    PYTHONPATH=. python bench/step_cost.py --config gpn_m_tiny d_state=96   # any configs/models/*.yaml, key=value overrides
+    PYTHONPATH=. python bench/step_cost.py --device cuda              # the same count on a GPU
+
+A GPN+M step is a strictly sequential chain of kernels, repeated T times forward and again in the
+reverse sweep, so its speed on a GPU is set by what each step launches. This script runs a
+training window (forward, then backward) of the model built from a config with a counter on the
+launch path and no timing:
+
+- every Triton launch (the JIT's `run`, or the interpreter's on CPU, where TRITON_INTERPRET=1 is
+  set for `--kernel triton`): kernel name, grid size, and the bytes of its tensor arguments, an
+  argument whose contents changed counting as written, the others as read;
+- every torch op that launches a device kernel (a TorchDispatchMode; views, allocations and
+  metadata ops launch nothing and are skipped), classed as GEMM (with its FLOPs), cast (a copy
+  that changes the dtype), copy, or other, with the bytes of its tensor inputs and outputs.
+Torch ops a Triton launcher runs inside its launch (the interpreter's host copies) are not counted.
+
+Per time step: the window is run at T = 2 and T = 3 (`--steps`) and the counts subtracted, so
+what runs once per window (embedding, input projection, decoder launches, weight casts) or once per
+chunk (the weight gradients; one chunk here) drops out; the per-token share of their data (the
+decoder's rows, the weight gradients' rows) stays in the bytes and FLOPs. What dropped out is
+shown as "once per window". Batch: launch counts do not change with the batch and bytes, FLOPs and
+grids grow linearly with it, so on CPU the window is measured at two small batches
+(`--measure-batches`, default 2,3) and each kernel's figures are extrapolated linearly to
+`--batch`; on CUDA it is measured at `--batch` itself. The CUDA graphs are switched off: the count
+is what a graph captures, launched one by one.
+
+The roofline (constants in `H200`) gives each step's kernels max(bytes / bandwidth, FLOPs / peak),
+scaled up by 132 / programs for a Triton grid smaller than the GPU, plus a cost per launch: with
+graph replay a gap per kernel on the device; eager, the same or, where the host is slower than
+the device, launches x the host's cost per launch (the kernels of a step depend on each other,
+but the host queues them ahead). The floor beside it is M's traffic alone: the memory kernels read and
+write M (float32, H x d_k x d_v per sequence) twice per step forward (once more per later layer's
+read) and five times backward (rebuild: read and write; step backward: read M and dM, write dM;
+three more per later layer).
+
+Imports only torch and triton besides the source tree (and yaml, through gpn_scale.config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+PHASES = ("forward", "backward")
+KINDS = ("gemm", "triton", "cast", "copy", "other")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU's roofline. Bandwidth and bf16 rate are what an H200 achieves (a device-to-device
+    copy, a large dense bf16 GEMM; bench/gpu.py measures both), not datasheet peaks; fp32 is the
+    datasheet's CUDA-core peak (torch's fp32 GEMMs do not use TF32 by default); the launch costs
+    are typical values, to be replaced by measured ones."""
+
+    name: str = "H200"
+    sms: int = 132
+    bytes_per_s: float = 4.3e12
+    flops_per_s: dict = field(default_factory=lambda: {"bfloat16": 790e12, "float16": 790e12, "float32": 67e12,
+                                                        "float64": 34e12})
+    eager_launch_s: float = 6e-6  # host time per launch from Python (torch op or Triton launcher)
+    graph_launch_s: float = 1.5e-6  # device gap per kernel of a replayed CUDA graph
+
+
+H200 = Hardware()
+
+
+@dataclass
+class Launch:
+    """One device kernel launch."""
+
+    phase: str
+    kind: str
+    name: str  # Triton kernel or aten op
+    dtype: str  # a GEMM's operand dtype, a cast's "src->dst", else the first tensor's
+    programs: int  # Triton grid size; 0 for torch ops (their grids are the library's)
+    read: int  # bytes
+    written: int
+    flops: int
+    # Triton: (bytes, contents changed) per tensor argument; `settle_writes` sets read and written
+    args: tuple = ()
+
+
+# ---- the counter -----------------------------------------------------------------------------
+
+_NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "_reshape_alias",
+              "alias", "lift_fresh", "set_", "resize_", "detach", "_local_scalar_dense", "sym_size", "sym_stride",
+              "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type"}
+_GEMM_OPERANDS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}
+_OVERWRITES = {"copy_", "fill_", "zero_"}  # in-place ops that do not read their self
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes of t's distinct elements: a broadcast (stride 0) dimension is read once."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        n *= size if stride != 0 else min(size, 1)
+    return n * t.element_size()
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    return []
+
+
+def _gemm_flops(name, args) -> tuple[int, str]:
+    a, b = (args[i] for i in _GEMM_OPERANDS[name])
+    batch = a.shape[0] if a.dim() == 3 else 1
+    m, k = a.shape[-2:]
+    return 2 * batch * m * k * b.shape[-1], str(a.dtype).removeprefix("torch.")
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Within `with LaunchCounter() as c:`, c.launches lists every kernel launch, tagged with c.phase."""
+
+    def __init__(self):
+        super().__init__()
+        self.launches: list[Launch] = []
+        self.phase = "forward"
+        self._in_triton = False
+        self._patched = []
+
+    # torch ops
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if self._in_triton or func.is_view or name in _NO_LAUNCH:
+            return out
+        read = written = 0
+        mutated = []
+        for i, a in enumerate(func._schema.arguments):
+            value = kwargs[a.name] if a.name in kwargs else args[i] if i < len(args) and not a.kwarg_only else None
+            for t in _tensors(value):
+                writes = a.alias_info is not None and a.alias_info.is_write
+                if writes:
+                    mutated.append(t)
+                    written += _nbytes(t)
+                if not writes or not (a.is_out or name in _OVERWRITES):
+                    read += _nbytes(t)
+        written += sum(_nbytes(t) for t in _tensors(out) if not any(t is m for m in mutated))
+        inputs = _tensors(args)
+        dtype = str(inputs[0].dtype).removeprefix("torch.") if inputs else ""
+        flops, kind = 0, "other"
+        if name in _GEMM_OPERANDS:
+            kind = "gemm"
+            flops, dtype = _gemm_flops(name, args)
+        elif name in ("_to_copy", "copy_", "clone", "_copy_from"):
+            src = args[1] if name == "copy_" else args[0]
+            dst = _tensors(out)[0]
+            kind = "cast" if src.dtype != dst.dtype else "copy"
+            dtype = f"{src.dtype}->{dst.dtype}".replace("torch.", "") if kind == "cast" else str(dst.dtype).removeprefix("torch.")
+        self.launches.append(Launch(self.phase, kind, name, dtype, 0, read, written, flops))
+        return out
+
+    # Triton launches
+    def _triton_run(self, original):
+        counter = self
+
+        def run(fn, *args, grid, warmup, **kwargs):
+            if warmup or counter._in_triton:
+                return original(fn, *args, grid=grid, warmup=warmup, **kwargs)
+            counter._in_triton = True
+            try:
+                if callable(grid):
+                    grid = grid({**dict(zip(fn.arg_names, args)), **kwargs})
+                grid = (grid,) if isinstance(grid, int) else tuple(grid)
+                tensors = [t for t in _tensors(list(args) + list(kwargs.values()))]
+                before = [t.clone() for t in tensors]
+                result = original(fn, *args, grid=grid, warmup=warmup, **kwargs)
+                changed = tuple(not (bool(((t == b) | (t.isnan() & b.isnan())).all()) if t.is_floating_point()
+                                     else torch.equal(t, b)) for t, b in zip(tensors, before))
+                dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
+                self.launches.append(Launch(self.phase, "triton", fn.__name__, dtype, math.prod(grid), 0, 0, 0,
+                                            tuple(zip(map(_nbytes, tensors), changed))))
+                return result
+            finally:
+                counter._in_triton = False
+
+        return run
+
+    def __enter__(self):
+        for cls in _triton_kernel_classes():
+            self._patched.append((cls, cls.run))
+            cls.run = self._triton_run(cls.run)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for cls, run in reversed(self._patched):
+            cls.run = run
+        self._patched.clear()
+        return super().__exit__(*exc)
+
+
+def settle_writes(windows: list[list[Launch]]) -> None:
+    """Read and written bytes of the Triton launches. An argument is written when a launch of
+    the same kernel changed it in any of the windows: a write can leave an element as it was
+    (a buffer that already held the same values), so one launch's comparison is not enough."""
+    written = defaultdict(set)
+    for launches in windows:
+        for x in launches:
+            written[x.name].update(i for i, (_, changed) in enumerate(x.args) if changed)
+    for launches in windows:
+        for x in launches:
+            if x.kind == "triton":
+                x.written = sum(n for i, (n, _) in enumerate(x.args) if i in written[x.name])
+                x.read = sum(n for i, (n, _) in enumerate(x.args) if i not in written[x.name])
+
+
+def _triton_kernel_classes() -> list:
+    """The classes whose `run` launches a Triton kernel: the JIT's, and the interpreter's
+    (TRITON_INTERPRET=1 makes `triton.jit` build those instead)."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # no Triton: only torch ops can launch
+        return []
+    classes = [JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        classes.append(InterpretedFunction)
+    except ImportError:
+        pass
+    return classes
+
+
+# ---- measuring -------------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """The launches of one (phase, kind, name, dtype) in a window, or per step."""
+
+    count: float = 0
+    read: float = 0
+    written: float = 0
+    flops: float = 0
+    programs: float = 0  # the smallest grid among them (Triton)
+
+
+class Key(NamedTuple):
+    """What launches are tallied by."""
+
+    phase: str
+    kind: str
+    name: str
+    dtype: str
+
+
+def tally(launches: list[Launch]) -> dict[Key, Tally]:
+    out: dict[Key, Tally] = defaultdict(Tally)
+    for x in launches:
+        t = out[Key(x.phase, x.kind, x.name, x.dtype)]
+        t.count += 1
+        t.read += x.read
+        t.written += x.written
+        t.flops += x.flops
+        if x.programs:
+            t.programs = min(t.programs or x.programs, x.programs)
+    return dict(out)
+
+
+def window(model, batch: int, steps: int, dtype: str, device: torch.device, counted: bool = True) -> list[Launch]:
+    """The launches of one forward and backward of a window of random tokens."""
+    gen = torch.Generator().manual_seed(batch * 1000 + steps)
+    tokens = torch.randint(0, model.config.vocab_size, (batch, steps), generator=gen).to(device)
+    model.zero_grad(set_to_none=True)  # gradients assigned, not accumulated: the same ops every window
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+    counter = LaunchCounter()
+    with counter if counted else contextlib.nullcontext():
+        counter.phase = "forward"
+        with autocast:
+            loss = model(tokens).loss
+        counter.phase = "backward"
+        loss.backward()
+    return counter.launches  # none when not counted
+
+
+def difference(short: dict[Key, Tally], long: dict[Key, Tally], steps: tuple[int, int]):
+    """(per step, once per window) from the tallies of windows of steps[0] and steps[1] steps."""
+    t0, t1 = steps
+    per_step, fixed = {}, {}
+    for key in short.keys() | long.keys():
+        a, b = short.get(key, Tally()), long.get(key, Tally())
+        diff = Tally(*((getattr(b, f) - getattr(a, f)) / (t1 - t0) for f in ("count", "read", "written", "flops")),
+                     programs=b.programs)
+        if diff.count or diff.read or diff.written or diff.flops:
+            per_step[key] = diff
+        rest = Tally(*(getattr(a, f) - t0 * getattr(diff, f) for f in ("count", "read", "written", "flops")), programs=a.programs)
+        if rest.count:
+            fixed[key] = rest
+    return per_step, fixed
+
+
+def step_costs(model, batches: list[int], steps: tuple[int, int], dtype: str, device, warm: bool = True):
+    """Per batch, (per step, once per window) tallies from windows of steps[0] and steps[1] steps.
+
+    `warm`: one window first, uncounted, which compiles the kernels and makes the constants that
+    are made once (not needed when this model has already run windows of these shapes)."""
+    if warm:
+        window(model, batches[0], steps[0], dtype, device, counted=False)
+    runs = {b: [window(model, b, T, dtype, device) for T in steps] for b in batches}
+    settle_writes([w for pair in runs.values() for w in pair])
+    return {b: difference(tally(short), tally(long), steps) for b, (short, long) in runs.items()}
+
+
+def extrapolate(at: dict[int, dict[Key, Tally]], batch: int) -> dict[Key, Tally]:
+    """Tallies at `batch` from those at two batches: counts equal, the rest linear in the batch."""
+    if len(at) == 1:
+        return next(iter(at.values()))
+    (b0, x0), (b1, x1) = sorted(at.items())
+    out = {}
+    for key in x0.keys() | x1.keys():
+        p, q = x0.get(key, Tally()), x1.get(key, Tally())
+        if p.count != q.count:
+            raise SystemExit(f"error: {key.name} ({key.phase}): {p.count:g} launches per step at batch {b0}, {q.count:g} at "
+                             f"{b1}; launch counts must not depend on the batch (measure at --batch directly)")
+        line = lambda f: getattr(p, f) + (getattr(q, f) - getattr(p, f)) * (batch - b0) / (b1 - b0)  # noqa: E731
+        out[key] = Tally(p.count, line("read"), line("written"), line("flops"), round(line("programs")))
+    return out
+
+
+# ---- the roofline ----------------------------------------------------------------------------
+
+
+def kernel_seconds(key: Key, t: Tally, hw: Hardware) -> float:
+    """Device time of a tally's launches at the roofline; a Triton grid smaller than the GPU
+    leaves SMs idle, so it gets bandwidth and FLOPs in proportion to its programs."""
+    peak = hw.flops_per_s.get(key.dtype, hw.flops_per_s["float32"])
+    per = max((t.read + t.written) / hw.bytes_per_s, t.flops / peak)
+    fill = min(1.0, t.programs / hw.sms) if t.programs else 1.0
+    return per / fill
+
+
+@dataclass
+class PhaseCost:
+    launches: dict  # kind -> launches per step
+    read_bytes: float
+    written_bytes: float
+    flops: float
+    min_programs: int  # smallest Triton grid among the step's launches (0: none)
+    device_s: float  # the kernels' time at the roofline
+    eager_s: float
+    graph_s: float
+
+
+def phase_cost(per_step: dict[Key, Tally], phase: str, hw: Hardware) -> PhaseCost:
+    rows = {k: t for k, t in per_step.items() if k.phase == phase}
+    launches = {kind: sum(t.count for k, t in rows.items() if k.kind == kind) for kind in KINDS}
+    n = sum(launches.values())
+    device = sum(kernel_seconds(k, t, hw) for k, t in rows.items())
+    grids = [t.programs for t in rows.values() if t.programs and t.count]
+    return PhaseCost(launches, sum(t.read for t in rows.values()), sum(t.written for t in rows.values()),
+                     sum(t.flops for t in rows.values()), min(grids, default=0), device,
+                     max(device + n * hw.graph_launch_s, n * hw.eager_launch_s), device + n * hw.graph_launch_s)
+
+
+def memory_floor(cfg, hw: Hardware) -> dict | None:
+    """M's traffic alone per token (bytes, forward and backward) and the tokens/s it allows."""
+    if not cfg.memory:
+        return None
+    m = cfg.n_heads * cfg.d_key * cfg.d_val * 4  # float32, whatever the compute dtype
+    later = cfg.n_layers - 1
+    fwd, bwd = m * (2 + later), m * (5 + 3 * later)
+    return dict(m_bytes=m, forward_bytes_per_token=fwd, backward_bytes_per_token=bwd,
+                tokens_per_s=hw.bytes_per_s / (fwd + bwd))
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def report(args, cfg, per_step, fixed, hw: Hardware) -> dict:
+    phases = {p: phase_cost(per_step, p, hw) for p in PHASES}
+    eager = sum(c.eager_s for c in phases.values())
+    graph = sum(c.graph_s for c in phases.values())
+    rows = [dict(k._asdict(), **dataclasses.asdict(t), seconds=kernel_seconds(k, t, hw))
+            for k, t in sorted(per_step.items(), key=lambda kv: (PHASES.index(kv[0].phase), KINDS.index(kv[0].kind), kv[0][2:]))]
+    floor = memory_floor(cfg, hw)
+    return dict(config=args.config, overrides=args.overrides, batch=args.batch, dtype=args.dtype, kernel=args.kernel,
+                device=args.device, steps=list(args.steps), measured_batches=args.measure_batches,
+                hardware=dataclasses.asdict(hw), phases={p: dataclasses.asdict(c) for p, c in phases.items()},
+                kernels=rows, once_per_window={p: sum(t.count for k, t in fixed.items() if k.phase == p) for p in PHASES},
+                tokens_per_s=dict(eager=args.batch / eager, graph=args.batch / graph), memory_floor=floor,
+                graph_over_floor=(args.batch / graph) / floor["tokens_per_s"] if floor else None)
+
+
+def print_report(r: dict, hw: Hardware) -> None:
+    MB = 1e6
+    measured = r["measured_batches"]
+    how = (f"measured at batch {measured[0]} and {measured[1]}, extrapolated linearly" if len(measured) == 2
+           else f"measured at batch {measured[0]}")
+    print(f"step cost: {' '.join([r['config'], *r['overrides']])}, batch {r['batch']} ({how}), {r['dtype']}, "
+          f"kernel {r['kernel']}, counted on {r['device']}")
+    print(f"per time step: windows of T={r['steps'][1]} minus T={r['steps'][0]} (once-per-window and once-per-chunk "
+          f"launches drop out; their per-token bytes and FLOPs stay); launch counts do not change with the batch, "
+          f"bytes, FLOPs and grids grow linearly with it")
+    head = f"{'phase':9s} {'launches':>8s} " + " ".join(f"{k:>6s}" for k in KINDS) + \
+        f" {'read MB':>9s} {'write MB':>9s} {'GFLOP':>8s} {'min grid':>13s} {'roofline us':>11s}"
+    print(head)
+    totals = defaultdict(float)
+    for p in PHASES:
+        c = r["phases"][p]
+        n = sum(c["launches"].values())
+        grid = f"{c['min_programs']:d} ({c['min_programs'] / hw.sms:.2f}x)" if c["min_programs"] else "-"
+        print(f"{p:9s} {n:8g} " + " ".join(f"{c['launches'][k]:6g}" for k in KINDS)
+              + f" {c['read_bytes'] / MB:9.1f} {c['written_bytes'] / MB:9.1f} {c['flops'] / 1e9:8.2f} {grid:>13s}"
+              f" {c['device_s'] * 1e6:11.1f}")
+        for k in ("read_bytes", "written_bytes", "flops", "device_s"):
+            totals[k] += c[k]
+        for k in KINDS:
+            totals[k] += c["launches"][k]
+    grids = [r["phases"][p]["min_programs"] for p in PHASES if r["phases"][p]["min_programs"]]
+    grid = f"{min(grids):d} ({min(grids) / hw.sms:.2f}x)" if grids else "-"
+    print(f"{'total':9s} {sum(totals[k] for k in KINDS):8g} " + " ".join(f"{totals[k]:6g}" for k in KINDS)
+          + f" {totals['read_bytes'] / MB:9.1f} {totals['written_bytes'] / MB:9.1f} {totals['flops'] / 1e9:8.2f} {grid:>13s}"
+          f" {totals['device_s'] * 1e6:11.1f}")
+    print(f"once per window (not in the rows above): forward {r['once_per_window']['forward']:g} launches, "
+          f"backward {r['once_per_window']['backward']:g}")
+    print("\nper kernel, per step (min grid: the smallest Triton grid, in programs):")
+    print(f"{'phase':9s} {'kind':6s} {'name':28s} {'dtype':18s} {'launches':>8s} {'read MB':>9s} {'write MB':>9s} "
+          f"{'GFLOP':>8s} {'min grid':>8s} {'roofline us':>11s}")
+    for k in (k for k in r["kernels"] if k["count"]):
+        print(f"{k['phase']:9s} {k['kind']:6s} {k['name']:28s} {k['dtype']:18s} {k['count']:8g} {k['read'] / MB:9.2f} "
+              f"{k['written'] / MB:9.2f} {k['flops'] / 1e9:8.3f} {int(k['programs']) or '-':>8} {k['seconds'] * 1e6:11.2f}")
+    for p in PHASES:
+        rest = [k for k in r["kernels"] if k["phase"] == p and not k["count"]]
+        print(f"{p:9s} {'':6s} {'once-per-window ops, per token':47s} {0:8g} {sum(k['read'] for k in rest) / MB:9.2f} "
+              f"{sum(k['written'] for k in rest) / MB:9.2f} {sum(k['flops'] for k in rest) / 1e9:8.3f} {'-':>8s} "
+              f"{sum(k['seconds'] for k in rest) * 1e6:11.2f}")
+    tps = r["tokens_per_s"]
+    print(f"\nroofline, one {hw.name} ({hw.bytes_per_s / 1e12:.1f} TB/s, {hw.flops_per_s['bfloat16'] / 1e12:.0f} TFLOP/s bf16, "
+          f"{hw.flops_per_s['float32'] / 1e12:.0f} fp32; per launch {hw.eager_launch_s * 1e6:g} us eager, "
+          f"{hw.graph_launch_s * 1e6:g} us in a graph): a step of batch {r['batch']} takes "
+          f"{r['batch'] / tps['eager'] * 1e6:.1f} us eager, {r['batch'] / tps['graph'] * 1e6:.1f} us replayed: "
+          f"{tps['eager'] / 1e3:.1f}K tok/s eager, {tps['graph'] / 1e3:.1f}K tok/s with CUDA graphs")
+    f = r["memory_floor"]
+    if f:
+        print(f"M-traffic floor: M {f['m_bytes'] / MB:.3g} MB per sequence (float32), {f['forward_bytes_per_token'] / MB:.3g} MB "
+              f"per token forward + {f['backward_bytes_per_token'] / MB:.3g} MB backward -> {f['tokens_per_s'] / 1e3:.1f}K tok/s; "
+              f"graph estimate / floor: {r['graph_over_floor']:.2f}")
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("overrides", nargs="*", help="key=value model config overrides")
+    p.add_argument("--config", default="gpn_m_130m_1l", help="a configs/models name or a model YAML file")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="bf16: autocast (state and M stay float32)")
+    p.add_argument("--kernel", choices=["triton", "torch"], default="triton", help="the fused core's step kernels")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--steps", default="2,3", help="the two window lengths T whose difference is one step's cost")
+    p.add_argument("--measure-batches", help="two batches to measure and extrapolate from (default: 2,3 on CPU, "
+                   "--batch on CUDA)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    p.add_argument("--json", help="write the report as JSON here")
+    args = p.parse_args(argv)
+
+    def ints(flag, text, n):
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            values = []
+        if len(values) not in n or min(values) < 1:
+            p.error(f"{flag}: expected {' or '.join(map(str, n))} comma-separated positive integers, got {text!r}")
+        return values
+
+    args.steps = ints("--steps", args.steps, (2,))
+    if args.steps[0] >= args.steps[1]:
+        p.error(f"--steps: expected two lengths, the shorter first, got {args.steps}")
+    default = "2,3" if args.device == "cpu" else str(args.batch)
+    args.measure_batches = ints("--measure-batches", args.measure_batches or default, (1, 2))
+    if args.batch < 1:
+        p.error("--batch: expected a positive integer")
+    if len(set(args.measure_batches)) != len(args.measure_batches) or (len(args.measure_batches) == 1 and args.measure_batches[0] != args.batch):
+        p.error(f"--measure-batches: expected two different batches, or --batch ({args.batch}) alone")
+    return args
+
+
+def build(args):
+    """The model of the config, on the device, with the counted kernels and eager loops."""
+    from gpn_scale.config import model_config, parse_overrides
+    from gpn_scale.models import build_model
+
+    cfg = model_config(args.config, parse_overrides(args.overrides))
+    if getattr(cfg, "family", None) not in ("gpn", "gpn_m"):
+        raise SystemExit(f"error: {args.config}: family: step_cost counts the GPN / GPN+M fused core, got {cfg.family!r}")
+    # Launched one by one (a graph's replay launches nothing the counter could see).
+    cfg = dataclasses.replace(cfg, core="fused", kernel=args.kernel, cuda_graphs=False)
+    torch.manual_seed(0)
+    return build_model(cfg).to(args.device), cfg
+
+
+def run(args, hw: Hardware = H200) -> dict:
+    """The report of the command line's `args` (see parse_args)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, cfg = build(args)
+    device = torch.device(args.device)
+    costs = step_costs(model, args.measure_batches, tuple(args.steps), args.dtype, device)
+    per_step = extrapolate({b: c[0] for b, c in costs.items()}, args.batch)
+    return report(args, cfg, per_step, costs[args.measure_batches[0]][1], hw)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.kernel == "triton" and args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+    from gpn_scale.errors import UserError
+
+    try:
+        result = run(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_report(result, H200)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

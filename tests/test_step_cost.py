@@ -1,0 +1,140 @@
+"""bench/step_cost.py on the tiny GPN+M: what it counts per time step against a count by hand
+from the fused core's structure, and a stray dtype conversion in the loop must break that count."""
+
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from triton_kernels import DEVICE, INTERPRET, elementwise, interpreter  # noqa: F401  (Triton's interpreter on CPU)
+
+_spec = importlib.util.spec_from_file_location("step_cost", ROOT / "bench" / "step_cost.py")
+step_cost = importlib.util.module_from_spec(_spec)
+sys.modules["step_cost"] = step_cost
+_spec.loader.exec_module(step_cost)
+
+STEPS = (2, 3)
+
+
+def hand_count(dtype: str) -> dict[tuple[str, str], int]:
+    """Launches per time step of GPN+M with one layer, read off the fused core's loop.
+
+    Forward: the projection GEMM, post_projection, the memory step (_step_fwd, _gated_rms_fwd),
+    the second GEMM, residual_rms, the fuse-gate GEMM, ground. Backward: the memory step again
+    (M rebuilt inside the chunk), the fuse gate's GEMM and its factor (a mul), residual_rms
+    backward, the second GEMM, gate_grads, the memory backward (_gated_rms_bwd, _step_bwd), dv
+    copied into the chunk's rows, the write gates' factor (a mul), the heads' l2n backward, the
+    projection GEMM, residual_rms backward again; the step's input gradient copied out. Under
+    bf16 each step GEMM casts its float32 input to bf16 and its output back: two casts each.
+    """
+    casts = 2 if dtype == "bf16" else 0
+    return {("forward", "gemm"): 3, ("forward", "triton"): 5, ("forward", "cast"): 3 * casts, ("forward", "copy"): 0,
+            ("forward", "other"): 0,
+            ("backward", "gemm"): 3, ("backward", "triton"): 8, ("backward", "cast"): 3 * casts, ("backward", "copy"): 2,
+            ("backward", "other"): 2}
+
+
+TRITON_KERNELS = {
+    "forward": {"_post_projection": 1, "_step_fwd": 1, "_gated_rms_fwd": 1, "_residual_rms": 1, "_ground": 1},
+    "backward": {"_step_fwd": 1, "_gated_rms_fwd": 1, "_residual_rms_bwd": 2, "_gate_grads": 1, "_gated_rms_bwd": 1,
+                 "_step_bwd": 1, "_l2n_relu_bwd": 1},
+}
+
+
+def launches(per_step) -> dict[tuple[str, str], float]:
+    out = {(p, k): 0 for p in step_cost.PHASES for k in step_cost.KINDS}
+    for (phase, kind, _, _), t in per_step.items():
+        out[(phase, kind)] += t.count
+    return out
+
+
+def check_hand_count(per_step, dtype):
+    assert launches(per_step) == hand_count(dtype)
+    for phase, names in TRITON_KERNELS.items():
+        assert {k[2]: t.count for k, t in per_step.items() if k[0] == phase and k[1] == "triton"} == names
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny GPN+M under bf16 with the Triton kernels, counted at batches 2, 3 and 4."""
+    with pytest.MonkeyPatch.context() as mp:
+        if INTERPRET:
+            mp.setenv("TRITON_INTERPRET", "1")
+        args = step_cost.parse_args(["--config", "gpn_m_tiny", "--device", DEVICE, "--batch", "4"])
+        model, cfg = step_cost.build(args)
+        costs = step_cost.step_costs(model, [2, 3, 4], STEPS, "bf16", torch.device(DEVICE))
+    return model, cfg, costs
+
+
+def test_launches_per_step_match_the_hand_count(tiny):
+    _, _, costs = tiny
+    for batch in (2, 3, 4):
+        check_hand_count(costs[batch][0], "bf16")
+
+
+def test_gemm_flops_and_memory_traffic_per_step_match_the_model(tiny):
+    _, cfg, costs = tiny
+    B, (per_step, _) = 4, costs[4]
+    d, F, H, dk, dv, E, V = cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.d_emb, cfg.vocab_size
+    N = 2 * H * dk + 2 * H * dv + 2 * H + 2 * F + d  # layer 0's fused projection: k, q, gate, v, beta, a, FFN W1, predict gate
+    K2 = F + H * dv  # FFN W2 and the read's W_o
+    loop = d * N + K2 * d + d * d  # the step's three GEMMs, multiply-adds per row
+    window = E * d + d * E + E * V  # per token outside the loop: input projection, decoder, logits
+    flops = {p: sum(t.flops for k, t in per_step.items() if k[0] == p) for p in step_cost.PHASES}
+    assert flops["forward"] == 2 * B * (loop + window)
+    # Backward: the input-gradient GEMMs of the step, the chunk's recomputed projection and fuse
+    # gate, the weight gradients over the chunk's rows; outside: logits recomputed, their two
+    # gradients, and both gradients of the decoder and of the input projection.
+    assert flops["backward"] == 2 * B * (loop + (d * N + d * d) + loop + 3 * E * V + 2 * d * E + 2 * E * d)
+    # The memory kernels move M (float32) and a few vectors per (sequence, head).
+    m = B * H * dk * dv * 4
+    fwd, bwd = per_step[("forward", "triton", "_step_fwd", "float32")], per_step[("backward", "triton", "_step_bwd", "float32")]
+    assert m <= fwd.read < 1.5 * m and m <= fwd.written < 1.5 * m
+    assert 2 * m <= bwd.read < 2.5 * m and m <= bwd.written < 1.5 * m
+    # Grids: one program per sequence for the elementwise groups, per (sequence, head) for _step_bwd.
+    assert per_step[("forward", "triton", "_post_projection", "float32")].programs == B
+    assert bwd.programs == B * H
+    assert step_cost.phase_cost(per_step, "forward", step_cost.H200).min_programs == B
+
+
+def test_batch_extrapolation_equals_a_direct_count(tiny):
+    _, _, costs = tiny
+    direct = costs[4][0]
+    scaled = step_cost.extrapolate({2: costs[2][0], 3: costs[3][0]}, 4)
+    assert scaled.keys() == direct.keys()
+    for key, t in direct.items():
+        s = scaled[key]
+        assert (s.count, s.programs) == (t.count, t.programs), key
+        assert (s.read, s.written, s.flops) == pytest.approx((t.read, t.written, t.flops), rel=1e-9, abs=1e-6), key
+
+
+def test_a_stray_cast_in_the_step_gemm_breaks_the_count(tiny, monkeypatch):
+    model, _, _ = tiny
+    original = elementwise.mm  # the step GEMM the fused core calls for kernel "triton"
+
+    def mm_with_round_trip(x, W, out=None, bias=None):
+        return original(x.to(torch.float64).to(x.dtype), W, out=out, bias=bias)
+
+    monkeypatch.setattr(elementwise, "mm", mm_with_round_trip)
+    per_step, _ = step_cost.step_costs(model, [2], STEPS, "bf16", torch.device(DEVICE), warm=False)[2]
+    with pytest.raises(AssertionError):
+        check_hand_count(per_step, "bf16")
+    assert launches(per_step)[("forward", "cast")] == hand_count("bf16")[("forward", "cast")] + 2 * 3
+
+
+def test_command_line_table_json_and_bad_config(tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    assert step_cost.main(["--config", "gpn_m_tiny", "--kernel", "torch", "--device", "cpu", "--batch", "8",
+                           "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "measured at batch 2 and 3, extrapolated linearly" in printed and "T=3 minus T=2" in printed
+    result = json.loads(out.read_text())
+    assert result["batch"] == 8 and set(result["phases"]) == {"forward", "backward"}
+    assert result["memory_floor"]["m_bytes"] == 4 * 4 * 16 * 16
+    assert result["tokens_per_s"]["graph"] > result["tokens_per_s"]["eager"] > 0
+    assert step_cost.main(["--config", "no_such_model"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "no_such_model" in err[0]
