@@ -188,7 +188,7 @@ class LaunchCounter(TorchDispatchMode):
                 changed = tuple(not (bool(((t == b) | (t.isnan() & b.isnan())).all()) if t.is_floating_point()
                                      else torch.equal(t, b)) for t, b in zip(tensors, before))
                 dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
-                self.launches.append(Launch(self.phase, "triton", fn.__name__, dtype, math.prod(grid), 0, 0, 0,
+                counter.launches.append(Launch(counter.phase, "triton", fn.__name__, dtype, math.prod(grid), 0, 0, 0,
                                             tuple(zip(map(_nbytes, tensors), changed))))
                 return result
             finally:
