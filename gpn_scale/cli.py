@@ -23,6 +23,7 @@ COMMANDS = {
     "eval": ("gpn_scale.eval.cli:eval_main", "held-out perplexity (by position) and LAMBADA of a checkpoint"),
     "analyze": ("gpn_scale.eval.cli:analyze_main", "state geometry, horizons, memory half-lives and ablations"),
     "generate": ("gpn_scale.eval.cli:generate_main", "sample text from a checkpoint, streamed, O(1) memory"),
+    "lm-eval": ("gpn_scale.eval.cli:lm_eval_main", "lm-evaluation-harness tasks on a checkpoint (model `gpn-scale`)"),
     "demo": ("gpn_scale.demo:main", "the README's main job on the embedded corpus"),
 }
 

@@ -43,7 +43,7 @@ def _check_positive(args, *names: str) -> None:
             raise UserError(f"--{name}: expected a positive integer, got {value}")
 
 
-def _bos(prep: PrepData | None) -> int | None:
+def bos_of(prep: PrepData | None) -> int | None:
     stats = prep.stats if prep is not None else None
     return stats["bos_id"] if stats and stats.get("add_bos") else None
 
@@ -110,8 +110,14 @@ def eval_main(argv: list[str]) -> int:
     if args.lambada:
         texts = read_lambada(args.lambada)
         codec, prep = resolve_tokenizer(args.checkpoint, trained, args.tokenizer, data, model)
-        lam = score_lambada(model, make_examples(texts, codec.encode, _bos(prep), args.lambada), args.batch)
+        lam = score_lambada(model, make_examples(texts, codec.encode, bos_of(prep), args.lambada), args.batch)
         metrics.update({k: v for k, v in lam.items() if k != "per_example"})
+        out.mkdir(parents=True, exist_ok=True)
+        per = lam["per_example"]
+        (out / "lambada_examples.jsonl").write_text("".join(
+            json.dumps({"example": i, "correct": c, "target_logprob": lp, "target_mean_ce": ce}) + "\n"
+            for i, (c, lp, ce) in enumerate(zip(per["correct"], per["word_logprob"], per["word_ce"]), 1)))
+        metrics["lambada_per_example"] = str(out / "lambada_examples.jsonl")
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     if args.json:
@@ -183,7 +189,7 @@ def generate_main(argv: list[str]) -> int:
     model = load_checkpoint(args.checkpoint, args.device)
     data = open_data(args.data) if args.data else None
     codec, prep = resolve_tokenizer(args.checkpoint, training_prep(args.checkpoint), args.tokenizer, data, model)
-    bos = _bos(prep)
+    bos = bos_of(prep)
     prompt = ([] if bos is None else [bos]) + codec.encode(args.prompt)
     stream = TextStream(codec)
     sys.stdout.write(args.prompt)
@@ -191,4 +197,39 @@ def generate_main(argv: list[str]) -> int:
         sys.stdout.write(stream.push(token))
         sys.stdout.flush()
     sys.stdout.write(stream.flush() + "\n")
+    return 0
+
+
+def lm_eval_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="gpn-scale lm-eval", usage="gpn-scale lm-eval CHECKPOINT [--tokenizer F] [--data DIR] HARNESS_ARGS...",
+        description="lm-evaluation-harness on a checkpoint: registers it as the harness model `gpn-scale` and runs "
+                    "`lm-eval run --model gpn-scale` with every other argument as given (see `lm-eval run --help`: "
+                    "--tasks, --num_fewshot, --batch_size, --limit, --output_path, --include_path, ...; "
+                    "--device defaults to cpu here)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("checkpoint", help="a native checkpoint, a training checkpoint or a run directory")
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer file (default: the one recorded with --data or the training data)")
+    ap.add_argument("--data", default=None, help="a prep output whose recorded tokenizer (and BOS) to use")
+    args, harness_args = ap.parse_known_args(argv)
+    if not Path(args.checkpoint).exists():
+        raise UserError(f"{args.checkpoint}: no such checkpoint")
+    try:
+        from lm_eval.__main__ import cli_evaluate
+    except ImportError:
+        raise UserError("lm-eval needs lm-evaluation-harness: pip install 'gpn-scale[eval]'") from None
+    import gpn_scale.eval.lm_eval_model  # noqa: F401  registers the model `gpn-scale` with the harness
+
+    model_args = {"pretrained": str(Path(args.checkpoint).resolve())}
+    model_args.update({k: str(Path(v).resolve()) for k, v in (("tokenizer", args.tokenizer), ("data", args.data)) if v})
+    saved = sys.argv
+    # The harness's entry point reads sys.argv; its own parser then handles every argument it knows.
+    # --device cpu first, as for `gpn-scale eval` (the harness's own default is cuda:0); a --device given wins.
+    sys.argv = ["lm-eval", "run", "--model", "gpn-scale", "--model_args", json.dumps(model_args), "--device", "cpu",
+                *harness_args]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
     return 0
