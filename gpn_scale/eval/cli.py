@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from gpn_scale.errors import UserError
+from gpn_scale.helptext import HelpFormatter
 from gpn_scale.eval.codec import Codec
 from gpn_scale.eval.data import PrepData, check_model_fits, open_data, read_windows, training_prep
 
@@ -78,13 +79,14 @@ def _open_checked(args, model, trained: PrepData | None):
 
 
 def eval_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="gpn-scale eval", description="held-out perplexity and LAMBADA of a checkpoint")
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="gpn-scale eval", description="held-out perplexity and LAMBADA of a checkpoint")
     ap.add_argument("checkpoint", help="a native checkpoint, a training checkpoint or a run directory")
     ap.add_argument("--data", help="held-out MDS windows: a prep output (its val split) or a split directory")
     ap.add_argument("--windows", type=int, default=None, help="evaluate the first N windows (default: all)")
     ap.add_argument("--lambada", help="LAMBADA jsonl (one {\"text\": ...} per line)")
     ap.add_argument("--tokenizer", help="tokenizer for --lambada (default: the one recorded with the data)")
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16, help="windows (or LAMBADA examples) per forward")
     ap.add_argument("--out", default="eval", help="where metrics.json and the loss-by-position curve go (default: eval)")
     ap.add_argument("--json", action="store_true", help="print one JSON object with the metrics")
     _device_flag(ap)
@@ -133,14 +135,15 @@ def eval_main(argv: list[str]) -> int:
 
 
 def analyze_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="gpn-scale analyze", description="the paper's state and memory analyses, "
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="gpn-scale analyze", description="the paper's state and memory analyses, "
                                  "plus ablations, on held-out data: report.json, report.md and figures")
     ap.add_argument("checkpoint", help="a native checkpoint, a training checkpoint or a run directory")
     ap.add_argument("--data", required=True, help="held-out MDS windows: a prep output (its val split) or a split")
     ap.add_argument("--out", required=True, help="the report's directory")
     ap.add_argument("--windows", type=int, default=None,
                     help=f"analyse the first N windows (default: enough for {STATES_TARGET} states)")
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16, help="windows (or LAMBADA examples) per forward")
     _device_flag(ap)
     args = ap.parse_args(argv)
     _check_positive(args, "windows", "batch")
@@ -161,14 +164,18 @@ def analyze_main(argv: list[str]) -> int:
 
 
 def generate_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="gpn-scale generate", description="sample text from a checkpoint, streamed "
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="gpn-scale generate", description="sample text from a checkpoint, streamed "
                                  "as it is produced, with constant memory per token")
     ap.add_argument("checkpoint", help="a native checkpoint, a training checkpoint or a run directory")
-    ap.add_argument("--prompt", required=True)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt", required=True, help="the text to continue")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    ap.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0: greedy")
+    ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only; 0: all")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens with this mass")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="keep generating past the tokenizer's end-of-text token (default: stop there)")
     ap.add_argument("--tokenizer", help="tokenizer file (default: the one recorded with --data or the training data)")
     ap.add_argument("--data", help="a prep output whose recorded tokenizer to use")
     _device_flag(ap)
@@ -179,6 +186,8 @@ def generate_main(argv: list[str]) -> int:
         raise UserError(f"--top-p: expected a number in (0, 1], got {args.top_p}")
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens: expected >= 0, got {args.max_new_tokens}")
+    if args.top_k < 0:
+        raise UserError(f"--top-k: expected >= 0 (0: all tokens), got {args.top_k}")
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
@@ -193,7 +202,12 @@ def generate_main(argv: list[str]) -> int:
     prompt = ([] if bos is None else [bos]) + codec.encode(args.prompt)
     stream = TextStream(codec)
     sys.stdout.write(args.prompt)
-    for token, _ in generate_tokens(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed):
+    # The data's EOS (what prep appended to every document), else the tokenizer's own
+    eos = None if args.ignore_eos else (prep.stats["eos_id"] if prep is not None and prep.stats else codec.eos_id)
+    for token, _ in generate_tokens(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
+                                    args.top_k):
+        if token == eos:
+            break
         sys.stdout.write(stream.push(token))
         sys.stdout.flush()
     sys.stdout.write(stream.flush() + "\n")
@@ -207,7 +221,7 @@ def lm_eval_main(argv: list[str]) -> int:
                     "`lm-eval run --model gpn-scale` with every other argument as given (see `lm-eval run --help`: "
                     "--tasks, --num_fewshot, --batch_size, --limit, --output_path, --include_path, ...; "
                     "--device defaults to cpu here)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     ap.add_argument("checkpoint", help="a native checkpoint, a training checkpoint or a run directory")
     ap.add_argument("--tokenizer", default=None,
                     help="tokenizer file (default: the one recorded with --data or the training data)")
