@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from gpn_scale.errors import UserError
+from gpn_scale.helptext import HelpFormatter
 
 
 def main(argv: list[str]) -> int:
@@ -23,15 +24,16 @@ def main(argv: list[str]) -> int:
 
 
 def _prep_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpn-scale prep", description=(
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="gpn-scale prep", description=(
         "Tokenize FineWeb-Edu parquet or jsonl[.zst] (paths, directories, globs or fsspec URLs), pack into "
         "fixed windows and write MDS shards to OUT/train and OUT/val. Also: `gpn-scale prep train-tokenizer "
         "--help`, `gpn-scale prep merge DIR`."))
-    p.add_argument("inputs", nargs="+", metavar="INPUT")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="FineWeb-Edu parquet or .jsonl[.zst] files, local or any fsspec URL")
     p.add_argument("--out", required=True, help="output directory (a shared filesystem for multi-node runs)")
     p.add_argument("--tokenizer", required=True, help="sentencepiece .model or Hugging Face tokenizer.json")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per window (2048 in the paper)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes")
     p.add_argument("--num-nodes", type=int, help="default: SLURM_ARRAY_TASK_COUNT or SLURM_NNODES, else 1")
     p.add_argument("--node-rank", type=int, help="default: from SLURM_ARRAY_TASK_ID or SLURM_NODEID, else 0")
     val = p.add_mutually_exclusive_group()
@@ -41,7 +43,7 @@ def _prep_parser() -> argparse.ArgumentParser:
                      help="these files (also read as inputs) are the val split, e.g. the last file")
     p.add_argument("--on-error", choices=("fail", "skip"), default="fail",
                    help="bad file or document: stop with an error, or skip it and count it in stats.json")
-    p.add_argument("--text-column", default="text")
+    p.add_argument("--text-column", default="text", help="the column (or jsonl field) holding the text")
     p.add_argument("--min-int-score", type=int, help="keep documents with int_score >= this")
     p.add_argument("--min-score", type=float, help="keep documents with score >= this")
     p.add_argument("--max-docs", type=int, help="read only the first N input rows (in input order)")
@@ -122,12 +124,12 @@ def _train_tokenizer(argv: list[str]) -> int:
     from data_prep.sources import Filters, expand_inputs, limit_rows, plan_units, read_unit
     from data_prep.tokenizer import train_bpe
 
-    p = argparse.ArgumentParser(prog="gpn-scale prep train-tokenizer",
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="gpn-scale prep train-tokenizer",
                                 description="Train a byte-level BPE tokenizer.json on the inputs' text.")
-    p.add_argument("inputs", nargs="+", metavar="INPUT")
-    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="parquet or .jsonl[.zst] files to train on")
+    p.add_argument("--vocab-size", type=int, required=True, help="vocabulary size, special tokens included")
     p.add_argument("--out", required=True, help="path of the tokenizer.json to write")
-    p.add_argument("--text-column", default="text")
+    p.add_argument("--text-column", default="text", help="the column (or jsonl field) holding the text")
     p.add_argument("--max-docs", type=int, help="train on the first N documents only")
     a = p.parse_args(argv)
     if not a.out.endswith(".json"):
@@ -153,9 +155,9 @@ def _train_tokenizer(argv: list[str]) -> int:
 def _merge(argv: list[str]) -> int:
     from data_prep.output import merge
 
-    p = argparse.ArgumentParser(prog="gpn-scale prep merge",
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="gpn-scale prep merge",
                                 description="Write OUT's root indexes and stats once every node's units are committed.")
-    p.add_argument("out", metavar="DIR")
+    p.add_argument("out", metavar="DIR", help="the output directory every node's `prep` wrote to")
     a = p.parse_args(argv)
     stats = merge(Path(a.out))
     windows = ", ".join(f"{s['windows']:,} {name} windows" for name, s in stats["splits"].items())

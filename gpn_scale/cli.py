@@ -23,13 +23,24 @@ COMMANDS = {
     "eval": ("gpn_scale.eval.cli:eval_main", "held-out perplexity (by position) and LAMBADA of a checkpoint"),
     "analyze": ("gpn_scale.eval.cli:analyze_main", "state geometry, horizons, memory half-lives and ablations"),
     "generate": ("gpn_scale.eval.cli:generate_main", "sample text from a checkpoint, streamed, O(1) memory"),
+    "lm-eval": ("gpn_scale.eval.cli:lm_eval_main", "lm-evaluation-harness tasks on a checkpoint (model `gpn-scale`)"),
     "demo": ("gpn_scale.demo:main", "the README's main job on the embedded corpus"),
 }
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version("gpn-scale")
+    except PackageNotFoundError:  # run from a checkout that was never pip-installed
+        return "unknown (not installed)"
+
+
 def _usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: gpn-scale SUBCOMMAND [ARGS...]", "", "subcommands:"]
+    lines = ["usage: gpn-scale [--version] SUBCOMMAND [ARGS...]", "", "subcommands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "`gpn-scale SUBCOMMAND --help` for a subcommand's arguments."]
     return "\n".join(lines)
@@ -40,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"gpn-scale {version()}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"error: unknown subcommand {name!r}; expected one of: {', '.join(COMMANDS)}", file=sys.stderr)

@@ -7,6 +7,7 @@ dotted overrides (`d_state=256`) are applied before validation.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from pathlib import Path
@@ -15,7 +16,8 @@ import yaml
 
 from gpn_scale.errors import UserError
 
-CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
+INSTALL_ROOT = Path(__file__).resolve().parent.parent  # holds configs/ and launchers/ beside the package
+CONFIG_ROOT = INSTALL_ROOT / "configs"
 
 
 def read_yaml(path: str | Path) -> dict:
@@ -68,13 +70,27 @@ def yaml_number(text: str) -> float | None:
         return None
 
 
+OVERRIDE = "command-line override"  # what an error blames when a key=value argument is at fault
+
+
+def unknown_key(where: str, key: str, known, prefix: str = "") -> UserError:
+    """`WHERE: PREFIXkey: unknown key; did you mean PREFIXnearest? expected one of: ...`"""
+    nearest = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    hint = f"did you mean {prefix}{nearest[0]}? " if nearest else ""
+    return UserError(f"{where}: {prefix}{key}: unknown key; {hint}expected one of: {', '.join(sorted(known))}")
+
+
+def dataclass_keys(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls) if f.init}
+
+
 def build_dataclass(cls, data: dict, where: str, prefix: str = ""):
     """Instantiate dataclass `cls` from `data`; errors read `WHERE: PREFIXkey: problem`."""
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    known = dataclass_keys(cls)
     unknown = sorted(set(data) - known)
     if unknown:
-        raise UserError(f"{where}: {prefix}{unknown[0]}: unknown key; expected one of: {', '.join(sorted(known))}")
+        raise unknown_key(where, unknown[0], known, prefix)
     values = {k: _check_type(v, hints[k], f"{where}: {prefix}{k}") for k, v in data.items()}
     try:
         return cls(**values)
@@ -120,8 +136,11 @@ def resolve_config_path(path: str | Path, kind: str) -> Path:
     raise UserError(f"{path}: no such config file (nor {candidate})")
 
 
-def model_config(source: str | Path | dict, overrides: dict | None = None, where: str | None = None):
-    """A validated model config object from a YAML path, a configs/models name, or a dict."""
+def model_config(source: str | Path | dict, overrides: dict | None = None, where: str | None = None,
+                 override_prefix: str | None = None):
+    """A validated model config object from a YAML path, a configs/models name, or a dict. With
+    `override_prefix` (e.g. `model.`), `overrides` came from the command line, spelled with that prefix,
+    and an unknown key among them is blamed on the override rather than on the file."""
     from gpn_scale.models import MODEL_FAMILIES
 
     if isinstance(source, dict):
@@ -134,4 +153,7 @@ def model_config(source: str | Path | dict, overrides: dict | None = None, where
     if family not in MODEL_FAMILIES:
         raise UserError(f"{where}: family: expected one of {', '.join(MODEL_FAMILIES)}, got {family!r}")
     config_cls, _ = MODEL_FAMILIES[family]
+    unknown = sorted(set(overrides or {}) - dataclass_keys(config_cls)) if override_prefix is not None else []
+    if unknown:
+        raise unknown_key(OVERRIDE, unknown[0], dataclass_keys(config_cls), override_prefix)
     return build_dataclass(config_cls, data, where)

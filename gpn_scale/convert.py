@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from gpn_scale.errors import UserError
+from gpn_scale.helptext import HelpFormatter
 from gpn_scale.models import GPN, GPNConfig
 
 # What a reference pickle may build: NumPy arrays, dtypes and scalars, and plain containers.
@@ -189,7 +190,8 @@ def to_reference(model: GPN, grads: bool = False) -> dict[str, np.ndarray]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="gpn-scale convert", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="gpn-scale convert", description=__doc__.split("\n\n")[0])
     ap.add_argument("--from-reference", required=True, metavar="CKPT", help="checkpoint.pkl or its directory")
     ap.add_argument("--config", required=True, metavar="JSON", help="the reference run's JSON config")
     ap.add_argument("--out", required=True, metavar="DIR", help="native checkpoint directory to write")

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from gpn_scale.config import CONFIG_ROOT
+from gpn_scale.helptext import HelpFormatter
 from gpn_scale.jsonl import read_jsonl
 
 DEMO_CONFIG = CONFIG_ROOT / "train" / "demo.yaml"
@@ -37,12 +38,13 @@ def unigram_entropy(counts: np.ndarray) -> float:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="gpn-scale demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="gpn-scale demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/demo", help="where everything goes (default: runs/demo)")
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: the demo config's)")
-    ap.add_argument("--vocab-size", type=int, default=2048)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--vocab-size", type=int, default=2048, help="the BPE tokenizer's vocabulary size")
+    ap.add_argument("--seq-len", type=int, default=128, help="tokens per training window")
+    ap.add_argument("--workers", type=int, default=2, help="data prep processes")
     args = ap.parse_args(argv)
     out = Path(args.out)
     began = time.time()

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 from gpn_scale.errors import UserError
+from gpn_scale.helptext import HelpFormatter
 
 
 def torchrun_command(config: str, overrides: list[str], nproc: int, nnodes: str | None = None,
@@ -41,7 +42,8 @@ def _default_nproc() -> int:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="gpn-scale launch", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="gpn-scale launch", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="training YAML (or a name in configs/train/)")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value, as for `gpn-scale train`")
     ap.add_argument("--nproc", type=int, help="processes on this node (default: GPUs here, else 1)")
@@ -50,7 +52,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rdzv-id", default="gpn-scale", help="the run's rendezvous id, the same on every node")
     ap.add_argument("--max-restarts", type=int, default=0, help="worker-group restarts after a failure (elastic)")
     ap.add_argument("--dry-run", action="store_true", help="print the command only")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # key=value overrides may come after flags
 
     from gpn_scale.train.config import load_train_config
 

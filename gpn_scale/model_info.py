@@ -7,6 +7,7 @@ import argparse
 import torch
 
 from gpn_scale.config import model_config, parse_overrides
+from gpn_scale.helptext import HelpFormatter
 from gpn_scale.models import build_model
 
 # Which part of a GPN each top-level parameter name belongs to; everything else is the loop.
@@ -37,11 +38,11 @@ def parameter_groups(model: torch.nn.Module) -> dict[str, int]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="gpn-scale model-info", description=__doc__)
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="gpn-scale model-info", description=__doc__)
     ap.add_argument("config", help="model YAML (or a name in configs/models/)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. d_state=1024")
     args = ap.parse_args(argv)
-    cfg = model_config(args.config, parse_overrides(args.overrides))
+    cfg = model_config(args.config, parse_overrides(args.overrides), override_prefix="")
     with torch.device("meta"):  # shapes only: a 1B config costs nothing
         model = build_model(cfg)
     counts = parameter_groups(model)

@@ -12,5 +12,7 @@
     analyze.py    all of the analyses on a model and its held-out windows
     report.py     report.json, report.md and the figures
     generate.py   sampling with O(1) memory per token, batch scoring
-    cli.py        `gpn-scale eval | analyze | generate`
+    harness.py    lm-evaluation-harness requests scored with the recurrent state carried (torch only)
+    lm_eval_model.py  the harness's model `gpn-scale` (imports lm_eval)
+    cli.py        `gpn-scale eval | analyze | generate | lm-eval`
 """

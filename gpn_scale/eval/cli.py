@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from gpn_scale.errors import UserError
+from gpn_scale.helptext import HelpFormatter
 from gpn_scale.eval.codec import Codec
 from gpn_scale.eval.data import PrepData, check_model_fits, open_data, read_windows, training_prep
 
@@ -43,7 +44,7 @@ def _check_positive(args, *names: str) -> None:
             raise UserError(f"--{name}: expected a positive integer, got {value}")
 
 
-def _bos(prep: PrepData | None) -> int | None:
+def bos_of(prep: PrepData | None) -> int | None:
     stats = prep.stats if prep is not None else None
     return stats["bos_id"] if stats and stats.get("add_bos") else None
 
@@ -78,13 +79,14 @@ def _open_checked(args, model, trained: PrepData | None):
 
 
 def eval_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="gpn-scale eval", description="held-out perplexity and LAMBADA of a checkpoint")
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="gpn-scale eval", description="held-out perplexity and LAMBADA of a checkpoint")
     ap.add_argument("checkpoint", help="a native checkpoint, a training checkpoint or a run directory")
     ap.add_argument("--data", help="held-out MDS windows: a prep output (its val split) or a split directory")
     ap.add_argument("--windows", type=int, default=None, help="evaluate the first N windows (default: all)")
     ap.add_argument("--lambada", help="LAMBADA jsonl (one {\"text\": ...} per line)")
     ap.add_argument("--tokenizer", help="tokenizer for --lambada (default: the one recorded with the data)")
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16, help="windows (or LAMBADA examples) per forward")
     ap.add_argument("--out", default="eval", help="where metrics.json and the loss-by-position curve go (default: eval)")
     ap.add_argument("--json", action="store_true", help="print one JSON object with the metrics")
     _device_flag(ap)
@@ -110,8 +112,14 @@ def eval_main(argv: list[str]) -> int:
     if args.lambada:
         texts = read_lambada(args.lambada)
         codec, prep = resolve_tokenizer(args.checkpoint, trained, args.tokenizer, data, model)
-        lam = score_lambada(model, make_examples(texts, codec.encode, _bos(prep), args.lambada), args.batch)
+        lam = score_lambada(model, make_examples(texts, codec.encode, bos_of(prep), args.lambada), args.batch)
         metrics.update({k: v for k, v in lam.items() if k != "per_example"})
+        out.mkdir(parents=True, exist_ok=True)
+        per = lam["per_example"]
+        (out / "lambada_examples.jsonl").write_text("".join(
+            json.dumps({"example": i, "correct": c, "target_logprob": lp, "target_mean_ce": ce}) + "\n"
+            for i, (c, lp, ce) in enumerate(zip(per["correct"], per["word_logprob"], per["word_ce"]), 1)))
+        metrics["lambada_per_example"] = str(out / "lambada_examples.jsonl")
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     if args.json:
@@ -127,14 +135,15 @@ def eval_main(argv: list[str]) -> int:
 
 
 def analyze_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="gpn-scale analyze", description="the paper's state and memory analyses, "
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="gpn-scale analyze", description="the paper's state and memory analyses, "
                                  "plus ablations, on held-out data: report.json, report.md and figures")
     ap.add_argument("checkpoint", help="a native checkpoint, a training checkpoint or a run directory")
     ap.add_argument("--data", required=True, help="held-out MDS windows: a prep output (its val split) or a split")
     ap.add_argument("--out", required=True, help="the report's directory")
     ap.add_argument("--windows", type=int, default=None,
                     help=f"analyse the first N windows (default: enough for {STATES_TARGET} states)")
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16, help="windows (or LAMBADA examples) per forward")
     _device_flag(ap)
     args = ap.parse_args(argv)
     _check_positive(args, "windows", "batch")
@@ -155,14 +164,18 @@ def analyze_main(argv: list[str]) -> int:
 
 
 def generate_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="gpn-scale generate", description="sample text from a checkpoint, streamed "
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="gpn-scale generate", description="sample text from a checkpoint, streamed "
                                  "as it is produced, with constant memory per token")
     ap.add_argument("checkpoint", help="a native checkpoint, a training checkpoint or a run directory")
-    ap.add_argument("--prompt", required=True)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt", required=True, help="the text to continue")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    ap.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0: greedy")
+    ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only; 0: all")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens with this mass")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="keep generating past the tokenizer's end-of-text token (default: stop there)")
     ap.add_argument("--tokenizer", help="tokenizer file (default: the one recorded with --data or the training data)")
     ap.add_argument("--data", help="a prep output whose recorded tokenizer to use")
     _device_flag(ap)
@@ -173,6 +186,8 @@ def generate_main(argv: list[str]) -> int:
         raise UserError(f"--top-p: expected a number in (0, 1], got {args.top_p}")
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens: expected >= 0, got {args.max_new_tokens}")
+    if args.top_k < 0:
+        raise UserError(f"--top-k: expected >= 0 (0: all tokens), got {args.top_k}")
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
@@ -183,12 +198,52 @@ def generate_main(argv: list[str]) -> int:
     model = load_checkpoint(args.checkpoint, args.device)
     data = open_data(args.data) if args.data else None
     codec, prep = resolve_tokenizer(args.checkpoint, training_prep(args.checkpoint), args.tokenizer, data, model)
-    bos = _bos(prep)
+    bos = bos_of(prep)
     prompt = ([] if bos is None else [bos]) + codec.encode(args.prompt)
     stream = TextStream(codec)
     sys.stdout.write(args.prompt)
-    for token, _ in generate_tokens(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed):
+    # The data's EOS (what prep appended to every document), else the tokenizer's own
+    eos = None if args.ignore_eos else (prep.stats["eos_id"] if prep is not None and prep.stats else codec.eos_id)
+    for token, _ in generate_tokens(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
+                                    args.top_k):
+        if token == eos:
+            break
         sys.stdout.write(stream.push(token))
         sys.stdout.flush()
     sys.stdout.write(stream.flush() + "\n")
+    return 0
+
+
+def lm_eval_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="gpn-scale lm-eval", usage="gpn-scale lm-eval CHECKPOINT [--tokenizer F] [--data DIR] HARNESS_ARGS...",
+        description="lm-evaluation-harness on a checkpoint: registers it as the harness model `gpn-scale` and runs "
+                    "`lm-eval run --model gpn-scale` with every other argument as given (see `lm-eval run --help`: "
+                    "--tasks, --num_fewshot, --batch_size, --limit, --output_path, --include_path, ...; "
+                    "--device defaults to cpu here)",
+        formatter_class=HelpFormatter)
+    ap.add_argument("checkpoint", help="a native checkpoint, a training checkpoint or a run directory")
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer file (default: the one recorded with --data or the training data)")
+    ap.add_argument("--data", default=None, help="a prep output whose recorded tokenizer (and BOS) to use")
+    args, harness_args = ap.parse_known_args(argv)
+    if not Path(args.checkpoint).exists():
+        raise UserError(f"{args.checkpoint}: no such checkpoint")
+    try:
+        from lm_eval.__main__ import cli_evaluate
+    except ImportError:
+        raise UserError("lm-eval needs lm-evaluation-harness: pip install 'gpn-scale[eval]'") from None
+    import gpn_scale.eval.lm_eval_model  # noqa: F401  registers the model `gpn-scale` with the harness
+
+    model_args = {"pretrained": str(Path(args.checkpoint).resolve())}
+    model_args.update({k: str(Path(v).resolve()) for k, v in (("tokenizer", args.tokenizer), ("data", args.data)) if v})
+    saved = sys.argv
+    # The harness's entry point reads sys.argv; its own parser then handles every argument it knows.
+    # --device cpu first, as for `gpn-scale eval` (the harness's own default is cuda:0); a --device given wins.
+    sys.argv = ["lm-eval", "run", "--model", "gpn-scale", "--model_args", json.dumps(model_args), "--device", "cpu",
+                *harness_args]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
     return 0

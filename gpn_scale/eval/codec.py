@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from data_prep.tokenizer import EOS_CANDIDATES
 from gpn_scale.errors import UserError
 
 
 class Codec:
     """A Hugging Face `tokenizer.json` or a sentencepiece `.model`: encode without special tokens,
-    decode ids back to text."""
+    decode ids back to text. `eos_id`: the end-of-text token (by the names prep looks for), if any."""
 
     def __init__(self, path: str | Path):
         path = Path(path)
@@ -29,6 +30,7 @@ class Codec:
                 raise UserError(f"{path}: not a sentencepiece model") from None
             self._encode, self._decode = lambda text: sp.encode(text, out_type=int), sp.decode
             self.vocab_size = sp.vocab_size()
+            self.eos_id = sp.eos_id() if sp.eos_id() >= 0 else None
         elif path.suffix == ".json":
             from tokenizers import Tokenizer
 
@@ -39,6 +41,7 @@ class Codec:
             self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
             self._decode = lambda ids: tok.decode(ids, skip_special_tokens=False)
             self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+            self.eos_id = next((i for i in map(tok.token_to_id, EOS_CANDIDATES) if i is not None), None)
         else:
             raise UserError(f"{path}: unknown tokenizer format; expected a sentencepiece .model or a tokenizer.json")
 

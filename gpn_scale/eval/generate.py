@@ -17,12 +17,15 @@ from gpn_scale.eval.heldout import model_device
 PLACEHOLDER = 0  # any id: the logits at a position do not depend on the token fed there
 
 
-def sampling_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
-    """Probabilities to sample from: softmax(logits / T) cut to the smallest set of most likely tokens
-    whose mass reaches top_p, renormalised. temperature 0 is greedy (all mass on the argmax)."""
+def sampling_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """Probabilities to sample from: softmax(logits / T) over the top_k most likely tokens (0: all), cut
+    to the smallest set of most likely tokens whose mass reaches top_p, renormalised. temperature 0 is
+    greedy (all mass on the argmax)."""
     logits = logits.double()
     if temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(), logits.numel()).double()
+    if 0 < top_k < logits.numel():
+        logits = logits.masked_fill(logits < logits.topk(top_k).values[-1], -torch.inf)
     probs = torch.softmax(logits / temperature, -1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
@@ -41,14 +44,14 @@ def next_token_logits(model, state) -> torch.Tensor:
 
 @torch.no_grad()
 def generate_tokens(model, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                    seed: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
+                    seed: int = 0, top_k: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
     """Yields (token, the probabilities it was sampled from) one at a time."""
     model.eval()
     device = model_device(model)
     generator = torch.Generator().manual_seed(seed)  # sampling runs on the CPU: the same text on any device
     state = model(torch.tensor([prompt], device=device)).state if prompt else None
     for _ in range(max_new_tokens):
-        probs = sampling_probs(next_token_logits(model, state), temperature, top_p)
+        probs = sampling_probs(next_token_logits(model, state), temperature, top_p, top_k)
         token = int(torch.multinomial(probs, 1, generator=generator))
         yield token, probs
         state = model(torch.tensor([[token]], device=device), state=state).state

@@ -7,6 +7,7 @@ does), so the word's first subword is the one a reader would predict after the c
 
 accuracy = share of examples whose first target subword is the top-1 prediction given the context;
 PPL = exp of the mean over examples of the mean CE over that example's target subwords.
+Per example, the target's summed log-likelihood is kept too (what lm-evaluation-harness reports).
 Only the model interface `model(tokens, return_logits=True)` -> (loss, token_losses, state, logits)
 is used, with logits[:, t] and token_losses[:, t] predicting token t from tokens before it.
 """
@@ -80,7 +81,7 @@ def score_lambada(model, examples: list[Example], batch: int = 8) -> dict:
     the right: a causal model's outputs at a position never depend on the padding after it."""
     model.eval()
     order = sorted(range(len(examples)), key=lambda i: len(examples[i].context) + len(examples[i].target))
-    correct, word_ce = [False] * len(examples), [0.0] * len(examples)
+    correct, word_ce, word_logprob = [False] * len(examples), [0.0] * len(examples), [0.0] * len(examples)
     for start in range(0, len(order), batch):
         group = [examples[i] for i in order[start : start + batch]]
         length = max(len(e.context) + len(e.target) for e in group)
@@ -92,7 +93,8 @@ def score_lambada(model, examples: list[Example], batch: int = 8) -> dict:
         for row, (i, e) in enumerate(zip(order[start : start + batch], group)):
             first, end = len(e.context), len(e.context) + len(e.target)
             correct[i] = int(out.logits[row, first].argmax()) == e.target[0]
-            word_ce[i] = float(out.token_losses[row, first:end].double().mean())
+            losses = out.token_losses[row, first:end].double()
+            word_ce[i], word_logprob[i] = float(losses.mean()), -float(losses.sum())
     mean_ce = sum(word_ce) / len(word_ce)
     return {"lambada_acc": sum(correct) / len(correct), "lambada_ppl": math.exp(mean_ce),
-            "lambada_examples": len(examples), "per_example": {"correct": correct, "word_ce": word_ce}}
+            "lambada_examples": len(examples), "per_example": {"correct": correct, "word_ce": word_ce, "word_logprob": word_logprob}}

@@ -14,10 +14,12 @@ import argparse
 from pathlib import Path
 
 from gpn_scale.errors import UserError
+from gpn_scale.helptext import HelpFormatter
 
 
 def _collect(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="gpn-scale sweep collect", description="results.csv, fits and plots of a sweep")
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="gpn-scale sweep collect", description="results.csv, fits and plots of a sweep")
     ap.add_argument("dir", help="the sweep's output directory")
     args = ap.parse_args(argv)
     from gpn_scale.sweep.collect import collect
@@ -44,11 +46,13 @@ def _collect(argv: list[str]) -> int:
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "collect":
         return _collect(argv[1:])
-    ap = argparse.ArgumentParser(prog="gpn-scale sweep", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="gpn-scale sweep", description=__doc__.split("\n\n")[0])
     ap.add_argument("spec", help="sweep YAML (or a name in configs/sweeps/)")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value for every point's training config "
                                                  "(on top of the spec's `overrides`), e.g. data.train=DIR")
-    ap.add_argument("--backend", choices=("local", "slurm"), default="local")
+    ap.add_argument("--backend", choices=("local", "slurm"), default="local",
+                    help="local: train the points here one after another; slurm: one sbatch job per point")
     ap.add_argument("--out", help="output directory (default: the spec's `out`, else runs/sweeps/<spec name>)")
     ap.add_argument("--nproc", type=int, default=1, help="local backend: training processes per point (torchrun)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands; write and run nothing")

@@ -20,6 +20,7 @@ import torch
 from gpn_scale import manifest, safe_load
 from gpn_scale.checkpoints import MANIFEST, TRAINER_STATE, step_of, tags, verify
 from gpn_scale.errors import UserError
+from gpn_scale.helptext import HelpFormatter
 
 LATEST = "latest"
 UNIVERSAL = "universal"  # sub-directory with the world-size-independent form of a checkpoint
@@ -111,12 +112,14 @@ def to_universal(tag_dir: Path, workers: int = 1) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="gpn-scale ckpt", description="Checkpoint tools.")
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="gpn-scale ckpt", description="Checkpoint tools.")
     sub = ap.add_subparsers(dest="verb", required=True)
-    conv = sub.add_parser("to-universal", help="convert a checkpoint so it loads at any world size")
+    conv = sub.add_parser("to-universal", formatter_class=HelpFormatter,
+                          help="convert a checkpoint so it loads at any world size")
     conv.add_argument("checkpoint", help="a checkpoint directory (run.dir/checkpoints/step_...)")
-    ver = sub.add_parser("verify", help="check a checkpoint (or all under a run's checkpoints/) against manifests")
-    ver.add_argument("path")
+    ver = sub.add_parser("verify", formatter_class=HelpFormatter,
+                         help="check a checkpoint (or all under a run's checkpoints/) against manifests")
+    ver.add_argument("path", help="a checkpoint directory, a run directory or its checkpoints/")
     args = ap.parse_args(argv)
     path = Path(args.checkpoint if args.verb == "to-universal" else args.path)
     if args.verb == "to-universal":

@@ -1,8 +1,9 @@
 """The training run's config: one YAML file, validated, with dotted command-line overrides.
 
 Every key has a default except `model`, `data.train` and `run.dir`; unknown keys and wrong types
-are one-line errors naming the key. The resolved config (with the model config inlined) is saved
-as `run.dir/config.yaml`.
+are one-line errors naming the key (and the nearest valid one), blaming the command-line override
+when one is at fault. The resolved config (with the model config inlined and local data paths made
+absolute) is saved as `run.dir/config.yaml`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpn_scale.config import build_dataclass, merge, model_config, parse_overrides, read_yaml, resolve_config_path
+from gpn_scale.config import (OVERRIDE, build_dataclass, dataclass_keys, merge, model_config, parse_overrides,
+                              read_yaml, resolve_config_path, unknown_key)
 from gpn_scale.errors import UserError
 
 
@@ -117,6 +119,18 @@ _SECTIONS = {"run": RunSection, "data": DataSection, "train": TrainSection, "zer
 _TOP_LEVEL = {"model", "precision", "seed", *_SECTIONS}
 
 
+def _check_override_keys(overrides: dict) -> None:
+    """A mistyped key=value argument is blamed as such, not the YAML file it overrides."""
+    for key, value in overrides.items():
+        if key not in _TOP_LEVEL:
+            raise unknown_key(OVERRIDE, key, _TOP_LEVEL)
+        if key in _SECTIONS and isinstance(value, dict):
+            known = dataclass_keys(_SECTIONS[key])
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise unknown_key(OVERRIDE, unknown[0], known, f"{key}.")
+
+
 def load_train_config(source: str | Path | dict, overrides: list[str] | dict | None = None) -> TrainConfig:
     """Validated config from a YAML path (or dict) plus `dotted.key=value` overrides."""
     if isinstance(source, dict):
@@ -128,19 +142,21 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
         overrides = parse_overrides(overrides)
     overrides = dict(overrides or {})
     model_overrides = overrides.pop("model") if isinstance(overrides.get("model"), dict) else {}
+    _check_override_keys(overrides)
     data = merge(data, overrides)
     unknown = sorted(set(data) - _TOP_LEVEL)
     if unknown:
-        raise UserError(f"{where}: {unknown[0]}: unknown key; expected one of: {', '.join(sorted(_TOP_LEVEL))}")
+        raise unknown_key(where, unknown[0], _TOP_LEVEL)
 
     model = data.get("model")
     if model is None:
         raise UserError(f"{where}: model: missing (a model YAML path, a configs/models name, or a mapping)")
     if isinstance(model, str):  # relative to the config file, or a configs/models name
         model_path = Path(model) if Path(model).is_absolute() or Path(model).exists() else base_dir / model
-        model_cfg = model_config(model_path if model_path.exists() else model, model_overrides)
+        model_cfg = model_config(model_path if model_path.exists() else model, model_overrides,
+                                 override_prefix="model.")
     elif isinstance(model, dict):
-        model_cfg = model_config(merge(model, model_overrides), where=f"{where}: model")
+        model_cfg = model_config(model, model_overrides, where=f"{where}: model", override_prefix="model.")
     else:
         raise UserError(f"{where}: model: expected a path or a mapping, got {type(model).__name__}")
 
@@ -157,6 +173,12 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
     for key, value in (("run.dir", cfg.run.dir), ("data.train", cfg.data.train)):
         if not value:
             raise UserError(f"{where}: {key}: missing")
+    # Local data paths are recorded absolute (config.yaml, trainer_state.json), so eval, generate and
+    # analyze find the data and the tokenizer beside it from any directory; URLs stay as given.
+    for key in ("train", "val", "cache"):
+        value = getattr(cfg.data, key)
+        if value and "://" not in value:
+            setattr(cfg.data, key, str(Path(value).resolve()))
     return cfg
 
 

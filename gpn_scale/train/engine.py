@@ -33,6 +33,7 @@ import yaml
 from gpn_scale import safe_load
 from gpn_scale import checkpoints
 from gpn_scale.errors import UserError
+from gpn_scale.helptext import HelpFormatter
 from gpn_scale.jsonl import JsonLines, truncate_jsonl
 from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import distributed as dist_utils
@@ -428,7 +429,8 @@ class Trainer:
         return 0
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="gpn-scale train", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="gpn-scale train", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="training YAML (or a name in configs/train/)")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.total_steps=100 zero.stage=3")
     ap.add_argument("--resume", default="none",
@@ -436,7 +438,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--allow-config-change", action="store_true",
                     help="on resume, apply settings that differ from the checkpoint's even where they change what "
                          "the run computes (lr, model, data, ...); the change is recorded in metrics.jsonl")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # key=value overrides may come after flags
     cfg = load_train_config(args.config, args.overrides)
     data = preflight.check(cfg, args.resume)
     os.environ.setdefault("WANDB_SILENT", "true")

@@ -1,0 +1,174 @@
+"""The CLI as users know CLIs: --version, help with defaults, overrides after flags, did-you-mean
+that blames the override, absolute data paths in a run's config, launchers found from any directory,
+and generate's --top-k / EOS stop."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from eval_fixtures import make_prep, make_tokenizer, tiny_model
+
+from gpn_scale.cli import COMMANDS, main
+from gpn_scale.eval.codec import Codec
+from gpn_scale.eval.generate import generate_tokens, sampling_probs
+from gpn_scale.native import save_native
+from gpn_scale.train.config import load_train_config
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "train" / "gpn_m_tiny.yaml"
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"gpn-scale {version('gpn-scale')}\n"
+
+
+SUBPARSERS = [[name] for name in COMMANDS] + [["prep", "train-tokenizer"], ["prep", "merge"], ["ckpt", "verify"],
+                                              ["ckpt", "to-universal"], ["sweep", "collect"]]
+
+
+@pytest.mark.parametrize("argv", SUBPARSERS, ids=" ".join)
+def test_every_option_has_help_text_showing_its_default(argv, monkeypatch, capsys):
+    shown = []
+    monkeypatch.setattr(argparse.ArgumentParser, "print_help", lambda self, file=None: shown.append(self))
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    (parser,) = shown
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+            continue
+        assert action.help, f"{' '.join(argv)}: {action.option_strings or action.dest} has no help"
+        text = parser.formatter_class(parser.prog)._get_help_string(action)
+        if action.option_strings and action.default not in (None, False, [], argparse.SUPPRESS):
+            assert "default" in text, f"{' '.join(argv)}: {action.option_strings[0]} does not show its default"
+
+
+def test_overrides_after_flags(capsys):
+    assert main(["launch", str(TINY), "--dry-run", "--nproc", "1", "train.total_steps=7", "run.dir=r"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("+ ") and out.rstrip().endswith("train.total_steps=7 run.dir=r --resume auto")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", str(TINY), "--resume", "auto", "train.total_stepz=10"],
+     "error: command-line override: train.total_stepz: unknown key; did you mean train.total_steps? expected one of:"),
+    (["train", str(TINY), "trian.total_steps=10"],
+     "error: command-line override: trian: unknown key; did you mean train? expected one of:"),
+    (["launch", str(TINY), "--dry-run", "model.d_stat=3"],
+     "error: command-line override: model.d_stat: unknown key; did you mean model.d_state? expected one of:"),
+    (["model-info", "gpn_m_tiny", "n_head=3"],
+     "error: command-line override: n_head: unknown key; did you mean n_heads? expected one of:"),
+])
+def test_a_mistyped_override_is_blamed_with_the_nearest_key(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_mistyped_yaml_key_blames_the_file_with_the_nearest_key(tmp_path, capsys):
+    config = yaml.safe_load(TINY.read_text())
+    config["train"]["save_evrey"] = config["train"].pop("save_every")
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["train", str(path), "train.total_steps=3"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"error: {path}: train.save_evrey: unknown key; did you mean train.save_every?")
+
+
+def test_resolved_config_has_absolute_local_data_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_train_config(TINY, ["data.train=d/train", "data.val=d/val", "data.cache=c", "run.dir=r"])
+    assert (cfg.data.train, cfg.data.val, cfg.data.cache) == tuple(str(tmp_path / p) for p in ("d/train", "d/val", "c"))
+    assert cfg.run.dir == "r"
+    url = load_train_config(TINY, ["data.train=s3://bucket/train", "run.dir=r"])
+    assert url.data.train == "s3://bucket/train"
+
+
+def test_sweep_slurm_dry_run_finds_the_launchers_from_another_directory(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "sweep", str(ROOT / "configs/sweeps/cpu_tiny.yaml"),
+                           "--backend", "slurm", "--dry-run", "--out", str(tmp_path / "sweep")],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr
+    sbatch = [line for line in proc.stdout.splitlines() if line.startswith("+ sbatch")]
+    assert sbatch and all(f" {ROOT / 'launchers/slurm/train.sbatch'} " in line for line in sbatch)
+
+
+def test_top_k_keeps_only_the_k_most_likely_by_hand():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.0, -1.0])
+    probs = sampling_probs(logits, temperature=0.5, top_k=2)
+    kept = torch.exp(torch.tensor([3.0, 2.0], dtype=torch.float64) / 0.5)
+    assert torch.allclose(probs, torch.tensor([0, kept[0], 0, kept[1], 0], dtype=torch.float64) / kept.sum())
+    assert torch.equal(sampling_probs(logits, top_k=0), torch.softmax(logits.double(), -1))
+
+
+@pytest.fixture(scope="module")
+def eos_model(tmp_path_factory):
+    """An untrained tiny model: near-uniform samples, so some seed soon samples EOS (id 0 of trained tokenizers)."""
+    root = tmp_path_factory.mktemp("eos")
+    tok = make_tokenizer(root / "tok.json")
+    codec = Codec(tok)
+    model = tiny_model(codec.vocab_size, kernel="torch").eval()
+    save_native(model, root / "ckpt")
+    return root, tok, codec, model
+
+
+def test_generate_stops_at_eos_unless_told_to_ignore_it(eos_model, capsys):
+    root, tok, codec, model = eos_model
+    assert codec.eos_id == 0
+    prompt = codec.encode("the cat sat")
+    for seed in range(200):  # a seed whose sample reaches EOS early, found with the library, not the CLI
+        tokens = [t for t, _ in generate_tokens(model, prompt, 40, 1.0, 1.0, seed)]
+        if 0 in tokens[1:]:
+            break
+    else:
+        pytest.fail("no seed reached EOS")
+    cut = tokens.index(0)
+    args = ["generate", str(root / "ckpt"), "--tokenizer", str(tok), "--prompt", "the cat sat", "--max-new-tokens",
+            "40", "--seed", str(seed)]
+    assert main(args) == 0
+    assert capsys.readouterr().out == "the cat sat" + codec.decode(tokens[:cut]) + "\n"
+    assert main(args + ["--ignore-eos"]) == 0
+    assert capsys.readouterr().out == "the cat sat" + codec.decode(tokens) + "\n"
+
+
+def test_top_k_1_samples_the_greedy_text(eos_model, capsys):
+    root, tok, _, _ = eos_model
+    base = ["generate", str(root / "ckpt"), "--tokenizer", str(tok), "--prompt", "the cat", "--max-new-tokens", "12"]
+    assert main(base + ["--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out
+    assert main(base + ["--top-k", "1", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == greedy
+    assert main(base + ["--top-k", "-1"]) == 2
+    assert "--top-k: expected >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_run_trained_with_relative_paths_evaluates_from_another_directory(tmp_path):
+    """Trained from its own directory with relative data and run paths, overrides after --resume;
+    evaluated from elsewhere, where those relative paths mean nothing."""
+    home = tmp_path / "project"
+    prep = make_prep(home, make_tokenizer(tmp_path / "tok.json"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "train", str(TINY), "--resume", "auto",
+                           f"data.train={prep.name}/train", f"data.val={prep.name}/val", "run.dir=run",
+                           "train.total_steps=2", "train.save_every=2", "model.vocab_size=300"],
+                          cwd=home, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    saved = yaml.safe_load((home / "run" / "config.yaml").read_text())
+    assert saved["data"]["train"] == str(prep / "train") and saved["data"]["val"] == str(prep / "val")
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "lambada.jsonl").write_text(json.dumps({"text": "the cat sat on the mat"}) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "eval", str(home / "run"), "--lambada", "lambada.jsonl",
+                           "--json"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout.splitlines()[-1])["lambada_examples"] == 1
