@@ -114,6 +114,8 @@ def test_hf_greedy_generate_equals_gpn_scale_generate_one_token_per_step(setup, 
     lengths = [length for length, _ in seen]
     assert lengths == [prompt.input_ids.shape[1]] + [1] * (n - 1)  # the prompt once, then one new token a step
     assert len({tuple(shapes) for _, shapes in seen}) == 1  # the cache does not grow
+    with pytest.raises(ValueError, match="beam search is not supported"):  # it would not reorder the state
+        hf.generate(**prompt, max_new_tokens=2, num_beams=2)
     # what `gpn-scale generate --temperature 0` prints: the prompt and the same tokens, decoded
     code, printed, err = run(capsys, "generate", root / name, "--tokenizer", tok, "--prompt", "the cat sat",
                              "--max-new-tokens", n, "--temperature", 0)

@@ -211,6 +211,14 @@ class GPNForCausalLM(GPNPreTrainedModel, GenerationMixin):
         new_state = (c, g) if M is None else (c, g, M)
         return GPNCausalLMOutput(loss=loss, logits=logits, state=new_state if use_cache is not False else None)
 
+    def generate(self, *args, **kwargs):
+        config = kwargs.get("generation_config") or self.generation_config
+        if (kwargs.get("num_beams") or config.num_beams or 1) > 1:
+            # transformers' beam search reorders `past_key_values` only: this model's cache would not follow
+            raise ValueError("beam search is not supported: the cache is the recurrent `state`, which beam search "
+                             "does not reorder; use greedy decoding or sampling")
+        return super().generate(*args, **kwargs)
+
     def prepare_inputs_for_generation(self, input_ids, state=None, attention_mask=None, use_cache=None, **kwargs):
         # With a state, everything before the newest token is already in it: feed that token alone.
         if state is not None:
