@@ -92,12 +92,13 @@ def read_trainer_state(tag_dir: Path) -> dict:
     return json.loads((tag_dir / TRAINER_STATE).read_text())
 
 
-def load_trained_model(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
+def load_trained_model(path: str | Path, device: str | torch.device = "cpu", verified: bool = False) -> torch.nn.Module:
     """The model of a training checkpoint (`.../checkpoints/step_N`) or of a run directory's newest
-    complete checkpoint, in float32, whatever ZeRO stage wrote it."""
+    complete checkpoint, in float32, whatever ZeRO stage wrote it. `verified`: the caller has just
+    verified the checkpoint it names (as `training_checkpoint` does), so it is not hashed again."""
     path = Path(path)
     if (path / TRAINER_STATE).is_file():  # a checkpoint named directly: verified here
-        problem = verify(path)
+        problem = None if verified else verify(path)
         if problem:
             raise UserError(f"{path}: {problem}")
     else:  # a run directory: its newest checkpoint that verifies

@@ -15,6 +15,7 @@ from gpn_scale.errors import UserError
 COMMANDS = {
     "model-info": ("gpn_scale.model_info:main", "print a model config's parameter breakdown"),
     "convert": ("gpn_scale.convert:main", "convert a reference (paper) checkpoint to a native one"),
+    "export": ("gpn_scale.export:main", "export a checkpoint to Hugging Face transformers, the paper's format or native"),
     "prep": ("data_prep.cli:main", "tokenize and pack text into MDS shards"),
     "train": ("gpn_scale.train.engine:main", "train with DeepSpeed ZeRO from MDS shards (resumable)"),
     "launch": ("gpn_scale.launch:main", "print and run the torchrun command for a training run"),

@@ -1,0 +1,163 @@
+"""`gpn-scale export CKPT --to hf|reference|native --out DIR`: a model out of gpn-scale, into the
+tools its users have (docs/export.md).
+
+CKPT is anything `gpn_scale.checkpoints.load_model` reads: a native checkpoint, a training
+checkpoint, or a run directory (its newest complete checkpoint: one that verifies against its
+manifest). The export is written into a temporary directory beside DIR and renamed to DIR only
+once complete; an existing non-empty DIR is refused, never overwritten.
+
+- `hf`: Hugging Face transformers (`gpn_scale/export/hf.py`): config.json, model.safetensors, the
+  self-contained modeling file, tokenizer files.
+- `reference`: the paper's `checkpoint.pkl` (parameters only) and JSON config
+  (`gpn_scale/export/reference.py`); `gpn-scale convert --from-reference` reads it back bit-exactly.
+- `native`: model.safetensors + model.yaml + the tokenizer, all listed in manifest.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpn_scale.errors import UserError
+
+FORMATS = ("hf", "reference", "native")
+NATIVE_TOKENIZERS = ("tokenizer.json", "tokenizer.model")  # the names a native export gives its tokenizer
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    path: Path  # a Hugging Face tokenizer.json or a sentencepiece .model
+    add_bos: bool  # the training data began each document with BOS: so must a prompt
+
+
+@dataclass(frozen=True)
+class Source:
+    """What is exported: the model (float32, CPU), where it came from, its training step if known."""
+
+    model: object  # torch.nn.Module
+    path: Path
+    step: int | None
+
+    @property
+    def family(self) -> str:
+        return self.model.config.family
+
+
+def load_source(path: str | Path) -> Source:
+    from gpn_scale import checkpoints
+
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: no such checkpoint or run directory")
+    if (path / checkpoints.WEIGHTS).is_file():
+        return Source(checkpoints.load_native(path).eval(), path, None)
+    tag = checkpoints.training_checkpoint(path, warn=lambda line: print(line, file=sys.stderr))  # verified
+    if tag is None:
+        raise UserError(f"{path}: not a native checkpoint, and no complete training checkpoint there")
+    model = checkpoints.load_trained_model(tag, verified=tag != path)  # a tag named directly is verified there
+    return Source(model.eval(), path, checkpoints.read_trainer_state(tag)["step"])
+
+
+def find_tokenizer(source: Source, given: str | None) -> TokenizerSource:
+    """--tokenizer, else the tokenizer of the data the run was trained on, else the one a native
+    export put beside its weights. A tokenizer other than the training data's is refused."""
+    from gpn_scale.eval.codec import Codec
+    from gpn_scale.eval.data import training_prep
+
+    trained = training_prep(source.path)
+    if given:
+        path, add_bos = Path(given), bool(trained and trained.stats.get("add_bos"))
+    elif trained is not None:
+        path, add_bos = trained.tokenizer_path, bool(trained.stats.get("add_bos"))
+    else:
+        found = [source.path / name for name in NATIVE_TOKENIZERS if (source.path / name).is_file()]
+        if not found:
+            raise UserError(f"{source.path}: no tokenizer recorded with it; pass --tokenizer FILE "
+                            "(a tokenizer.json or sentencepiece .model)")
+        path, add_bos = found[0], False
+    codec = Codec(path)
+    if trained is not None and trained.tokenizer_sha256 != codec.sha256:
+        raise UserError(f"{path}: not the tokenizer the model was trained with (sha256 differs from "
+                        f"{trained.root / 'stats.json'})")
+    if codec.vocab_size > source.model.config.vocab_size:
+        raise UserError(f"{path}: tokenizer vocabulary {codec.vocab_size} exceeds the model's vocab_size "
+                        f"{source.model.config.vocab_size}")
+    return TokenizerSource(path, add_bos)
+
+
+def native_tokenizer_name(tokenizer: Path) -> str:
+    return "tokenizer.model" if tokenizer.suffix == ".model" else "tokenizer.json"
+
+
+def write_native(source: Source, tokenizer: TokenizerSource, out: Path) -> None:
+    from gpn_scale.manifest import write_manifest
+    from gpn_scale.native import CONFIG, WEIGHTS, save_native
+
+    save_native(source.model, out)
+    name = native_tokenizer_name(tokenizer.path)
+    shutil.copyfile(tokenizer.path, out / name)
+    write_manifest(out, [WEIGHTS, CONFIG, name])  # the tokenizer is verified with the weights
+
+
+def _staging_dir(out: Path) -> Path:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out}: already exists and is not empty; export writes a new directory and overwrites "
+                        "nothing (choose another --out)")
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if staging.exists():  # left by an earlier crashed export of this process id: never a complete export
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def export(checkpoint: str | Path, to: str, out: str | Path, tokenizer: str | None = None) -> Path:
+    """Export CKPT as `to` into the new directory `out`; returns it."""
+    if to not in FORMATS:
+        raise UserError(f"--to: expected one of {', '.join(FORMATS)}, got {to!r}")
+    out = Path(out)
+    source = load_source(checkpoint)
+    if to == "hf":
+        from gpn_scale.export import hf
+
+        hf.check_exportable(source)
+    elif to == "reference":
+        from gpn_scale.export import reference
+
+        reference.check_exportable(source)
+    tok = find_tokenizer(source, tokenizer) if to in ("hf", "native") else None
+    staging = _staging_dir(out)
+    try:
+        if to == "hf":
+            hf.write(source, tok, staging)
+        elif to == "reference":
+            reference.write(source, staging)
+        else:
+            write_native(source, tok, staging)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="gpn-scale export", description="export a checkpoint to Hugging Face "
+                                 "transformers, the paper's reference format, or a native checkpoint")
+    ap.add_argument("checkpoint", metavar="RUN_OR_CKPT",
+                    help="a run directory (its newest complete checkpoint), a training checkpoint or a native one")
+    ap.add_argument("--to", required=True, choices=FORMATS,
+                    help="hf: a transformers model directory; reference: the paper's checkpoint.pkl + config.json; "
+                         "native: safetensors + YAML + tokenizer + manifest")
+    ap.add_argument("--out", required=True, metavar="DIR", help="directory to create (must not exist, or be empty)")
+    ap.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json or sentencepiece .model for hf and native "
+                    "(default: the one of the run's training data, or the one in a native export)")
+    args = ap.parse_args(argv)
+    out = export(args.checkpoint, args.to, args.out, args.tokenizer)
+    print(f"wrote {out} ({args.to})")
+    return 0

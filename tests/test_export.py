@@ -1,0 +1,316 @@
+"""`gpn-scale export`: to Hugging Face transformers (loaded back, offline, and compared with gpn-scale's
+logits and greedy generation), to the paper's format (read back by `convert --from-reference`, bit
+for bit) and to native from a training run's newest complete checkpoint; and the one-line errors."""
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a hub
+
+import pytest
+import torch
+from eval_fixtures import SENTENCES, corpus_texts, make_prep, make_tokenizer, tiny_model, train
+
+from gpn_scale.checkpoints import load_native, load_trained_model
+from gpn_scale.cli import main
+from gpn_scale.eval.codec import Codec
+from gpn_scale.eval.data import open_data, read_windows
+from gpn_scale.eval.generate import generate_tokens
+from gpn_scale.native import save_native
+
+ROOT = Path(__file__).resolve().parent.parent
+FAMILIES = {"gpn_m_1l": ("gpn_m", 1), "gpn_m_2l": ("gpn_m", 2), "gpn_1l": ("gpn", 1)}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A real tokenizer and prep output, and one trained tiny native checkpoint per GPN family."""
+    root = tmp_path_factory.mktemp("export")
+    tok = make_tokenizer(root / "tok.json")
+    prep = make_prep(root / "data", tok)
+    windows = read_windows(open_data(prep / "train"))
+    vocab = Codec(tok).vocab_size
+    models = {}
+    for name, (family, layers) in FAMILIES.items():
+        model = train(tiny_model(vocab, family, n_layers=layers), windows, steps=30)
+        save_native(model, root / name)
+        models[name] = model
+    return root, tok, prep, models
+
+
+def run(capsys, *args) -> tuple[int, str, str]:
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def export_hf(capsys, root, name, tok):
+    out = root / f"{name}_hf"
+    if not out.exists():
+        code, _, err = run(capsys, "export", root / name, "--to", "hf", "--out", out, "--tokenizer", tok)
+        assert code == 0, err
+    return out
+
+
+def load_hf(path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def gpn_next_token_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """gpn-scale's logits at position t score token t; transformers' score the token after t."""
+    placeholder = torch.zeros(tokens.shape[0], 1, dtype=torch.long)
+    with torch.no_grad():
+        return model(torch.cat([tokens, placeholder], 1), return_logits=True).logits[:, 1:]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_hf_export_loads_offline_and_gives_gpn_scales_logits(setup, capsys, name):
+    root, tok, _, models = setup
+    path = export_hf(capsys, root, name, tok)
+    assert "gpn_scale" not in (path / "modeling_gpn.py").read_text().replace("gpn-scale", "")  # self-contained
+    hf, hf_tok = load_hf(path)
+    assert type(hf).__name__ == "GPNForCausalLM" and hf.dtype == torch.float32
+    codec = Codec(tok)
+    texts = [SENTENCES[0], SENTENCES[2] + " " + SENTENCES[3]]
+    for text in texts:
+        assert hf_tok(text).input_ids == codec.encode(text)
+        assert hf_tok.decode(codec.encode(text)) == codec.decode(codec.encode(text))
+    tokens = torch.tensor([codec.encode(texts[1])[:16], codec.encode(texts[0])[:16]])
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+        # a stream cut in two pieces, the state of the first carried into the second
+        first = hf(tokens[:, :7])
+        second = hf(tokens[:, 7:], state=first.state).logits
+    ours = gpn_next_token_logits(models[name], tokens)
+    assert theirs.dtype == torch.float32 and theirs.shape == ours.shape
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.cat([first.logits, second], 1), theirs, rtol=0, atol=1e-6)
+    with torch.no_grad():  # labels = inputs, scored from position 1 on: gpn-scale's mean loss over the same positions
+        loss = hf(tokens, labels=tokens).loss
+        ref = models[name](tokens).token_losses[:, 1:].mean()
+    assert float(loss) == pytest.approx(float(ref), abs=1e-5)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_hf_greedy_generate_equals_gpn_scale_generate_one_token_per_step(setup, capsys, name):
+    root, tok, _, models = setup
+    hf, hf_tok = load_hf(export_hf(capsys, root, name, tok))
+    codec, n = Codec(tok), 24
+    prompt = hf_tok("the cat sat", return_tensors="pt")
+    seen = []  # (input length, the state's shapes) of every forward
+    hf.register_forward_hook(lambda m, args, kwargs, out: seen.append(
+        (kwargs["input_ids"].shape[1], [tuple(t.shape) for t in out.state])), with_kwargs=True)
+    out = hf.generate(**prompt, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    generated = out[0, prompt.input_ids.shape[1]:].tolist()
+    expected = [t for t, _ in generate_tokens(models[name], codec.encode("the cat sat"), n, temperature=0)]
+    assert generated == expected
+    lengths = [length for length, _ in seen]
+    assert lengths == [prompt.input_ids.shape[1]] + [1] * (n - 1)  # the prompt once, then one new token a step
+    assert len({tuple(shapes) for _, shapes in seen}) == 1  # the cache does not grow
+    with pytest.raises(ValueError, match="beam search is not supported"):  # it would not reorder the state
+        hf.generate(**prompt, max_new_tokens=2, num_beams=2)
+    # what `gpn-scale generate --temperature 0` prints: the prompt and the same tokens, decoded
+    code, printed, err = run(capsys, "generate", root / name, "--tokenizer", tok, "--prompt", "the cat sat",
+                             "--max-new-tokens", n, "--temperature", 0)
+    assert code == 0, err
+    assert printed == "the cat sat" + hf_tok.decode(generated) + "\n"
+
+
+def test_hf_left_padded_batch_generates_as_each_prompt_alone(setup, capsys):
+    root, tok, _, _ = setup
+    hf, hf_tok = load_hf(export_hf(capsys, root, "gpn_m_1l", tok))
+    hf_tok.pad_token, hf_tok.padding_side = hf_tok.eos_token, "left"
+    prompts = ["the dog sat on the log and", "seven ships"]
+    batch = hf_tok(prompts, return_tensors="pt", padding=True)
+    assert not bool(batch.attention_mask.all())  # the second prompt is padded
+    out = hf.generate(**batch, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for row, text in enumerate(prompts):
+        alone = hf_tok(text, return_tensors="pt")
+        single = hf.generate(**alone, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out[row, -8:].tolist() == single[0, -8:].tolist()
+
+
+def test_hf_tokenizer_adds_bos_when_the_training_data_did(tmp_path):
+    from transformers import AutoTokenizer
+
+    from gpn_scale.export import TokenizerSource
+    from gpn_scale.export.hf import write_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok.json")
+    codec = Codec(tok)
+    specials = write_tokenizer(TokenizerSource(tok, add_bos=True), tmp_path)
+    bos = codec.encode("<|startoftext|>")  # trained tokenizers: <|startoftext|> is BOS, <|endoftext|> EOS
+    assert [specials["bos_id"]] == bos and [specials["eos_id"]] == codec.encode("<|endoftext|>")
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert hf_tok(SENTENCES[1]).input_ids == bos + codec.encode(SENTENCES[1])
+    assert hf_tok.eos_token == "<|endoftext|>"
+
+
+def test_hf_sentencepiece_tokenizer(tmp_path):
+    """The slow tokenizer is sentencepiece itself: exactly gpn-scale's ids; the fast one transformers
+    converts from it agrees on ordinary text (not on runs of spaces, which sentencepiece collapses)."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    from gpn_scale.export import TokenizerSource
+    from gpn_scale.export.hf import write_tokenizer
+
+    (tmp_path / "corpus.txt").write_text("\n".join(corpus_texts()))
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "sp"),
+                                   vocab_size=60, minloglevel=2)
+    codec = Codec(tmp_path / "sp.model")
+    out = tmp_path / "hf"
+    out.mkdir()
+    write_tokenizer(TokenizerSource(tmp_path / "sp.model", add_bos=False), out)
+    slow, fast = AutoTokenizer.from_pretrained(out, use_fast=False), AutoTokenizer.from_pretrained(out)
+    for text in SENTENCES + ["  two  spaces", "Hello world!"]:
+        assert slow(text).input_ids == codec.encode(text), text
+    for text in SENTENCES:
+        assert fast(text).input_ids == codec.encode(text), text
+
+
+def test_reference_export_round_trips_bit_exactly_through_convert(setup, capsys, tmp_path):
+    root, _, _, models = setup
+    for name in FAMILIES:
+        ref, back = tmp_path / f"{name}_ref", tmp_path / f"{name}_back"
+        code, _, err = run(capsys, "export", root / name, "--to", "reference", "--out", ref)
+        assert code == 0, err
+        with open(ref / "checkpoint.pkl", "rb") as f:
+            payload = pickle.load(f)  # our own file
+        assert set(payload) == {"step", "params"}  # no optimiser state
+        assert all(v.dtype.name == "float32" for v in payload["params"].values())
+        model_fields = json.loads((ref / "config.json").read_text())["model"]
+        assert ("n_heads" in model_fields) == (FAMILIES[name][0] == "gpn_m")
+        code, _, err = run(capsys, "convert", "--from-reference", ref, "--config", ref / "config.json", "--out", back)
+        assert code == 0, err
+        original, converted = models[name], load_native(back)
+        for field in ("family", "vocab_size", "d_state", "d_emb", "d_ffn", "n_layers", "n_heads", "d_key", "d_val",
+                      "use_decoder_bias"):
+            if field not in ("n_heads", "d_key", "d_val") or original.config.memory:
+                assert getattr(converted.config, field) == getattr(original.config, field), field
+        a, b = original.state_dict(), converted.state_dict()
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_other_families_are_refused_or_exported_native(setup, capsys, tmp_path):
+    from gpn_scale.config import model_config
+    from gpn_scale.models import build_model
+
+    _, tok, _, _ = setup
+    for family in ("transformer", "gdn"):
+        save_native(build_model(model_config(f"{family}_tiny", {"vocab_size": 300})), tmp_path / family)
+        for to, why in (("hf", "--to hf exports GPN and GPN[+]M only"), ("reference", "the paper's format holds GPN")):
+            code, _, err = run(capsys, "export", tmp_path / family, "--to", to, "--out", tmp_path / f"{family}_{to}",
+                               "--tokenizer", tok)
+            assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+            assert re_search(why, err) and family in err
+            assert not (tmp_path / f"{family}_{to}").exists()
+        code, _, err = run(capsys, "export", tmp_path / family, "--to", "native", "--out", tmp_path / f"{family}_n",
+                           "--tokenizer", tok)
+        assert code == 0, err
+        assert load_native(tmp_path / f"{family}_n").config.family == family
+        assert (tmp_path / f"{family}_n" / "tokenizer.json").read_bytes() == Path(tok).read_bytes()
+
+
+def re_search(pattern: str, text: str) -> bool:
+    import re
+
+    return re.search(pattern, text) is not None
+
+
+def test_bad_inputs_are_one_line_errors_and_write_nothing(setup, capsys, tmp_path):
+    root, tok, _, _ = setup
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    big = make_tokenizer(tmp_path / "big.json", vocab=400)
+    tiny = tmp_path / "tiny"
+    save_native(tiny_model(280), tiny)  # a vocabulary smaller than the tokenizers'
+    (tmp_path / "empty_run" / "checkpoints").mkdir(parents=True)
+    cases = [
+        (["export", tmp_path / "nope", "--to", "hf", "--out", tmp_path / "o1"], "nope: no such checkpoint"),
+        (["export", root / "gpn_m_1l", "--to", "hf", "--out", tmp_path / "o2"], "no tokenizer recorded with it"),
+        (["export", root / "gpn_m_1l", "--to", "native", "--out", taken, "--tokenizer", tok],
+         "taken: already exists and is not empty"),
+        (["export", tiny, "--to", "hf", "--out", tmp_path / "o3", "--tokenizer", big],
+         "exceeds the model's vocab_size 280"),
+        (["export", root / "gpn_m_1l", "--to", "hf", "--out", tmp_path / "o4", "--tokenizer", tmp_path / "no.json"],
+         "no.json: cannot read tokenizer"),
+        (["export", tmp_path / "empty_run", "--to", "reference", "--out", tmp_path / "o5"],
+         "no complete training checkpoint there"),
+    ]
+    for argv, message in cases:
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+        assert message in err, err
+    assert (taken / "keep.txt").read_text() == "mine" and sorted(p.name for p in taken.iterdir()) == ["keep.txt"]
+    assert not any(p.name.startswith((".o", "o")) for p in tmp_path.iterdir())  # no partial export left behind
+    with pytest.raises(SystemExit):  # argparse: an unknown format
+        main(["export", str(root / "gpn_m_1l"), "--to", "onnx", "--out", str(tmp_path / "o6")])
+
+
+# ---- from a training run (DeepSpeed, one process) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_run(setup, tmp_path_factory):
+    """A 4-step run of the tiny GPN+M on the prep output, checkpointed at steps 2 and 4."""
+    _, _, prep, _ = setup
+    run_dir = tmp_path_factory.mktemp("run") / "run"
+    cmd = [sys.executable, "-m", "gpn_scale", "train", str(ROOT / "configs" / "train" / "gpn_m_tiny.yaml"),
+           f"run.dir={run_dir}", f"data.train={prep / 'train'}", f"data.val={prep / 'val'}", "train.total_steps=4",
+           "train.save_every=2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_native_export_of_a_run_takes_its_newest_complete_checkpoint(setup, trained_run, capsys, tmp_path):
+    _, tok, prep, _ = setup
+    ckpts = trained_run / "checkpoints"
+    assert (ckpts / "step_00000004").is_dir() and (ckpts / "step_00000002").is_dir()
+    code, _, err = run(capsys, "export", trained_run, "--to", "native", "--out", tmp_path / "native")
+    assert code == 0, err
+    exported, newest = load_native(tmp_path / "native"), load_trained_model(ckpts / "step_00000004")
+    for key, value in newest.state_dict().items():
+        assert torch.equal(exported.state_dict()[key], value), key
+    assert (tmp_path / "native" / "tokenizer.json").read_bytes() == (prep / "tokenizer.json").read_bytes()
+    assert "tokenizer.json" in json.loads((tmp_path / "native" / "manifest.json").read_text())["files"]
+
+    # The newest checkpoint corrupted: skipped with a warning, the one before it exported.
+    broken = tmp_path / "broken"
+    shutil.copytree(trained_run, broken)
+    state = next((broken / "checkpoints" / "step_00000004").glob("*model_states.pt"))
+    state.write_bytes(state.read_bytes()[:-100])
+    code, _, err = run(capsys, "export", broken, "--to", "reference", "--out", tmp_path / "ref")
+    assert code == 0, err
+    assert "step_00000004 skipped" in err
+    with open(tmp_path / "ref" / "checkpoint.pkl", "rb") as f:
+        payload = pickle.load(f)
+    assert payload["step"] == 2
+    older = load_trained_model(ckpts / "step_00000002")
+    from gpn_scale.convert import reference_name
+
+    for key, value in older.state_dict().items():
+        assert torch.equal(torch.from_numpy(payload["params"][reference_name(key, older.config)]), value), key
+
+    # --to hf from the run: the run's own tokenizer is found; another one is refused.
+    code, _, err = run(capsys, "export", trained_run, "--to", "hf", "--out", tmp_path / "hf")
+    assert code == 0, err
+    hf, hf_tok = load_hf(tmp_path / "hf")
+    tokens = torch.tensor([Codec(tok).encode(SENTENCES[3])])
+    torch.testing.assert_close(hf(tokens).logits.detach(), gpn_next_token_logits(newest, tokens), rtol=0, atol=1e-5)
+    other = make_tokenizer(tmp_path / "other.json", vocab=280)
+    code, _, err = run(capsys, "export", trained_run, "--to", "hf", "--out", tmp_path / "hf2", "--tokenizer", other)
+    assert code == 2 and "other.json: not the tokenizer the model was trained with" in err
