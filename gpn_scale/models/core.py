@@ -41,11 +41,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from gpn_scale.models.memory_step import ReadFactors, read_factors, rms
-from gpn_scale.models.step_ops import l2n_relu, rms_hat
-from gpn_scale.models.step_ops import mm as _mm  # the chunk's GEMMs, of many rows: BLAS
-from kernels import memory_ops, resolve, step_ops
-from kernels.graph import core_graphs, factory_for, signature
+from kernels import Backend
+from kernels.common import rms
+from kernels.graph import core_graphs, signature
+from kernels.memory import ReadFactors
+from kernels.memory.reference import read_factors
+from kernels.step.reference import l2n_relu, rms_hat
+from kernels.step.reference import mm as _mm  # the chunk's GEMMs, of many rows: BLAS
 
 
 class LayerWeights(NamedTuple):
@@ -64,7 +66,7 @@ class Spec(NamedTuple):
     chunk: int
     bptt: int
     compute_dtype: torch.dtype
-    kernel: str  # the step's memory and elementwise implementation: "triton" or "torch" (kernels.memory_ops, step_ops)
+    backend: Backend  # the step's memory and elementwise implementation (kernels.backend)
 
 
 def columns(spec: Spec, first: bool) -> dict[str, slice]:
@@ -124,7 +126,7 @@ def fuse_weights(model) -> tuple[list[LayerWeights], torch.Tensor, torch.Tensor]
 # ---- small pieces ----------------------------------------------------------------------------
 # In the time loop every op counts (each costs microseconds of dispatch on tensors this small):
 # `out=` writes straight into the saved buffers. The elementwise work between the GEMMs is in
-# groups (gpn_scale/models/step_ops.py, or their kernels), one call each; the step's GEMMs, of
+# groups (kernels/step/reference.py, or their kernels), one call each; the step's GEMMs, of
 # B rows, are `ew.mm` (its own kernel on CPU), the chunk's, of many rows, `_mm` (BLAS).
 
 
@@ -223,9 +225,9 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
     XP, RP, FG = _steps(S.XP), _steps(S.RP), _steps(S.FG)
     P = S.P = g.new_empty((T, B, d))
     Ps, us = _steps(P), _steps(u.to(g.dtype))
-    ew = step_ops(spec.kernel)
+    ew = spec.backend.step
     if spec.memory:
-        mem = memory_ops(spec.kernel)
+        mem = spec.backend.memory
         A = -torch.exp(A_log.to(g.dtype))
         M = M.contiguous()
         # M lives in two work buffers, written in turn; the one that starts a chunk gets its own.
@@ -384,7 +386,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
     H, dk, nl, sd, cd = spec.H, spec.dk, len(layers), S.P.dtype, spec.compute_dtype
     layers, fg_W, fg_b = _cast(spec, layers, fg_W, fg_b)
     cols = [columns(spec, i == 0) for i in range(nl)]
-    ew = step_ops(spec.kernel)
+    ew = spec.backend.step
     # The transposed weights of the sweep's GEMMs, in the layout they are read fastest.
     WT, W2oT, fg_WT = [ew.pack(L.W.T, T, B) for L in layers], [ew.pack(L.W2o.T, T, B) for L in layers], ew.pack(fg_W.T, T, B)
     du = S.P.new_empty((T, B, d))
@@ -403,7 +405,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
     A = None
     work = _workspace(spec, layers, min(spec.chunk, T), B, S.P)
     if spec.memory:
-        mem = memory_ops(spec.kernel)
+        mem = spec.backend.memory
         col0 = cols[0]
         A = -torch.exp(A_log.to(sd))
         BETA, DECAY = _steps(S.BETA), _steps(S.DECAY)
@@ -572,10 +574,9 @@ def fused_recurrence(model, u: torch.Tensor, state):
     g, g_prev, M = state
     device = u.device.type
     cd = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else g.dtype
-    spec = Spec(cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.memory, cfg.core_chunk, cfg.bptt, cd,
-                resolve(cfg.kernel, device))
-    factory = factory_for(device) if cfg.cuda_graphs else None
-    graphs = None if factory is None else core_graphs(model, _forward_flat, _backward_flat, factory)
+    backend = model.backend(device)
+    spec = Spec(cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.memory, cfg.core_chunk, cfg.bptt, cd, backend)
+    graphs = None if backend.graphs is None else core_graphs(model, _forward_flat, _backward_flat, backend.graphs)
     A_log = model.write_A_log if cfg.memory else None
     u = u.transpose(0, 1)
     with torch.autocast(device, enabled=False):

@@ -23,7 +23,8 @@ from torch.utils.checkpoint import checkpoint
 
 from gpn_scale.models.core import fused_recurrence
 from gpn_scale.models.ops import at_least_f32, l2_normalize, lecun_normal_, linear_cross_entropy, rms_norm
-from kernels import KERNELS
+import kernels
+from kernels import KERNELS, Backend
 
 FAMILIES = ("gpn", "gpn_m")
 CORES = ("fused", "naive")
@@ -232,6 +233,7 @@ class GPN(nn.Module):
             self.write_A_log = _zeros_param(H)
             self.write_dt_bias = _zeros_param(H)
         self.layers = nn.ModuleList(PredictLayer(cfg) for _ in range(cfg.n_layers))
+        self._backends: dict[tuple, Backend] = {}
         self.reset_parameters()
 
     @torch.no_grad()
@@ -261,6 +263,15 @@ class GPN(nn.Module):
             layer.reset_parameters()
 
     # ---- the recurrent core ------------------------------------------------------------------
+
+    def backend(self, device_type: str) -> Backend:
+        """The fused core's kernels on a device type, chosen once per device the model runs on
+        (it is built on CPU and moved) and per `kernel` / `cuda_graphs` setting."""
+        key = (device_type, self.config.kernel, self.config.cuda_graphs)
+        chosen = self._backends.get(key)
+        if chosen is None:
+            chosen = self._backends[key] = kernels.backend(self.config.kernel, device_type, self.config.cuda_graphs)
+        return chosen
 
     def initial_state(self, batch: int, device=None) -> GPNState:
         cfg = self.config
