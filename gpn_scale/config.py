@@ -133,5 +133,4 @@ def model_config(source: str | Path | dict, overrides: dict | None = None, where
     family = data.get("family")
     if family not in MODEL_FAMILIES:
         raise UserError(f"{where}: family: expected one of {', '.join(MODEL_FAMILIES)}, got {family!r}")
-    config_cls, _ = MODEL_FAMILIES[family]
-    return build_dataclass(config_cls, data, where)
+    return build_dataclass(MODEL_FAMILIES[family].config_cls, data, where)

@@ -33,8 +33,6 @@ gradients, as in the naive core.
 
 from __future__ import annotations
 
-import functools
-import gc
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -130,26 +128,6 @@ def fuse_weights(model) -> tuple[list[LayerWeights], torch.Tensor, torch.Tensor]
 # B rows, are `ew.mm` (its own kernel on CPU), the chunk's, of many rows, `_mm` (BLAS).
 
 
-def _gc_paused(fn):
-    """fn with Python's cyclic garbage collector paused. A window's loop makes tens of thousands
-    of short-lived objects (per-step views and their lists), which reference counting frees;
-    each still counts toward the collector's thresholds, and the collections they trigger walk
-    every object of the process (torch's included): ~10% of a CPU step. The loops make no
-    reference cycles, so pausing it loses nothing."""
-
-    @functools.wraps(fn)
-    def paused(*args, **kwargs):
-        if not gc.isenabled():
-            return fn(*args, **kwargs)
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            gc.enable()
-
-    return paused
-
-
 def _cast(spec: Spec, layers, fg_W, fg_b):
     cd = spec.compute_dtype
     return [LayerWeights(*(w.to(cd) for w in L)) for L in layers], fg_W.to(cd), fg_b.to(cd)
@@ -210,7 +188,6 @@ def _layer_steps(spec: Spec, S, i, col):
     return v
 
 
-@_gc_paused
 def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bool):
     """The loop over u (T, B, d), time-major. Returns (P (T, B, d), g, g_prev, M, saved or None).
 
@@ -375,7 +352,6 @@ def _chunk_reads(spec: Spec, S, sl: slice, C, G, Ms):
     G["delta"] = _steps(S.BETA[sl].unsqueeze(-1) * G["E_full"])
 
 
-@_gc_paused
 def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
     """The reverse sweep, chunk by chunk, with each chunk's weight gradients as GEMMs over its rows.
 
