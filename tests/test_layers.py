@@ -105,3 +105,7 @@ def test_kernels_import_and_run_where_gpn_scale_cannot_be_found(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.split()[-2]) >= 10
+
+
+def test_the_trainer_imports_nothing_of_eval():
+    assert offending(py_files("gpn_scale/train"), ["gpn_scale.eval"]) == []
