@@ -203,8 +203,8 @@ def copy_bandwidth(device) -> float:
 def memory_kernel_figures(cfg, batch, device) -> dict:
     """Achieved bandwidth of the memory-step kernels at the model's shapes: the bytes each
     must move (M in and out, and the per-step vectors) over its time."""
-    import kernels.memory_step as K
-    from gpn_scale.models.memory_step import read_factors
+    import kernels.memory.triton as K
+    from kernels.memory.reference import read_factors
 
     B, H, dk, dv = batch, cfg.n_heads, cfg.d_key, cfg.d_val
     g = torch.Generator(device=device).manual_seed(0)

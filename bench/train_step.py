@@ -16,7 +16,9 @@ that, the kernels the fused core uses are loaded and one step on a 2-token windo
 process's first backward allocates ~40 MB once: threads, BLAS buffers, for either core), and
 the heap's free pages have been returned (malloc_trim), so the step's gradients still count.
 
-Imports only torch (and the model package, which imports only torch and numpy).
+Both cores run under the training loop's garbage-collection policy (gpn_scale/train/gc.py).
+
+Imports only torch (and the model package, which imports only torch, numpy and kernels/).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import time
 import torch
 
 from gpn_scale.models import GPN, GPNConfig
+from gpn_scale.train.gc import GarbageCollection
 from kernels import resolve
 
 PRESETS = {
@@ -117,6 +120,8 @@ def run_core(args, cfg: GPNConfig) -> None:
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len), device=device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
 
+    collector = GarbageCollection()  # as the training loop runs its steps
+
     def step(window=tokens):
         model.zero_grad(set_to_none=True)
         with autocast:
@@ -152,6 +157,7 @@ def run_core(args, cfg: GPNConfig) -> None:
         t0 = time.perf_counter()
         step()
         print(json.dumps(dict(step_s=time.perf_counter() - t0)), flush=True)
+    collector.close()
 
 
 class Worker:

@@ -152,7 +152,7 @@ def model_config(source: str | Path | dict, overrides: dict | None = None, where
     family = data.get("family")
     if family not in MODEL_FAMILIES:
         raise UserError(f"{where}: family: expected one of {', '.join(MODEL_FAMILIES)}, got {family!r}")
-    config_cls, _ = MODEL_FAMILIES[family]
+    config_cls = MODEL_FAMILIES[family].config_cls
     unknown = sorted(set(overrides or {}) - dataclass_keys(config_cls)) if override_prefix is not None else []
     if unknown:
         raise unknown_key(OVERRIDE, unknown[0], dataclass_keys(config_cls), override_prefix)

@@ -1,20 +1,39 @@
-"""Kernels, each beside its plain-PyTorch twin (same signature, same outputs).
+"""Kernels of the fused recurrent core, a leaf package: it imports torch (and Triton, when a Triton
+kernel is asked for), never the model code that calls it.
 
-`memory_ops(kernel)` and `step_ops(kernel)` give the functions the fused core calls: the Triton
-kernels (`kernels.memory_step`, `kernels.elementwise`), the C++ CPU kernels
-(`kernels.memory_step_cpu`, `kernels.elementwise_cpu`), or the twins
-(`gpn_scale.models.memory_step`, `gpn_scale.models.step_ops`). Triton is imported only
-when a Triton implementation is asked for, and the C++ one is built only when asked for, so the
-model package imports fast and runs anywhere.
+Each family is a folder with its reference twin and its implementations side by side:
+`kernels.memory` (the memory step) and `kernels.step` (the elementwise groups and GEMMs of a
+step), each with `reference.py` (plain PyTorch), `triton.py` (GPUs) and `cpu.py` (C++, built on
+first use, kernels/cpu_build.py); `kernels.graph` captures the core's loops as CUDA graphs.
+
+`backend(kernel, device_type, graphs)` bundles what the fused core runs on one device into a
+`Backend`: the memory ops, the step ops and the graph factory. Triton is imported only when a
+Triton implementation is asked for, and the C++ one is built only when asked for, so the model
+package imports fast and runs anywhere.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import warnings
+from dataclasses import dataclass
+
+from kernels.graph import GraphFactory, factory_for
+from kernels.memory import MemoryOps
+from kernels.step import StepOps
 
 KERNELS = ("auto", "triton", "cpp", "torch")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What the fused core runs on one device: `name` is "triton", "cpp" or "torch"; `graphs`
+    captures its loops (None: they run eagerly)."""
+
+    name: str
+    memory: MemoryOps
+    step: StepOps
+    graphs: GraphFactory | None
 
 
 def resolve(kernel: str, device_type: str) -> str:
@@ -42,13 +61,17 @@ def resolve(kernel: str, device_type: str) -> str:
     return kernel
 
 
-def memory_ops(kernel: str):
-    """The module holding memory_step, memory_read, decay_and_write and their backwards."""
-    modules = {"triton": "kernels.memory_step", "cpp": "kernels.memory_step_cpu"}
-    return importlib.import_module(modules.get(kernel, "gpn_scale.models.memory_step"))
-
-
-def step_ops(kernel: str):
-    """The module holding the step's elementwise groups (post_projection, residual_rms, ground, ...)."""
-    modules = {"triton": "kernels.elementwise", "cpp": "kernels.elementwise_cpu"}
-    return importlib.import_module(modules.get(kernel, "gpn_scale.models.step_ops"))
+def backend(kernel: str, device_type: str, graphs: bool) -> Backend:
+    """The implementations `kernel` (a `KERNELS` value) chooses on a device, and with `graphs`
+    the device's graph factory (`kernels.graph.factory_for`)."""
+    name = resolve(kernel, device_type)
+    if name == "triton":
+        from kernels.memory import triton as memory
+        from kernels.step import triton as step
+    elif name == "cpp":
+        from kernels.memory import cpu as memory
+        from kernels.step import cpu as step
+    else:
+        from kernels.memory import reference as memory
+        from kernels.step import reference as step
+    return Backend(name, memory.OPS, step.OPS, factory_for(device_type) if graphs else None)

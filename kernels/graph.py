@@ -19,8 +19,8 @@ environment variable GPN_SCALE_CPU_GRAPHS=1, for tests only: it is slower than n
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import types
 import warnings
 import weakref
 from typing import Any, Callable, Protocol
@@ -92,7 +92,7 @@ def factory_for(device_type: str) -> GraphFactory | None:
 
 
 def _tensors(x):
-    """The tensors in a nest of tuples, lists, dicts and namespaces, in order."""
+    """The tensors in a nest of tuples, lists, dicts and dataclasses, in order."""
     if isinstance(x, torch.Tensor):
         yield x
     elif isinstance(x, (tuple, list)):
@@ -101,8 +101,9 @@ def _tensors(x):
     elif isinstance(x, dict):
         for y in x.values():
             yield from _tensors(y)
-    elif isinstance(x, types.SimpleNamespace):
-        yield from _tensors(vars(x))
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        for f in dataclasses.fields(x):
+            yield from _tensors(getattr(x, f.name))
 
 
 def _copy_into(old, new) -> None:

@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("env", "graphs", "kernels", "bench", "engine")
 FORBIDDEN = ("deepspeed", "streaming", "wandb")  # the model and kernel code must not need them
-MODEL_MODULES = ("gpn_scale.models", "gpn_scale.models.core", "kernels.memory_step", "kernels.elementwise", "kernels.graph")
+MODEL_MODULES = ("gpn_scale.models", "gpn_scale.models.core", "kernels.memory.triton", "kernels.step.triton", "kernels.graph")
 DEFAULT_WHEELS = ROOT / "scripts" / ".gpu_wheels"
 MIN_STAGE_S = 15  # a stage is skipped when less than this is left of the budget
 

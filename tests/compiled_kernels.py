@@ -58,8 +58,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import kernels.elementwise as E
-import kernels.memory_step as K
+import kernels.step.triton as E
+import kernels.memory.triton as K
 
 ARITH = {k: set(v) for k, v in json.loads(sys.argv[1]).items()}
 VARIANTS = json.loads(sys.argv[2])

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from gpn_scale.cli import main as cli
 from gpn_scale.config import model_config
 from gpn_scale.errors import UserError
-from gpn_scale.models import GatedDeltaNet, GDNConfig, Transformer, TransformerConfig, build_model, param_count
+from gpn_scale.models import (MODEL_FAMILIES, GatedDeltaNet, GDNConfig, Transformer, TransformerConfig, build_model,
+                              param_count)
 from gpn_scale.models.gdn import _fla_chunk_kernel, chunk_gated_delta_rule, recurrent_gated_delta_rule
 from gpn_scale.checkpoints import load_model
 from gpn_scale.native import save_native
@@ -67,6 +68,37 @@ def test_130m_configs_land_within_3_percent_of_gpn_m_1l(name):
 def test_param_count_is_the_built_models():
     cfg = model_config("gdn_tiny")
     assert param_count(cfg) == sum(p.numel() for p in build_model(cfg).parameters())
+
+
+def test_param_count_builds_on_the_meta_device_and_leaves_torch_alone():
+    """No initialiser runs (the global RNG does not move) and torch.nn.init is what it was."""
+    initialisers = dict(vars(torch.nn.init))
+    rng = torch.get_rng_state()
+    for name in ("gpn_m_tiny", "transformer_tiny", "gdn_tiny"):
+        cfg = model_config(name)
+        assert param_count(cfg) == sum(p.numel() for p in build_model(cfg).parameters())
+        torch.set_rng_state(rng)
+        param_count(cfg)
+        assert torch.equal(torch.get_rng_state(), rng), name
+    assert dict(vars(torch.nn.init)) == initialisers
+
+
+@pytest.mark.parametrize("name", ["gpn_tiny", "gpn_m_tiny", "transformer_tiny", "gdn_tiny"])
+def test_each_family_declares_its_parameter_groups_and_zero3_external_parameters(name):
+    cfg = model_config(name)
+    model = build_model(cfg)
+    spec = MODEL_FAMILIES[cfg.family]
+    groups = spec.param_groups(model)
+    params = dict(model.named_parameters())
+    ids = lambda ps: sorted(id(p) for p in ps)  # noqa: E731
+    assert ids(groups.decay + groups.no_decay) == ids(params.values())  # a partition
+    assert ids(groups.decay) == ids(p for p in params.values() if p.ndim == 2)
+    external = spec.zero3_external_params(model)
+    if cfg.family.startswith("gpn"):  # the fused core reads the layers' weights in the model's own forward
+        assert ids(external) == ids(p for n, p in params.items() if n.startswith("layers."))
+        assert external
+    else:
+        assert external == []
 
 
 def test_transformer_130m_count_by_hand():

@@ -44,7 +44,7 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
 
 def test_models_kernels_and_bench_import_only_torch_triton_numpy_yaml():
     """The GPU machine has torch, triton and numpy (and yaml) only: nothing heavier may be imported."""
-    code = ("import runpy, sys; runpy.run_path(sys.argv[1]); import gpn_scale.models, gpn_scale.config, kernels.memory_step; "
+    code = ("import runpy, sys; runpy.run_path(sys.argv[1]); import gpn_scale.models, gpn_scale.config, kernels.memory.triton; "
             "import json; print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "bench" / "gpu.py")], capture_output=True, text=True, env=env)

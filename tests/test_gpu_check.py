@@ -64,7 +64,7 @@ def test_dry_env_stage_records_versions_and_clean_imports(dry):
     assert env["cuda_available"] is False and env["gpu"] is None
     for how in ("plain", "blocked"):  # imported as they are, and with deepspeed/streaming/wandb unimportable
         assert env["imports"][how]["ok"] and env["imports"][how]["forbidden_loaded"] == [], how
-    assert {"gpn_scale.models.core", "kernels.memory_step", "kernels.elementwise", "kernels.graph"} <= set(env["modules"])
+    assert {"gpn_scale.models.core", "kernels.memory.triton", "kernels.step.triton", "kernels.graph"} <= set(env["modules"])
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """Triton kernels against their torch twins; on CPU under Triton's interpreter. The step's
-elementwise groups also run as the C++ CPU kernels (kernels/elementwise_cpu.py) against the
+elementwise groups also run as the C++ CPU kernels (kernels/step/cpu.py) against the
 same twins (marker `cpu_only`); the C++ memory step has its own tests (test_kernels_cpu.py).
 The accuracy of exp, sigmoid and softplus over float32's range is test_kernels_accuracy.py's.
 
@@ -16,11 +16,12 @@ from triton_kernels import DEVICE, interpreter  # noqa: F401  (the fixture: auto
 from triton_kernels import elementwise as E
 from triton_kernels import elementwise_cpu as EC
 from triton_kernels import memory_step as K
+from twins import assert_close, count_calls, memory_inputs
 
 from kernels import layout
 from gpn_scale.models import GPN, GPNConfig, GPNState
-from gpn_scale.models import memory_step as T
-from gpn_scale.models import step_ops as S
+from kernels.memory import reference as T
+from kernels.step import reference as S
 
 # (B, H, dk, dv, tile): with tile 64 and dk <= 8 the kernels take 16 columns at a time, so
 # dv = 33 runs two full blocks and a partial one.
@@ -37,10 +38,7 @@ def _poisoned(monkeypatch):
 
 
 def check(got, want, dtype, name, tol=None):
-    """Max abs error relative to want's max abs; NaN anywhere fails."""
-    tol = TOL[dtype] if tol is None else tol
-    err = ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
-    assert err <= tol, f"{name}: relative error {err} > {tol}"  # NaN <= tol is False
+    assert_close(got, want, TOL[dtype] if tol is None else tol, name)
 
 
 def poisoned_rows(B, n, pad=3, dtype=torch.float32):
@@ -49,16 +47,7 @@ def poisoned_rows(B, n, pad=3, dtype=torch.float32):
 
 
 def inputs(B, H, dk, dv, dtype, seed=0):
-    """Memory-step inputs: M (float32, or float64) and the vectors in `dtype`; v and gate as
-    column slices of one wider row, as the fused core's projection output holds them."""
-    g = torch.Generator().manual_seed(seed)
-    state = torch.float64 if dtype == torch.float64 else torch.float32
-    r = lambda *s: torch.randn(*s, generator=g, dtype=state).to(DEVICE)  # noqa: E731
-    unit = lambda x: torch.relu(x) / torch.relu(x).norm(dim=-1, keepdim=True).clamp_min(1e-6)  # noqa: E731
-    row = r(B, 2 * H * dv + 5)
-    return dict(M=r(B, H, dk, dv), k=unit(r(B, H, dk)).to(dtype), v=row[:, 2 : 2 + H * dv].to(dtype).view(B, H, dv),
-                beta=torch.sigmoid(r(B, H)), decay=torch.exp(-r(B, H).abs()), q=unit(r(B, H, dk)).to(dtype),
-                gate=row[:, 3 + H * dv : 3 + 2 * H * dv].to(dtype))
+    return memory_inputs(B, H, dk, dv, dtype, seed, DEVICE)
 
 
 def widened(x: dict) -> dict:
@@ -301,11 +290,10 @@ ODD = GPNConfig(vocab_size=29, d_state=14, d_emb=6, d_ffn=9, n_heads=3, d_key=5,
 def test_model_with_triton_kernels_matches_torch(case, mode, monkeypatch):
     """Loss, carried state, and the gradients of every parameter and of the incoming state."""
     calls = []
-    for module, names in ((K, ("memory_step", "memory_read", "decay_and_write", "memory_step_backward", "memory_read_backward")),
-                          (E, ("post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads", "l2n_relu_backward"))):
-        for name in names:
-            fn = getattr(module, name)
-            monkeypatch.setattr(module, name, lambda *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(*a, **kw))
+    count_calls(monkeypatch, K, ("memory_step", "memory_read", "decay_and_write", "memory_step_backward", "memory_read_backward"),
+                calls)
+    count_calls(monkeypatch, E, ("post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads",
+                                 "l2n_relu_backward"), calls)
     dtype = torch.float64 if mode == "float64" else torch.float32
     torch.manual_seed(0)
     model = GPN(dataclasses.replace(ODD, **case)).to(DEVICE, dtype)

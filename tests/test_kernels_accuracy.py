@@ -25,7 +25,7 @@ from triton_kernels import elementwise_cpu as EC
 from triton_kernels import memory_step as K
 from triton_kernels import numerics as N
 
-from gpn_scale.models.ops import RMS_EPS
+from kernels.common import RMS_EPS
 
 
 # ---- the documented errors of the instructions (relative, as fractions of the exact result) ----
@@ -227,7 +227,7 @@ def test_decay_is_exp_of_gamma():
 
 @overflow_ok
 def test_read_gate_is_accurate_over_floats_range():
-    """The memory read's y = silu(gate) o / rms(o) (kernels/memory_step.py) with o = 1, against
+    """The memory read's y = silu(gate) o / rms(o) (kernels/memory/triton.py) with o = 1, against
     float64: within the sigmoid's bound plus the norm's and the products'."""
     B, n = 8, 2500
     g = torch.linspace(-85, 85, B * n, dtype=torch.float64).view(B, n)

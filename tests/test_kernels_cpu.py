@@ -12,12 +12,13 @@ import dataclasses
 
 import pytest
 import torch
+from twins import assert_close, count_calls, memory_inputs
 
 from gpn_scale.models import GPN, GPNConfig, GPNState
-from gpn_scale.models import memory_step as T
+from kernels.memory import reference as T
 from kernels import cpu_build
-from kernels import elementwise_cpu
-from kernels import memory_step_cpu as K
+from kernels.step import cpu as elementwise_cpu
+from kernels.memory import cpu as K
 from kernels import resolve
 
 pytestmark = pytest.mark.cpu_only
@@ -27,10 +28,7 @@ TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 
 
 def check(got, want, dtype, name, tol=None):
-    """Max abs error relative to want's max abs; NaN anywhere fails."""
-    tol = TOL[dtype] if tol is None else tol
-    err = ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
-    assert err <= tol, f"{name}: relative error {err} > {tol}"  # NaN <= tol is False
+    assert_close(got, want, TOL[dtype] if tol is None else tol, name)
 
 
 def nan(*shape, dtype):
@@ -44,15 +42,7 @@ def nan_rows(B, n, dtype, pad=3):
 
 
 def inputs(B, H, dk, dv, dtype, seed=0):
-    """M and the step's vectors; v and gate as column slices of one wider row, as the fused
-    core's projection output holds them."""
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
-    unit = lambda x: torch.relu(x) / torch.relu(x).norm(dim=-1, keepdim=True).clamp_min(1e-6)  # noqa: E731
-    row = r(B, 2 * H * dv + 5)
-    return dict(M=r(B, H, dk, dv), k=unit(r(B, H, dk)), v=row[:, 2 : 2 + H * dv].view(B, H, dv),
-                beta=torch.sigmoid(r(B, H)), decay=torch.exp(-r(B, H).abs()), q=unit(r(B, H, dk)),
-                gate=row[:, 3 + H * dv : 3 + 2 * H * dv])
+    return memory_inputs(B, H, dk, dv, dtype, seed)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -242,9 +232,7 @@ ODD = GPNConfig(vocab_size=29, d_state=14, d_emb=6, d_ffn=9, n_heads=3, d_key=5,
 def test_model_with_cpp_kernels_matches_torch(case, mode, monkeypatch):
     """Loss, carried state, and the gradients of every parameter and of the incoming state."""
     calls = []
-    for name in ("memory_step", "memory_read", "memory_step_backward", "memory_read_backward"):
-        fn = getattr(K, name)
-        monkeypatch.setattr(K, name, lambda *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(*a, **kw))
+    count_calls(monkeypatch, K, ("memory_step", "memory_read", "memory_step_backward", "memory_read_backward"), calls)
     dtype = torch.float64 if mode == "float64" else torch.float32
     torch.manual_seed(0)
     model = GPN(dataclasses.replace(ODD, **case)).to(dtype)

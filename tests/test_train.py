@@ -15,6 +15,7 @@ import pytest
 from gpn_scale.errors import UserError
 from gpn_scale.train.config import load_train_config
 from gpn_scale.train.engine import EXIT_PREEMPTED, lr_factor
+from gpn_scale.train.gc import GarbageCollection
 from kernels.graph import CPU_GRAPHS_ENV
 from mds_fixture import write_windows
 from wandb_records import history
@@ -30,6 +31,33 @@ def data(tmp_path_factory):
     write_windows(root / "train", 300, 32, 512)
     write_windows(root / "val", 16, 32, 512, seed=1)
     return root
+
+
+def test_the_loops_garbage_collection_runs_on_its_schedule_and_restores_the_collector():
+    import gc
+
+    collections = []
+    callback = lambda phase, info: phase == "stop" and collections.append(info["generation"])  # noqa: E731
+    gc.callbacks.append(callback)
+    try:
+        with GarbageCollection(every=3) as collector:
+            assert not gc.isenabled()
+            for step in range(1, 8):
+                collections.clear()
+                for _ in range(5000):  # enough new objects to trip the automatic thresholds
+                    [[]]
+                collector.step(step)
+                assert collections == ([2] if step % 3 == 0 else []), step  # a full collection, or none
+        assert gc.isenabled()
+        gc.disable()
+        GarbageCollection().close()
+        assert not gc.isenabled()  # left as it found it
+        gc.enable()
+    finally:
+        gc.callbacks.remove(callback)
+        gc.enable()
+    with pytest.raises(ValueError, match="every"):
+        GarbageCollection(every=0)
 
 
 def _port() -> int:

@@ -16,9 +16,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 if INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"
-import kernels.elementwise as elementwise  # noqa: E402
-import kernels.elementwise_cpu as elementwise_cpu  # noqa: E402
-import kernels.memory_step as memory_step  # noqa: E402
+import kernels.step.triton as elementwise  # noqa: E402
+import kernels.step.cpu as elementwise_cpu  # noqa: E402
+import kernels.memory.triton as memory_step  # noqa: E402
 import kernels.numerics as numerics  # noqa: E402
 
 if INTERPRET:

@@ -33,19 +33,19 @@ gradients, as in the naive core.
 
 from __future__ import annotations
 
-import functools
-import gc
-from types import SimpleNamespace
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from gpn_scale.models.memory_step import ReadFactors, read_factors, rms
-from gpn_scale.models.step_ops import l2n_relu, rms_hat
-from gpn_scale.models.step_ops import mm as _mm  # the chunk's GEMMs, of many rows: BLAS
-from kernels import memory_ops, resolve, step_ops
-from kernels.graph import core_graphs, factory_for, signature
+from kernels import Backend
+from kernels.common import rms
+from kernels.graph import core_graphs, signature
+from kernels.memory import ReadFactors
+from kernels.memory.reference import read_factors
+from kernels.step.reference import l2n_relu, rms_hat
+from kernels.step.reference import mm as _mm  # the chunk's GEMMs, of many rows: BLAS
 
 
 class LayerWeights(NamedTuple):
@@ -64,7 +64,7 @@ class Spec(NamedTuple):
     chunk: int
     bptt: int
     compute_dtype: torch.dtype
-    kernel: str  # the step's memory and elementwise implementation: "triton" or "torch" (kernels.memory_ops, step_ops)
+    backend: Backend  # the step's memory and elementwise implementation (kernels.backend)
 
 
 def columns(spec: Spec, first: bool) -> dict[str, slice]:
@@ -124,33 +124,173 @@ def fuse_weights(model) -> tuple[list[LayerWeights], torch.Tensor, torch.Tensor]
 # ---- small pieces ----------------------------------------------------------------------------
 # In the time loop every op counts (each costs microseconds of dispatch on tensors this small):
 # `out=` writes straight into the saved buffers. The elementwise work between the GEMMs is in
-# groups (gpn_scale/models/step_ops.py, or their kernels), one call each; the step's GEMMs, of
+# groups (kernels/step/reference.py, or their kernels), one call each; the step's GEMMs, of
 # B rows, are `ew.mm` (its own kernel on CPU), the chunk's, of many rows, `_mm` (BLAS).
-
-
-def _gc_paused(fn):
-    """fn with Python's cyclic garbage collector paused. A window's loop makes tens of thousands
-    of short-lived objects (per-step views and their lists), which reference counting frees;
-    each still counts toward the collector's thresholds, and the collections they trigger walk
-    every object of the process (torch's included): ~10% of a CPU step. The loops make no
-    reference cycles, so pausing it loses nothing."""
-
-    @functools.wraps(fn)
-    def paused(*args, **kwargs):
-        if not gc.isenabled():
-            return fn(*args, **kwargs)
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            gc.enable()
-
-    return paused
 
 
 def _cast(spec: Spec, layers, fg_W, fg_b):
     cd = spec.compute_dtype
     return [LayerWeights(*(w.to(cd) for w in L)) for L in layers], fg_W.to(cd), fg_b.to(cd)
+
+
+# ---- named state -----------------------------------------------------------------------------
+# Shapes: T steps of the window (2 for a work ring: two slots written in turn), B sequences, d the
+# state, F the FFN, H heads of dk x dv, N_i the width of layer i's fused projection; L the steps of
+# a chunk. Per-step views (`_steps`) are tuples of the time-major tensor's rows, one per step.
+
+
+@dataclass(eq=False)
+class Saved:
+    """What the forward keeps for the backward (time-major); the work-ring ones hold only the
+    current step's, the backward recomputes them per chunk.
+
+    X, R: per layer, the normalised input (T, B, d) and its rms (T, B, 1); layer 0's in the ring
+      (the backward forms it again from u, P and the fuse gates).
+    Y, Z: per layer, the fused projection's output (2, B, N_i) and the second GEMM's input
+      (2, B, F [+ H*dv]) = [silu(h1) h2 | read output]. XP, RP, FG: the normalised prediction
+      (2, B, d), its rms (2, B, 1), the fuse gate (2, B, d).
+    P: the predictions (T, B, d); u: the input projections (T, B, d); g0: the incoming state (B, d).
+    GPN+M: NQ, NN: per layer, the normalised [next key | query] heads (2, B, 2 or 1, H, dk) and
+      their norms (.., 1); O: per layer, the raw reads (2, B, H*dv); E: the write's error
+      (2, B, H, dv); BETA, GAMMA, DECAY: the write's gates (T, B, H); M: M before every chunk
+      (B, H, dk, dv) each; x_prev, r_prev: the incoming previous state normalised (B, d) and its
+      rms (B, 1); k0, k0n: the first step's key (B, H, dk) and its norm (B, H, 1).
+    """
+
+    X: list
+    R: list
+    Y: list
+    Z: list
+    XP: torch.Tensor
+    RP: torch.Tensor
+    FG: torch.Tensor
+    P: torch.Tensor | None = None
+    u: torch.Tensor | None = None
+    g0: torch.Tensor | None = None
+    NQ: list = field(default_factory=list)
+    NN: list = field(default_factory=list)
+    O: list = field(default_factory=list)
+    E: torch.Tensor | None = None
+    BETA: torch.Tensor | None = None
+    GAMMA: torch.Tensor | None = None
+    DECAY: torch.Tensor | None = None
+    M: list = field(default_factory=list)
+    x_prev: torch.Tensor | None = None
+    r_prev: torch.Tensor | None = None
+    k0: torch.Tensor | None = None
+    k0n: torch.Tensor | None = None
+
+
+class LayerSteps(NamedTuple):
+    """Per-step views of one layer's forward buffers (`Saved`) and of its projection's column
+    blocks (`columns`); the memory ones are None without memory, next_key, v, beta, a are layer 0's."""
+
+    x: tuple
+    r: tuple
+    y: tuple
+    z: tuple
+    pg: tuple
+    h1: tuple
+    h2: tuple
+    z_ffn: tuple
+    z_read: tuple
+    heads: tuple | None = None
+    gate: tuple | None = None
+    nq: tuple | None = None
+    nn: tuple | None = None
+    q: tuple | None = None
+    o: tuple | None = None
+    next_key: tuple | None = None
+    v: tuple | None = None
+    beta: tuple | None = None
+    a: tuple | None = None
+
+
+class Workspace(NamedTuple):
+    """One layer's widest chunk buffers, (L, B, ...): reused by every chunk of the sweep."""
+
+    Y: torch.Tensor  # projection outputs (.., N_i)
+    dY: torch.Tensor  # their gradients
+    Z: torch.Tensor  # second GEMM inputs (.., F [+ H*dv])
+    dZ: torch.Tensor  # their gradients
+    ffn_fac: torch.Tensor  # (.., 2, F): the SwiGLU's (dL/dh1, dL/dh2) per dL/d(silu(h1) h2)
+
+
+@dataclass(eq=False, slots=True)
+class ChunkLayer:
+    """One layer's buffers for one chunk of the reverse sweep: `*_full` tensors (L, B, ...), the
+    rest per-step views of them. x, r: the normalised input and its rms; Y, Z: the recomputed
+    projection and second GEMM input; dY, dZ, dU: the gradients w.r.t. the projection output, the
+    second GEMM input and the layer's output c; pg_gate, pg_fac: the predict gate and its
+    derivative factor; ffn_fac, dffn, dpg, dz_ffn, dz_read: the SwiGLU's factors and the
+    gradient blocks. GPN+M: nq, q, nq_mask: the normalised heads, the query, relu's mask over the
+    norm; gate, o, z_read: the read's gate, raw output and output; dgate, dheads: their gradient
+    blocks; rf: the reads' `ReadFactors`; keys, v: layer 0's write keys and values."""
+
+    X_full: torch.Tensor
+    x: tuple
+    r: tuple
+    Y: torch.Tensor
+    Z_full: torch.Tensor
+    dY_full: torch.Tensor
+    dZ_full: torch.Tensor
+    dU_full: torch.Tensor
+    dU: tuple
+    pg_gate: tuple
+    pg_fac: tuple
+    ffn_fac: tuple
+    dY: tuple
+    dZ: tuple
+    dffn: tuple
+    dpg: tuple
+    dz_ffn: tuple
+    dz_read: tuple
+    nq: tuple | None = None
+    q: tuple | None = None
+    nq_mask: tuple | None = None
+    gate_full: torch.Tensor | None = None
+    gate: tuple | None = None
+    O_full: torch.Tensor | None = None
+    o: tuple | None = None
+    z_read: tuple | None = None
+    dgate: tuple | None = None
+    dheads: tuple | None = None
+    keys: list | None = None
+    v: tuple | None = None
+    rf: list | None = None
+
+
+@dataclass(eq=False, slots=True)
+class ChunkShared:
+    """The chunk's buffers outside the layers, (L, B, ...) and per-step views. XP, xp, rp: the
+    normalised predictions and their rms; fg, fg_fac: the fuse gates and their derivative factor;
+    dYfg: the fuse-gate GEMM's output gradient. GPN+M: e (E_full), delta: the write's errors and
+    beta e; gate_fac: (beta, a) derivative factors; dBD (dbeta, ddecay), dgates: the gates'
+    gradients; dv, dkn: layer 0's v and next-key gradient blocks; dKQ (dk_out, dq_out): dL/d the
+    normalised [next key | query] of layer 0."""
+
+    dYfg_full: torch.Tensor
+    dYfg: tuple
+    fg: tuple
+    fg_fac: tuple
+    XP: torch.Tensor
+    xp: tuple
+    rp: tuple
+    E_full: torch.Tensor | None = None
+    e: tuple | None = None
+    gate_fac: tuple | None = None
+    dBD_full: torch.Tensor | None = None
+    dBD: tuple | None = None
+    dbeta: tuple | None = None
+    ddecay: tuple | None = None
+    dgates: tuple | None = None
+    dv: tuple | None = None
+    dkn: tuple | None = None
+    dKQ_full: torch.Tensor | None = None
+    dKQ: tuple | None = None
+    dk_out: tuple | None = None
+    dq_out: tuple | None = None
+    delta: tuple | None = None
 
 
 # ---- forward ---------------------------------------------------------------------------------
@@ -167,7 +307,7 @@ def _buffers(spec: Spec, layers, T, B, like):
     d, H, dk, dv = spec.d, spec.H, spec.dk, spec.dv
     new = lambda *shape: like.new_empty((T, B) + shape)  # noqa: E731
     ring = lambda *shape: like.new_empty((2, B) + shape)  # noqa: E731
-    S = SimpleNamespace(
+    S = Saved(
         # Normalised layer inputs and their rms. Layer 0's is the grounded state's, which the
         # backward forms again from u, P and the fuse gates: it lives in the work ring.
         X=[ring(d)] + [new(d) for _ in layers[1:]],
@@ -205,10 +345,9 @@ def _layer_steps(spec: Spec, S, i, col):
         if "k" in col:
             v.update(next_key=_steps(S.NQ[i][:, :, 0]), v=_steps(Y[..., col["v"]], H, spec.dv),
                      beta=_steps(Y[..., col["beta"]]), a=_steps(Y[..., col["a"]]))
-    return v
+    return LayerSteps(**v)
 
 
-@_gc_paused
 def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bool):
     """The loop over u (T, B, d), time-major. Returns (P (T, B, d), g, g_prev, M, saved or None).
 
@@ -223,9 +362,9 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
     XP, RP, FG = _steps(S.XP), _steps(S.RP), _steps(S.FG)
     P = S.P = g.new_empty((T, B, d))
     Ps, us = _steps(P), _steps(u.to(g.dtype))
-    ew = step_ops(spec.kernel)
+    ew = spec.backend.step
     if spec.memory:
-        mem = memory_ops(spec.kernel)
+        mem = spec.backend.memory
         A = -torch.exp(A_log.to(g.dtype))
         M = M.contiguous()
         # M lives in two work buffers, written in turn; the one that starts a chunk gets its own.
@@ -244,30 +383,30 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
     fg_Wp = ew.pack(fg_W, T, B)
     # Each layer's normalised input is written by the group before it: the previous layer's
     # residual_rms, or (layer 0) the previous step's ground; the first step's here.
-    ew.rms_hat(g, V[0]["x"][0], V[0]["r"][0])
+    ew.rms_hat(g, V[0].x[0], V[0].r[0])
     for t in range(T):
         s, w = (t if save else t % 2), t % 2  # saved and work-ring slots
         if save and spec.memory and t % spec.chunk == 0:
             S.M.append(M)
         c = g
         for i, (L, v) in enumerate(zip(packed, V)):
-            ew.mm(v["x"][w if i == 0 else s], L.W, v["y"][w], L.b)
+            ew.mm(v.x[w if i == 0 else s], L.W, v.y[w], L.b)
             if not spec.memory:
-                ew.post_projection(v["h1"][w], v["h2"][w], v["z_ffn"][w])
+                ew.post_projection(v.h1[w], v.h2[w], v.z_ffn[w])
             elif i == 0:
-                ew.post_projection(v["h1"][w], v["h2"][w], v["z_ffn"][w], v["heads"][w], v["nq"][w], v["nn"][w], v["beta"][w],
-                                   v["a"][w], A, BETA[s], GAMMA[s], DECAY[s])
-                M, *_ = mem.memory_step(M, k, v["v"][w], BETA[s], DECAY[s], v["q"][w], v["gate"][w], out_e=E[w],
-                                        out_o=v["o"][w], out_y=v["z_read"][w], out_M=M.new_empty(M.shape) if kept[t] else Mring[w])
-                k = v0["next_key"][w]
+                ew.post_projection(v.h1[w], v.h2[w], v.z_ffn[w], v.heads[w], v.nq[w], v.nn[w], v.beta[w],
+                                   v.a[w], A, BETA[s], GAMMA[s], DECAY[s])
+                M, *_ = mem.memory_step(M, k, v.v[w], BETA[s], DECAY[s], v.q[w], v.gate[w], out_e=E[w],
+                                        out_o=v.o[w], out_y=v.z_read[w], out_M=M.new_empty(M.shape) if kept[t] else Mring[w])
+                k = v0.next_key[w]
             else:
-                ew.post_projection(v["h1"][w], v["h2"][w], v["z_ffn"][w], v["heads"][w], v["nq"][w], v["nn"][w])
-                mem.memory_read(M, v["q"][w], v["gate"][w], out_o=v["o"][w], out_y=v["z_read"][w])
+                ew.post_projection(v.h1[w], v.h2[w], v.z_ffn[w], v.heads[w], v.nq[w], v.nn[w])
+                mem.memory_read(M, v.q[w], v.gate[w], out_o=v.o[w], out_y=v.z_read[w])
             last = i == nl - 1
-            x_next, r_next = (XP[w], RP[w]) if last else (V[i + 1]["x"][s], V[i + 1]["r"][s])
-            c = ew.residual_rms(ew.mm(v["z"][w], L.W2o), v["pg"][w], c, Ps[t] if last else None, x_next, r_next)
+            x_next, r_next = (XP[w], RP[w]) if last else (V[i + 1].x[s], V[i + 1].r[s])
+            c = ew.residual_rms(ew.mm(v.z[w], L.W2o), v.pg[w], c, Ps[t] if last else None, x_next, r_next)
         ew.mm(XP[w], fg_Wp, FG[w], fg_b)
-        x_next, r_next = (V[0]["x"][1 - w], V[0]["r"][1 - w]) if t < T - 1 else (None, None)
+        x_next, r_next = (V[0].x[1 - w], V[0].r[1 - w]) if t < T - 1 else (None, None)
         g_prev, g = g, ew.ground(FG[w], c, us[t], FG[w], x_next, r_next)
     return P, g, g_prev, M, (S if save else None)
 
@@ -280,8 +419,8 @@ def _workspace(spec: Spec, layers, L, B, like):
     the SwiGLU factors), made once for the sweep and reused by every chunk: fresh ones per chunk
     leave the heap fragmented, and the process's resident memory creeping up chunk by chunk."""
     new = lambda *shape: like.new_empty((L, B) + shape)  # noqa: E731
-    return [dict(Y=new(W.W.shape[1]), dY=new(W.W.shape[1]), Z=new(W.W2o.shape[0]), dZ=new(W.W2o.shape[0]),
-                 ffn_fac=new(2, spec.F)) for W in layers]
+    return [Workspace(Y=new(W.W.shape[1]), dY=new(W.W.shape[1]), Z=new(W.W2o.shape[0]), dZ=new(W.W2o.shape[0]),
+                      ffn_fac=new(2, spec.F)) for W in layers]
 
 
 def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_first, X0, R0, XP, RP, fg, work):
@@ -302,7 +441,7 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
     C = []
     for i, (W, col, ws) in enumerate(zip(layers, cols, work)):
         x_hat, r = (X0, R0) if i == 0 else (S.X[i][sl], S.R[i][sl])
-        Y, Z, dY, dZ, ffn_fac = (ws[n][:L] for n in ("Y", "Z", "dY", "dZ", "ffn_fac"))  # every row is written
+        Y, Z, dY, dZ, ffn_fac = (x[:L] for x in (ws.Y, ws.Z, ws.dY, ws.dZ, ws.ffn_fac))  # every row is written
         _mm(x_hat.reshape(L * B, d), W.W, Y.view(L * B, -1), W.b)  # as the forward's, one GEMM
         pg = torch.sigmoid(Y[..., col["pg"]])
         pg_fac = (x_hat * r).mul_(pg).mul_(1 - pg)
@@ -311,11 +450,11 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
         silu = torch.mul(h1, s1, out=ffn_fac[:, :, 1])
         torch.mul(torch.addcmul(s1 + silu, silu, s1, value=-1.0), h2, out=ffn_fac[:, :, 0])  # silu'(h1) h2
         torch.mul(silu, h2, out=Z[..., :Fd])
-        c = dict(X_full=x_hat, x=_steps(x_hat), r=_steps(r), Y=Y, Z_full=Z, dY_full=dY, dZ_full=dZ, dU_full=empty(L, B, d),
+        dU = empty(L, B, d)
+        c = dict(X_full=x_hat, x=_steps(x_hat), r=_steps(r), Y=Y, Z_full=Z, dY_full=dY, dZ_full=dZ, dU_full=dU, dU=_steps(dU),
                  pg_gate=_steps(pg), pg_fac=_steps(pg_fac),
                  ffn_fac=_steps(ffn_fac), dY=_steps(dY), dZ=_steps(dZ), dffn=_steps(dY[..., col["ffn"]], 2, Fd),
                  dpg=_steps(dY[..., col["pg"]]), dz_ffn=_steps(dZ[..., None, :Fd]), dz_read=_steps(dZ[..., Fd:]))
-        c["dU"] = _steps(c["dU_full"])
         if spec.memory:
             nh = S.NQ[i].shape[2]
             nq, norms = l2n_relu(Y[..., col["heads"]].view(L, B, nh, H, dk))
@@ -325,14 +464,14 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
                      dgate=_steps(dY[..., col["gate"]]), dheads=_steps(dY[..., col["heads"]], nh, H, dk))
             if i == 0:
                 c.update(keys=[k_first] + list(_steps(nq[:-1, :, 0])), v=_steps(Y[..., col["v"]], H, spec.dv))
-        C.append(c)
+        C.append(ChunkLayer(**c))
     dYfg = empty(L, B, d)
     G = dict(dYfg_full=dYfg, dYfg=_steps(dYfg), fg=_steps(fg), fg_fac=_steps((XP * RP).mul_(fg).mul_(1 - fg)),
              XP=XP, xp=_steps(XP), rp=_steps(RP))
     if spec.memory:
-        col0, dY0 = cols[0], C[0]["dY_full"]
+        col0, dY0 = cols[0], C[0].dY_full
         # dL/d(beta, a pre-activations) = (dL/dbeta, dL/ddecay) * gate_fac
-        da_fac = A * torch.sigmoid(C[0]["Y"][..., col0["a"]]) * S.DECAY[sl]
+        da_fac = A * torch.sigmoid(C[0].Y[..., col0["a"]]) * S.DECAY[sl]
         dBD = empty(L, 2, B, H)  # (dL/dbeta, dL/ddecay)
         dKQ = empty(L, 2, B, H, dk)  # dL/d(normalised [next key | query]) of layer 0
         E = empty(L, B, H, spec.dv)  # the write's errors, from the rebuild
@@ -341,7 +480,7 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
                  dbeta=_steps(dBD[:, 0]), ddecay=_steps(dBD[:, 1]), dgates=_steps(dY0[..., col0["beta"].start : col0["a"].stop], 2, H),
                  dv=_steps(dY0[..., col0["v"]], H, spec.dv), dkn=_steps(dY0[..., col0["k"]]), dKQ_full=dKQ,
                  dKQ=_steps(dKQ.transpose(1, 2)), dk_out=_steps(dKQ[:, 0]), dq_out=_steps(dKQ[:, 1]))
-    return C, G
+    return C, ChunkShared(**G)
 
 
 def _grounded_rows(S, lo: int, hi: int, fg_W, fg_b):
@@ -366,44 +505,143 @@ def _chunk_reads(spec: Spec, S, sl: slice, C, G, Ms):
     product each."""
     L, B = Ms.shape[:2]
     for c in C[1:]:
-        torch.matmul(torch.stack(c["q"]).unsqueeze(-2), Ms, out=c["O_full"].view(L, B, spec.H, 1, spec.dv))
-        torch.mul(F.silu(c["gate_full"]), c["O_full"] / rms(c["O_full"]), out=c["Z_full"][..., spec.F :])
+        torch.matmul(torch.stack(c.q).unsqueeze(-2), Ms, out=c.O_full.view(L, B, spec.H, 1, spec.dv))
+        torch.mul(F.silu(c.gate_full), c.O_full / rms(c.O_full), out=c.Z_full[..., spec.F :])
     for c in C:
-        c["rf"] = [ReadFactors(*f) for f in zip(*map(_steps, read_factors(c["O_full"], c["gate_full"])))]
-    G["delta"] = _steps(S.BETA[sl].unsqueeze(-1) * G["E_full"])
+        c.rf = [ReadFactors(*f) for f in zip(*map(_steps, read_factors(c.O_full, c.gate_full)))]
+    G.delta = _steps(S.BETA[sl].unsqueeze(-1) * G.E_full)
 
 
-@_gc_paused
+class Sweep(NamedTuple):
+    """What the reverse sweep reads at every chunk: the step functions, the transposed weights of
+    its GEMMs (packed as they are read fastest), du's and dP's per-step views, the write's gates,
+    the two dL/dM buffers written in turn, the key projection's transpose and dL/dg_prev."""
+
+    ew: object  # StepOps
+    mem: object  # MemoryOps, or None without memory
+    WT: list
+    W2oT: list
+    fg_WT: object
+    dus: tuple
+    dPs: tuple | None
+    BETA: tuple | None
+    DECAY: tuple | None
+    dMring: tuple | None
+    W_kT: torch.Tensor | None
+    dg_prev: torch.Tensor | None
+
+
+class Carry(NamedTuple):
+    """What the sweep carries from step to step, backwards: dL/dg, dL/dM, and whether the next
+    key's gradient flows into the state (not across a truncated-BPTT cut)."""
+
+    dg: torch.Tensor
+    dM: torch.Tensor | None
+    kn_flows: bool
+
+
+def _rebuild(spec: Spec, mem, S, C: list[ChunkLayer], G: ChunkShared, c0: int, c1: int, Mbuf, BETA, DECAY) -> list:
+    """M after each step of the chunk, rebuilt from the chunk's saved start into Mbuf by replaying
+    the write (with layer 0's reads and the write's errors), then the later layers' reads.
+    Returns Ms: Ms[j] is M before step c0 + j."""
+    Ms, c = [S.M[c0 // spec.chunk]] + list(_steps(Mbuf[: c1 - c0])), C[0]
+    for j, t in enumerate(range(c0, c1)):
+        mem.memory_step(Ms[j], c.keys[j], c.v[j], BETA[t], DECAY[t], c.q[j], c.gate[j], out_e=G.e[j],
+                        out_o=c.o[j], out_y=c.z_read[j], out_M=Ms[j + 1])
+    _chunk_reads(spec, S, slice(c0, c1), C, G, Mbuf[: c1 - c0])
+    return Ms
+
+
+def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, c0: int, c1: int, T: int, carry: Carry,
+           dk_next) -> Carry:
+    """Steps c1-1 .. c0, backwards: through the fuse gate, the layers and the memory, writing the
+    chunk's GEMM-output gradients (dY, dZ, dU rows), du, and dL/d(first key) into dk_next."""
+    ew, mem, WT, W2oT, fg_WT, dus, dPs, BETA, DECAY, dMring, W_kT, dg_prev = sw
+    dg, dM, kn_flows = carry
+    nl = len(C)
+    for t in reversed(range(c0, c1)):
+        j = t - c0
+        dus[t].copy_(dg)
+        dxp = ew.mm(torch.mul(dg, G.fg_fac[j], out=G.dYfg[j]), fg_WT)
+        dc = ew.residual_rms_backward(G.xp[j], G.rp[j], dxp, dg, G.fg[j], None if dPs is None else dPs[t], out=C[-1].dU[j])
+        for i in reversed(range(nl)):
+            c = C[i]
+            ew.mm(dc, W2oT[i], c.dZ[j])  # into the dZ rows of the chunk
+            ew.gate_grads(c.dz_ffn[j], c.ffn_fac[j], c.dffn[j], dc, c.pg_fac[j], c.dpg[j])
+            if spec.memory:
+                if i == 0:
+                    dM, _, dv, *_ = mem.memory_step_backward(
+                        Ms[j], Ms[j + 1], c.keys[j], BETA[t], DECAY[t], G.e[j], G.delta[j], c.q[j], c.rf[j], dM,
+                        c.dz_read[j], out_dk=G.dk_out[j - 1] if j > 0 else dk_next, out_dq=G.dq_out[j],
+                        out_dbeta=G.dbeta[j], out_ddecay=G.ddecay[j], out_dgate=c.dgate[j],
+                        out_dM=dMring[1] if dM is dMring[0] else dMring[0])
+                    G.dv[j].copy_(dv)
+                    torch.mul(G.dBD[j], G.gate_fac[j], out=G.dgates[j])
+                    dq = G.dKQ[j]
+                else:
+                    dq, _, dM = mem.memory_read_backward(Ms[j + 1], c.q[j], c.rf[j], c.dz_read[j], dM,
+                                                         out_dgate=c.dgate[j],
+                                                         out_dM=dMring[1] if dM is dMring[0] else dMring[0])
+                    dq = dq.unsqueeze(1)
+                ew.l2n_relu_backward(c.nq[j], c.nq_mask[j], dq, out=c.dheads[j])
+            dx = ew.mm(c.dY[j], WT[i])
+            if i == 0 and spec.memory and not kn_flows:  # the next key's gradient reaches the weights only
+                dx -= ew.mm(G.dkn[j], W_kT)
+            dc = ew.residual_rms_backward(c.x[j], c.r[j], dx, dc, c.pg_gate[j], out=C[i - 1].dU[j] if i > 0 else None)
+        dg = dc if (t < T - 1 or dg_prev is None) else dc + dg_prev
+        if spec.bptt and t > 0 and t % spec.bptt == 0:  # where the naive core detaches the state
+            dg = torch.zeros_like(dg)
+            if spec.memory:
+                dM = torch.zeros_like(dM)
+                kn_flows = False
+        elif spec.memory:
+            kn_flows = True
+    return Carry(dg, dM, kn_flows)
+
+
+def _gemm(acc, X, G, cd):
+    """acc += X^T G over all rows, the GEMM in the compute dtype cd."""
+    X, G = X.reshape(-1, X.shape[-1]).to(cd), G.reshape(-1, G.shape[-1]).to(cd)
+    if cd == acc.dtype:  # accumulate in place: no (in x out) temporary
+        acc.addmm_(X.T, G)
+    else:
+        acc += (X.T @ G).to(acc.dtype)
+
+
+def _weight_grads(spec: Spec, S, sl: slice, C: list[ChunkLayer], G: ChunkShared, grads, dfg_W, dfg_b, dA_log) -> None:
+    """The chunk's weight gradients, accumulated: dW += X^T dY as GEMMs over its B*L rows."""
+    cd = spec.compute_dtype
+    for i, c in enumerate(C):
+        _gemm(grads[i][0], c.X_full, c.dY_full, cd)
+        grads[i][1] += c.dY_full.sum((0, 1))
+        _gemm(grads[i][2], c.Z_full, c.dU_full, cd)
+    _gemm(dfg_W, G.XP, G.dYfg_full, cd)
+    dfg_b += G.dYfg_full.sum((0, 1))
+    if spec.memory:
+        dA_log += (G.dBD_full[:, 1] * S.DECAY[sl] * S.GAMMA[sl]).sum((0, 1))
+
+
 def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
-    """The reverse sweep, chunk by chunk, with each chunk's weight gradients as GEMMs over its rows.
+    """The reverse sweep, chunk by chunk from the end: per chunk, its buffers and derivative
+    factors (`_chunk_buffers`), M rebuilt (`_rebuild`), the steps backwards (`_sweep`), and its
+    weight gradients as GEMMs over its rows (`_weight_grads`).
 
     dP (T, B, d), dg, dg_prev, dM: gradients w.r.t. the outputs (None where unused). Returns
     (du (T, B, d), dg0, dg_prev0, dM0, dA_log, [per layer (dW, db, dW2o)], dfg_W, dfg_b).
     """
     T, B, d = S.P.shape
-    H, dk, nl, sd, cd = spec.H, spec.dk, len(layers), S.P.dtype, spec.compute_dtype
+    H, dk, nl, sd = spec.H, spec.dk, len(layers), S.P.dtype
     layers, fg_W, fg_b = _cast(spec, layers, fg_W, fg_b)
     cols = [columns(spec, i == 0) for i in range(nl)]
-    ew = step_ops(spec.kernel)
-    # The transposed weights of the sweep's GEMMs, in the layout they are read fastest.
-    WT, W2oT, fg_WT = [ew.pack(L.W.T, T, B) for L in layers], [ew.pack(L.W2o.T, T, B) for L in layers], ew.pack(fg_W.T, T, B)
+    ew = spec.backend.step
     du = S.P.new_empty((T, B, d))
-    dus, dPs = _steps(du), (_steps(dP) if dP is not None else None)
     dg = S.P.new_zeros((B, d)) if dg is None else dg
-
-    def gemm(acc, X, G):  # acc += X^T G over all rows, the GEMM in the compute dtype
-        X, G = X.reshape(-1, X.shape[-1]).to(cd), G.reshape(-1, G.shape[-1]).to(cd)
-        if cd == sd:  # accumulate in place: no (in x out) temporary
-            acc.addmm_(X.T, G)
-        else:
-            acc += (X.T @ G).to(sd)
-
     grads = [[torch.zeros_like(L.W, dtype=sd), torch.zeros_like(L.b, dtype=sd), torch.zeros_like(L.W2o, dtype=sd)] for L in layers]
     dfg_W, dfg_b = torch.zeros_like(fg_W, dtype=sd), torch.zeros_like(fg_b, dtype=sd)
-    A = None
     work = _workspace(spec, layers, min(spec.chunk, T), B, S.P)
+    A = mem = BETA = DECAY = dMring = W_kT = dA_log = dk_next = None
     if spec.memory:
-        mem = memory_ops(spec.kernel)
+        mem = spec.backend.memory
         col0 = cols[0]
         A = -torch.exp(A_log.to(sd))
         BETA, DECAY = _steps(S.BETA), _steps(S.DECAY)
@@ -412,10 +650,14 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
         # The memory after each step of a chunk, rebuilt into one buffer that every chunk reuses.
         Mbuf = dM.new_empty((min(spec.chunk, T),) + dM.shape)
         dk_next = S.P.new_zeros((B, H, dk))  # dL/d(normalised key) of the step after the chunk
-        kn_flows = True
         W_k, b_k = layers[0].W[:, col0["k"]], layers[0].b[col0["k"]]
         W_kT = W_k.T
         dA_log = torch.zeros_like(A)
+    # The transposed weights of the sweep's GEMMs, in the layout they are read fastest.
+    sw = Sweep(ew, mem, [ew.pack(L.W.T, T, B) for L in layers], [ew.pack(L.W2o.T, T, B) for L in layers],
+               ew.pack(fg_W.T, T, B), _steps(du), (_steps(dP) if dP is not None else None), BETA, DECAY, dMring, W_kT,
+               dg_prev)
+    carry = Carry(dg, dM, True)
 
     for c0 in reversed(range(0, T, spec.chunk)):
         c1 = min(c0 + spec.chunk, T)
@@ -430,67 +672,21 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
         X0, R0 = X0[c0 - first :], R0[c0 - first :]
         C, G = _chunk_buffers(spec, S, sl, layers, cols, fg_W, fg_b, A, k_first, X0, R0, XP[c0 - lo :], RP[c0 - lo :],
                               fg[c0 - lo :], work)
-        if spec.memory:  # Ms[j] = M before step c0 + j, rebuilt from the chunk's start, with layer 0's reads
-            Ms, c = [S.M[c0 // spec.chunk]] + list(_steps(Mbuf[: c1 - c0])), C[0]
-            for j, t in enumerate(range(c0, c1)):
-                mem.memory_step(Ms[j], c["keys"][j], c["v"][j], BETA[t], DECAY[t], c["q"][j], c["gate"][j], out_e=G["e"][j],
-                                out_o=c["o"][j], out_y=c["z_read"][j], out_M=Ms[j + 1])
-            _chunk_reads(spec, S, sl, C, G, Mbuf[: c1 - c0])
-            G["dKQ_full"][-1, 0] = dk_next
-            dk_next = torch.empty_like(dk_next)
-        for t in reversed(range(c0, c1)):
-            j = t - c0
-            dus[t].copy_(dg)
-            dxp = ew.mm(torch.mul(dg, G["fg_fac"][j], out=G["dYfg"][j]), fg_WT)
-            dc = ew.residual_rms_backward(G["xp"][j], G["rp"][j], dxp, dg, G["fg"][j], None if dPs is None else dPs[t], out=C[-1]["dU"][j])
-            for i in reversed(range(nl)):
-                c = C[i]
-                ew.mm(dc, W2oT[i], c["dZ"][j])  # into the dZ rows of the chunk
-                ew.gate_grads(c["dz_ffn"][j], c["ffn_fac"][j], c["dffn"][j], dc, c["pg_fac"][j], c["dpg"][j])
-                if spec.memory:
-                    if i == 0:
-                        dM, _, dv, *_ = mem.memory_step_backward(
-                            Ms[j], Ms[j + 1], c["keys"][j], BETA[t], DECAY[t], G["e"][j], G["delta"][j], c["q"][j], c["rf"][j], dM,
-                            c["dz_read"][j], out_dk=G["dk_out"][j - 1] if j > 0 else dk_next, out_dq=G["dq_out"][j],
-                            out_dbeta=G["dbeta"][j], out_ddecay=G["ddecay"][j], out_dgate=c["dgate"][j],
-                            out_dM=dMring[1] if dM is dMring[0] else dMring[0])
-                        G["dv"][j].copy_(dv)
-                        torch.mul(G["dBD"][j], G["gate_fac"][j], out=G["dgates"][j])
-                        dq = G["dKQ"][j]
-                    else:
-                        dq, _, dM = mem.memory_read_backward(Ms[j + 1], c["q"][j], c["rf"][j], c["dz_read"][j], dM,
-                                                             out_dgate=c["dgate"][j],
-                                                             out_dM=dMring[1] if dM is dMring[0] else dMring[0])
-                        dq = dq.unsqueeze(1)
-                    ew.l2n_relu_backward(c["nq"][j], c["nq_mask"][j], dq, out=c["dheads"][j])
-                dx = ew.mm(c["dY"][j], WT[i])
-                if i == 0 and spec.memory and not kn_flows:  # the next key's gradient reaches the weights only
-                    dx -= ew.mm(G["dkn"][j], W_kT)
-                dc = ew.residual_rms_backward(c["x"][j], c["r"][j], dx, dc, c["pg_gate"][j], out=C[i - 1]["dU"][j] if i > 0 else None)
-            dg = dc if (t < T - 1 or dg_prev is None) else dc + dg_prev
-            if spec.bptt and t > 0 and t % spec.bptt == 0:  # where the naive core detaches the state
-                dg = torch.zeros_like(dg)
-                if spec.memory:
-                    dM = torch.zeros_like(dM)
-                    kn_flows = False
-            elif spec.memory:
-                kn_flows = True
-        for i, c in enumerate(C):
-            gemm(grads[i][0], c["X_full"], c["dY_full"])
-            grads[i][1] += c["dY_full"].sum((0, 1))
-            gemm(grads[i][2], c["Z_full"], c["dU_full"])
-        gemm(dfg_W, G["XP"], G["dYfg_full"])
-        dfg_b += G["dYfg_full"].sum((0, 1))
+        Ms = None
         if spec.memory:
-            dA_log += (G["dBD_full"][:, 1] * S.DECAY[sl] * S.GAMMA[sl]).sum((0, 1))
-            del Ms
-        del C, G  # before the next chunk's buffers exist, not after
+            Ms = _rebuild(spec, mem, S, C, G, c0, c1, Mbuf, BETA, DECAY)
+            G.dKQ_full[-1, 0] = dk_next
+            dk_next = torch.empty_like(dk_next)
+        carry = _sweep(spec, sw, C, G, Ms, c0, c1, T, carry, dk_next)
+        _weight_grads(spec, S, sl, C, G, grads, dfg_W, dfg_b, dA_log)
+        del C, G, Ms  # before the next chunk's buffers exist, not after
 
+    dg, dM = carry.dg, carry.dM
     if not spec.memory:
         return du, dg, None, None, None, grads, dfg_W, dfg_b
     # The first key comes from the incoming previous state.
     dk0 = ew.l2n_relu_backward(S.k0, (S.k0 > 0) / S.k0n, dk_next).flatten(1)
-    gemm(grads[0][0][:, col0["k"]], S.x_prev, dk0)
+    _gemm(grads[0][0][:, col0["k"]], S.x_prev, dk0, spec.compute_dtype)
     grads[0][1][col0["k"]] += dk0.sum(0)
     dg_prev0 = ew.rms_hat_backward(S.x_prev, S.r_prev, ew.mm(dk0, W_kT))
     return du, dg, dg_prev0, dM, dA_log, grads, dfg_W, dfg_b
@@ -572,10 +768,9 @@ def fused_recurrence(model, u: torch.Tensor, state):
     g, g_prev, M = state
     device = u.device.type
     cd = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else g.dtype
-    spec = Spec(cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.memory, cfg.core_chunk, cfg.bptt, cd,
-                resolve(cfg.kernel, device))
-    factory = factory_for(device) if cfg.cuda_graphs else None
-    graphs = None if factory is None else core_graphs(model, _forward_flat, _backward_flat, factory)
+    backend = model.backend(device)
+    spec = Spec(cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.memory, cfg.core_chunk, cfg.bptt, cd, backend)
+    graphs = None if backend.graphs is None else core_graphs(model, _forward_flat, _backward_flat, backend.graphs)
     A_log = model.write_A_log if cfg.memory else None
     u = u.transpose(0, 1)
     with torch.autocast(device, enabled=False):

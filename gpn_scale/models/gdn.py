@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from gpn_scale.models.blocks import Block, RMSNorm, check_tokens, init_weights, shifted_inputs, tied_lm_loss
 from gpn_scale.models.gpn import ModelOutput
 from gpn_scale.models.ops import at_least_f32, l2_normalize, rms_norm
+from gpn_scale.models.spec import ModelSpec, matrices_decay, no_external_params
 
 CORES = ("chunk", "recurrent")
 KERNELS = ("auto", "torch")
@@ -226,14 +227,15 @@ class GatedDeltaMixer(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: GDNConfig):
+    def __init__(self, cfg: GDNConfig, initialise: bool = True):
         super().__init__()
         self.config = cfg
         self.embedding = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
         self.start = nn.Parameter(torch.empty(cfg.d_model))  # the empty context, read at position 0
         self.layers = nn.ModuleList(Block(cfg.d_model, cfg.d_ffn, GatedDeltaMixer(cfg)) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model)
-        self.reset_parameters()
+        if initialise:
+            self.reset_parameters()
 
     def reset_parameters(self):
         init_weights(self, self.config.n_layers, residual_out=("o_proj", "down_proj"))
@@ -254,3 +256,6 @@ class GatedDeltaNet(nn.Module):
         loss, token_losses, logits = tied_lm_loss(self.norm(x), self.embedding, tokens, self.config.ce_chunk,
                                                   return_logits)
         return ModelOutput(loss, token_losses, GDNState(tokens[:, -1], tuple(caches)), logits)
+
+
+SPEC = ModelSpec(GDNConfig, GatedDeltaNet, no_external_params, matrices_decay)

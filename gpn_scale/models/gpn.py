@@ -23,7 +23,9 @@ from torch.utils.checkpoint import checkpoint
 
 from gpn_scale.models.core import fused_recurrence
 from gpn_scale.models.ops import at_least_f32, l2_normalize, lecun_normal_, linear_cross_entropy, rms_norm
-from kernels import KERNELS
+from gpn_scale.models.spec import ModelSpec, matrices_decay
+import kernels
+from kernels import KERNELS, Backend
 
 FAMILIES = ("gpn", "gpn_m")
 CORES = ("fused", "naive")
@@ -208,7 +210,9 @@ def write_memory(M, k, v, beta, gamma):
 class GPN(nn.Module):
     """GPN (family "gpn") and GPN+M (family "gpn_m") with any number of predict layers."""
 
-    def __init__(self, cfg: GPNConfig):
+    def __init__(self, cfg: GPNConfig, initialise: bool = True):
+        """initialise=False leaves the parameters as allocated (zeros and ones; nothing on the meta
+        device), for counting them or loading them."""
         super().__init__()
         self.config = cfg
         d, E, V = cfg.d_state, cfg.d_emb, cfg.vocab_size
@@ -232,7 +236,9 @@ class GPN(nn.Module):
             self.write_A_log = _zeros_param(H)
             self.write_dt_bias = _zeros_param(H)
         self.layers = nn.ModuleList(PredictLayer(cfg) for _ in range(cfg.n_layers))
-        self.reset_parameters()
+        self._backends: dict[tuple, Backend] = {}
+        if initialise:
+            self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -261,6 +267,15 @@ class GPN(nn.Module):
             layer.reset_parameters()
 
     # ---- the recurrent core ------------------------------------------------------------------
+
+    def backend(self, device_type: str) -> Backend:
+        """The fused core's kernels on a device type, chosen once per device the model runs on
+        (it is built on CPU and moved) and per `kernel` / `cuda_graphs` setting."""
+        key = (device_type, self.config.kernel, self.config.cuda_graphs)
+        chosen = self._backends.get(key)
+        if chosen is None:
+            chosen = self._backends[key] = kernels.backend(self.config.kernel, device_type, self.config.cuda_graphs)
+        return chosen
 
     def initial_state(self, batch: int, device=None) -> GPNState:
         cfg = self.config
@@ -348,3 +363,12 @@ class GPN(nn.Module):
         logits = at_least_f32(h @ self.embedding.T).view(B, T, -1) if return_logits else None
         token_losses = token_losses.view(B, T)
         return ModelOutput(token_losses.mean(), token_losses, state, logits)
+
+
+def _zero3_external_params(model: GPN) -> list[nn.Parameter]:
+    """Every layer's: the fused recurrent core reads them inside the model's own forward, not
+    through the layers' forward."""
+    return [p for module in model.modules() if module is not model for p in module.parameters(recurse=False)]
+
+
+SPEC = ModelSpec(GPNConfig, GPN, _zero3_external_params, matrices_decay)

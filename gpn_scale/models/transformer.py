@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from gpn_scale.models.blocks import Block, RMSNorm, check_tokens, init_weights, shifted_inputs, tied_lm_loss
 from gpn_scale.models.gpn import ModelOutput
 from gpn_scale.models.ops import at_least_f32
+from gpn_scale.models.spec import ModelSpec, matrices_decay, no_external_params
 
 
 @dataclass
@@ -105,14 +106,15 @@ class Attention(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, initialise: bool = True):
         super().__init__()
         self.config = cfg
         self.embedding = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
         self.start = nn.Parameter(torch.empty(cfg.d_model))  # the empty context, read at position 0
         self.layers = nn.ModuleList(Block(cfg.d_model, cfg.d_ffn, Attention(cfg)) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model)
-        self.reset_parameters()
+        if initialise:
+            self.reset_parameters()
 
     def reset_parameters(self):
         init_weights(self, self.config.n_layers, residual_out=("o_proj", "down_proj"))
@@ -133,3 +135,6 @@ class Transformer(nn.Module):
                                                   return_logits)
         return ModelOutput(loss, token_losses, TransformerState(tokens[:, -1], tuple(caches)), logits)
 
+
+
+SPEC = ModelSpec(TransformerConfig, Transformer, no_external_params, matrices_decay)

@@ -210,7 +210,7 @@ def config_changes(saved: dict, new: dict) -> tuple[list[tuple], list[tuple]]:
     settings at their defaults, not changes."""
     from gpn_scale.models import MODEL_FAMILIES
 
-    config_cls = MODEL_FAMILIES[new["model"]["family"]][0]
+    config_cls = MODEL_FAMILIES[new["model"]["family"]].config_cls
     resumable = RESUMABLE + tuple(f"model.{k}" for k in getattr(config_cls, "EXECUTION_KEYS", ()))
     old_flat, new_flat = _flat(saved), _flat(new)
     safe, unsafe = [], []

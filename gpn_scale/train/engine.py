@@ -26,6 +26,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
@@ -39,9 +40,13 @@ from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import distributed as dist_utils
 from gpn_scale.train import preflight
 from gpn_scale.train.config import TrainConfig, config_changes, load_train_config
+from gpn_scale.train.gc import GarbageCollection
 from gpn_scale.train.lock import RunLock
 from gpn_scale.train.metrics import MetricsLog, flops_per_token, peak_flops
 from kernels.graph import graphs_of
+
+if TYPE_CHECKING:
+    from gpn_scale.models import ParamGroups
 
 EXIT_PREEMPTED = 75
 EXIT_INTERRUPTED = 130
@@ -56,11 +61,9 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only; never on norms, biases, A_log or dt_bias (all 1-D)."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def param_groups(groups: ParamGroups, weight_decay: float) -> list[dict]:
+    """The optimiser's groups, [decay, no decay], from the ones the model family declares."""
+    return [{"params": groups.decay, "weight_decay": weight_decay}, {"params": groups.no_decay, "weight_decay": 0.0}]
 
 
 def grad_accum_for(cfg: TrainConfig, world_size: int) -> int:
@@ -169,18 +172,20 @@ class Trainer:
         import deepspeed
 
         from gpn_scale.config import model_config
-        from gpn_scale.models import GPN, build_model
+        from gpn_scale.models import MODEL_FAMILIES, build_model
         from gpn_scale.train.data import TrainStream
 
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        self.model = build_model(model_config(cfg.model, where="config: model")).to(self.device)
+        model_cfg = model_config(cfg.model, where="config: model")
+        spec = MODEL_FAMILIES[model_cfg.family]
+        self.model = build_model(model_cfg).to(self.device)
 
         saved = checkpoints.read_trainer_state(self.ckpt_root / self.resume_tag) if self.resume_tag else None
         universal = saved is not None and saved["world_size"] != self.world and saved["zero_stage"] > 0
 
         optimizer = torch.optim.AdamW(
-            param_groups(self.model, cfg.train.weight_decay), lr=cfg.train.lr,
+            param_groups(spec.param_groups(self.model), cfg.train.weight_decay), lr=cfg.train.lr,
             betas=(cfg.train.beta1, cfg.train.beta2), eps=1e-8,
         )
         t = cfg.train
@@ -191,16 +196,11 @@ class Trainer:
             model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
             config=deepspeed_config(cfg, self.grad_accum, universal),
         )
-        if cfg.zero.stage == 3 and isinstance(self.model, GPN):
-            # GPN's fused recurrent core reads every layer's weights inside the model's own forward,
-            # not through the layers' forward: ZeRO-3 must gather them with the top-level module.
-            # The layered baselines call their layers, so ZeRO-3 gathers each layer on its own.
+        if cfg.zero.stage == 3:
             from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
-            for module in self.model.modules():
-                if module is not self.model:
-                    for p in module.parameters(recurse=False):
-                        register_external_parameter(self.model, p)
+            for p in spec.zero3_external_params(self.model):
+                register_external_parameter(self.model, p)
         self.data = TrainStream(
             cfg.data.train, cfg.data.cache, t.micro_batch, self.world, shuffle=cfg.data.shuffle,
             seed=cfg.seed, num_canonical_nodes=cfg.data.num_canonical_nodes,
@@ -366,11 +366,13 @@ class Trainer:
         preempted, start_step = False, self.step
         nonfinite, diverged = 0, None
         samples_file = JsonLines(self.run_dir / "samples.jsonl") if self.is_main and cfg.data.log_sample_ids else None
+        collector = GarbageCollection()
         while self.step < stop_at:
             began = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0]
             loss, grad_norm, sample_ids, step_tokens = self._train_step()
             self.step += 1
+            collector.step(self.step)
             self.tokens += step_tokens
             if cfg.data.log_sample_ids:
                 every_rank = dist_utils.gather_objects(sample_ids)
@@ -394,6 +396,7 @@ class Trainer:
                 break
             if self.step % t.save_every == 0 and self.step < stop_at and not nonfinite:
                 self.save()
+        collector.close()
         if nonfinite and not diverged:  # stopped within the patience, but on a non-finite step
             diverged = f"{nonfinite} non-finite step(s) at the end"
         if diverged:

@@ -1,4 +1,4 @@
-// The elementwise groups of a fused-core step on CPU: the twins of gpn_scale/models/step_ops.py.
+// The elementwise groups of a fused-core step on CPU: the twins of kernels/step/reference.py.
 //
 // Between the step's GEMMs sit only elementwise maps and per-row reductions over vectors of a
 // few hundred elements. In torch each group is 3 to 10 ops, and on CPU each op costs more in

@@ -1,5 +1,5 @@
 // The C++ CPU kernels' entry points, bound to Python in module.cpp. Each has a torch twin with
-// the same name: gpn_scale/models/memory_step.py and gpn_scale/models/step_ops.py.
+// the same name: kernels/memory/reference.py and kernels/step/reference.py.
 
 #pragma once
 

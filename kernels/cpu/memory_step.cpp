@@ -1,4 +1,4 @@
-// The memory step of GPN+M on CPU: the twin of gpn_scale/models/memory_step.py in C++.
+// The memory step of GPN+M on CPU: the twin of kernels/memory/reference.py in C++.
 //
 // In torch the step is a dozen ops, and the write, the read and their backward each walk M
 // (256 KB per step at batch 8 of the small config) several times. Here one call does a step:

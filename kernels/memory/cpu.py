@@ -1,7 +1,7 @@
 """C++ kernels for the memory step of GPN+M on CPU (kernels/cpu/memory_step.cpp).
 
-The twin is `gpn_scale.models.memory_step`: same functions, same signatures, same outputs; the
-Triton kernels (`kernels.memory_step`) are the same contract on GPUs. On CPU the torch twin
+The twin is kernels/memory/reference.py: same functions, same signatures, same outputs; the
+Triton kernels (kernels/memory/triton.py) are the same contract on GPUs. On CPU the torch twin
 spends most of a step walking M again and again (a dozen ops, each a pass over M), and the
 fused core runs it twice per step in the forward (the loop and the rebuild) and its backward
 once; here a call is one pass. Built on first use (kernels/cpu_build.py).
@@ -9,10 +9,10 @@ once; here a call is one pass. Built on first use (kernels/cpu_build.py).
 
 from __future__ import annotations
 
-from gpn_scale.models import memory_step as twin
-from gpn_scale.models.memory_step import ReadFactors
-from gpn_scale.models.ops import RMS_EPS
+from kernels.common import RMS_EPS
 from kernels.cpu_build import load as _load
+from kernels.memory import MemoryOps, ReadFactors
+from kernels.memory import reference as twin
 
 
 def memory_step(M, k, v, beta, decay, q, gate, *, out_e=None, out_o=None, out_y=None, out_M=None):
@@ -47,3 +47,6 @@ def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors,
     """
     return tuple(_load().memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, *f, dM, dy, out_dk, out_dq,
                                               out_dbeta, out_ddecay, out_dgate, out_dM))
+
+
+OPS = MemoryOps(memory_step, memory_read, decay_and_write, memory_read_backward, memory_step_backward)

@@ -1,7 +1,7 @@
-"""The elementwise work of one step of the fused core, in plain PyTorch.
+"""The elementwise work of one step of the fused core, in plain PyTorch: the reference twin.
 
 Between the step's GEMMs sit only elementwise maps and per-row reductions. They are grouped
-here by where they sit, so that each group is one kernel (`kernels/elementwise.py`, same
+here by where they sit, so that each group is one kernel (kernels/step/triton.py, same
 signatures) and a step is: GEMM, `post_projection`, memory kernel, GEMM, `residual_rms`, ...,
 GEMM, `ground`. The backward's groups are `residual_rms_backward` and `gate_grads`. The GEMMs
 (`mm`) are here too: on CPU their rows are few enough for a kernel of our own to beat BLAS
@@ -18,12 +18,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from gpn_scale.models.memory_step import rms, scalar_tensors
-from gpn_scale.models.ops import L2_EPS
+from kernels.common import L2_EPS, rms, scalar_tensors
+from kernels.step import StepOps
 
 
 def pack(W, steps, rows):
-    """W in the layout `mm` reads fastest (for the kernels that have one, kernels/elementwise_cpu.py)."""
+    """W in the layout `mm` reads fastest (for the kernels that have one, kernels/step/cpu.py)."""
     return W
 
 
@@ -113,3 +113,7 @@ def gate_grads(dz_ffn, ffn_fac, out_dffn, dc, pg_fac, out_dpg):
     the factors (B, 2, F) -> (B, 2, F); dc * pg_fac."""
     torch.mul(dz_ffn, ffn_fac, out=out_dffn)
     torch.mul(dc, pg_fac, out=out_dpg)
+
+
+OPS = StepOps(pack, mm, rms_hat, rms_hat_backward, l2n_relu, l2n_relu_backward, post_projection, residual_rms, ground,
+              residual_rms_backward, gate_grads)

@@ -1,7 +1,6 @@
 """Triton kernels for the memory step of GPN+M, forward and backward.
 
-The twin is `gpn_scale.models.memory_step`: same functions, same signatures, same outputs.
-The fused core calls whichever `kernels.memory_ops(kernel)` returns.
+The twin is kernels/memory/reference.py: same functions, same signatures, same outputs.
 
 Layout of the work. Per (sequence, head) M is a dk x dv float32 block; the write and the read
 are independent per column of M (e_j = v_j - M[:, j] . k, M[:, j] <- decay M[:, j] + k beta e_j,
@@ -29,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from gpn_scale.models.memory_step import ReadFactors
-from gpn_scale.models.ops import RMS_EPS
 from kernels import layout
+from kernels.common import RMS_EPS
+from kernels.memory import MemoryOps, ReadFactors
 from kernels.numerics import _sigmoid
 
 # Elements of M per program tile. Small enough that the backward, which holds M_prev, dM and the
@@ -328,3 +327,6 @@ def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors,
     for w, o in ((dk_w, dk), (dq_w, dq), (db_w, dbeta), (dd_w, ddecay)):
         layout.finish(w, o)
     return dM_prev, dk, dv, dbeta, ddecay, dq, dgate
+
+
+OPS = MemoryOps(memory_step, memory_read, decay_and_write, memory_read_backward, memory_step_backward)

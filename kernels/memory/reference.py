@@ -1,4 +1,4 @@
-"""The memory step of GPN+M, forward and backward, in plain PyTorch.
+"""The memory step of GPN+M, forward and backward, in plain PyTorch: the reference twin.
 
 One step of the shared matrix memory (docs/model.md, "Memory"): the gated delta write, then a
 read whose output is RMS-normalised and gated. This is the contract a fused kernel keeps (same
@@ -18,35 +18,11 @@ per-step vectors): in a time loop of tiny ops, every copy counts.
 
 from __future__ import annotations
 
-import math
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
-from gpn_scale.models.ops import RMS_EPS
-
-
-def rms(x: torch.Tensor, out=None) -> torch.Tensor:
-    """sqrt(mean(x^2) + 1e-6) over the last axis, keepdim.
-
-    As hypot(|x| / sqrt(n), sqrt(1e-6)) with tensor constants: three ops, where the obvious
-    x.pow(2).mean().add(eps).sqrt() is five, and in-place ops with Python scalars cost hidden
-    copies on CPU.
-    """
-    inv_sqrt_n, sqrt_eps = scalar_tensors(x, 1.0 / math.sqrt(x.shape[-1]), math.sqrt(RMS_EPS))
-    return torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True) * inv_sqrt_n, sqrt_eps, out=out)
-
-
-_SCALAR_TENSORS: dict = {}
-
-
-def scalar_tensors(like: torch.Tensor, *values: float) -> tuple[torch.Tensor, ...]:
-    """0-dim tensors of `values` with like's dtype and device, made once."""
-    key = (like.dtype, like.device, values)
-    if key not in _SCALAR_TENSORS:
-        _SCALAR_TENSORS[key] = tuple(torch.tensor(v, dtype=like.dtype, device=like.device) for v in values)
-    return _SCALAR_TENSORS[key]
+from kernels.common import rms
+from kernels.memory import MemoryOps, ReadFactors
 
 
 def decay_and_write(M, k, delta, decay, *, out_M=None):
@@ -76,18 +52,6 @@ def memory_step(M, k, v, beta, decay, q, gate, *, out_e=None, out_o=None, out_y=
     M = decay_and_write(M, k, beta.unsqueeze(-1) * e, decay, out_M=out_M)
     o, y = memory_read(M, q, gate, out_o=out_o, out_y=out_y)
     return M, e, o, y
-
-
-class ReadFactors(NamedTuple):
-    """The parts of a read's derivative that do not depend on the incoming gradient.
-
-    They are elementwise in (o, gate), so the core computes them for all steps at once.
-    """
-
-    rms: torch.Tensor  # rms(o), (..., 1)
-    o_hat: torch.Tensor  # o / rms(o)
-    silu_gate: torch.Tensor  # dL/d(o_hat) = dy * silu(gate)
-    to_gate: torch.Tensor  # dL/d(gate) = dy * o_hat * silu'(gate)
 
 
 def read_factors(o, gate) -> ReadFactors:
@@ -130,3 +94,6 @@ def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors,
     # dM_prev = decay dM - k dv^T, in dM's buffer: dM is not needed after this
     dM.mul_(decay.view(B, H, 1, 1)).addcmul_(k.unsqueeze(-1), dv, value=-1.0)
     return dM, dk, dv.view(B, H, n_v), dbeta, ddecay, dq, dgate
+
+
+OPS = MemoryOps(memory_step, memory_read, decay_and_write, memory_read_backward, memory_step_backward)

@@ -1,6 +1,6 @@
 """Triton kernels for the elementwise work of a fused-core step, one kernel per group.
 
-The twin is `gpn_scale.models.step_ops` (same functions, same signatures). Each group is one
+The twin is kernels/step/reference.py (same functions, same signatures). Each group is one
 program per sequence (row), which reads the GEMM output it follows once and writes every
 per-step vector that group produces: after the projection GEMM the SwiGLU, the heads' relu +
 l2-normalisation and the write's gates (`post_projection`); after the second GEMM the gated
@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from gpn_scale.models.ops import L2_EPS, RMS_EPS
-# Used once per window, outside the time loop: the twin's are as good as a kernel there.
-from gpn_scale.models.step_ops import l2n_relu, mm, pack, rms_hat, rms_hat_backward  # noqa: F401
 from kernels import layout
+from kernels.common import L2_EPS, RMS_EPS
+from kernels.step import StepOps
+from kernels.step import reference as twin
 from kernels.numerics import _exp, _sigmoid, _softplus
 
 BLOCK = 1024  # columns per iteration of a row loop
@@ -289,3 +289,9 @@ def l2n_relu_backward(y, mask_over_norm, dy, out=None):
                         BHEADS=triton.next_power_of_2(nb * H), BK=triton.next_power_of_2(dk),
                         num_warps=layout.warps(nb * H * dk))
     return layout.finish(o_w, out)
+
+
+# The GEMMs are BLAS's, and l2n_relu, rms_hat and its backward run once per window, outside the
+# time loop: the twin's are as good as a kernel there.
+OPS = StepOps(twin.pack, twin.mm, twin.rms_hat, twin.rms_hat_backward, twin.l2n_relu, l2n_relu_backward, post_projection,
+              residual_rms, ground, residual_rms_backward, gate_grads)

@@ -1,8 +1,8 @@
 """C++ kernels for a fused-core step on CPU: the elementwise groups (kernels/cpu/elementwise.cpp)
 and the step's GEMMs (kernels/cpu/gemm.cpp).
 
-The twin is `gpn_scale.models.step_ops`: same functions, same signatures, same outputs; the
-Triton kernels (`kernels.elementwise`) are the same groups on GPUs. A group is 3 to 10 torch ops
+The twin is kernels/step/reference.py: same functions, same signatures, same outputs; the
+Triton kernels (kernels/step/triton.py) are the same groups on GPUs. A group is 3 to 10 torch ops
 on vectors of a few hundred elements, where dispatch costs more than arithmetic; here it is one
 call. The step's GEMMs have a batch's rows against weights that every step of the window
 reuses: `pack` lays the weights out once, `mm` reads them. Built on first use
@@ -15,10 +15,10 @@ from typing import NamedTuple
 
 import torch
 
-from gpn_scale.models import step_ops as twin
-from gpn_scale.models.ops import L2_EPS, RMS_EPS
-from gpn_scale.models.step_ops import l2n_relu, rms_hat, rms_hat_backward  # noqa: F401  (once per window: the twins')
+from kernels.common import L2_EPS, RMS_EPS
 from kernels.cpu_build import load as _load
+from kernels.step import StepOps
+from kernels.step import reference as twin
 
 SMALL_MM_ROWS = 16  # a step's batch: up to here `mm` uses the packed kernel (1.6-1.8x MKL at 8-16 rows)
 PACK_MIN_STEPS = 16  # packing copies W once: worth it for a window of this many steps, not for a token
@@ -81,3 +81,8 @@ def gate_grads(dz_ffn, ffn_fac, out_dffn, dc, pg_fac, out_dpg):
 def l2n_relu_backward(y, mask_over_norm, dy, out=None):
     """(dy - y (dy . y)) * mask_over_norm per head, over (B, n_blocks, H, dk) or (B, H, dk) views."""
     return _load().l2n_relu_backward(y, mask_over_norm, dy, out)
+
+
+# l2n_relu, rms_hat and its backward run once per window: the twin's.
+OPS = StepOps(pack, mm, twin.rms_hat, twin.rms_hat_backward, twin.l2n_relu, l2n_relu_backward, post_projection, residual_rms,
+              ground, residual_rms_backward, gate_grads)

@@ -1,0 +1,37 @@
+"""What the training engine needs from a model family, declared by the family in its own file
+(as torchtitan's model specs): its config and model classes, the parameters ZeRO-3 must gather
+with the top-level module, and the optimiser's parameter groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch.nn as nn
+
+
+class ParamGroups(NamedTuple):
+    decay: list[nn.Parameter]  # weight decay applies
+    no_decay: list[nn.Parameter]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    config_cls: type
+    model_cls: type  # model_cls(config, initialise=True)
+    # Parameters that the model's own forward reads outside its submodules' forward: ZeRO-3 gathers
+    # a module's parameters around that module's forward only, so these are registered with the
+    # top-level module.
+    zero3_external_params: Callable[[nn.Module], list[nn.Parameter]]
+    param_groups: Callable[[nn.Module], ParamGroups]
+
+
+def matrices_decay(model: nn.Module) -> ParamGroups:
+    """Weight decay on matrices only; never on norms, biases, A_log or dt_bias (all 1-D)."""
+    params = list(model.parameters())
+    return ParamGroups([p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2])
+
+
+def no_external_params(model: nn.Module) -> list[nn.Parameter]:
+    """A layered model calls its layers, so ZeRO-3 gathers each layer on its own."""
+    return []

@@ -1,0 +1,28 @@
+"""The elementwise groups between a fused-core step's GEMMs, and the step's GEMMs.
+
+Three implementations of one contract, side by side: `reference` (plain PyTorch, the twin every
+kernel is tested against), `triton` (GPUs) and `cpu` (C++). Each exports `OPS`, a `StepOps`;
+importing this package imports neither Triton nor the C++ build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class StepOps:
+    """The step functions the fused core calls (signatures: `reference`)."""
+
+    pack: Callable
+    mm: Callable
+    rms_hat: Callable
+    rms_hat_backward: Callable
+    l2n_relu: Callable
+    l2n_relu_backward: Callable
+    post_projection: Callable
+    residual_rms: Callable
+    ground: Callable
+    residual_rms_backward: Callable
+    gate_grads: Callable
