@@ -1,6 +1,7 @@
 """bench/step_cost.py on the tiny GPN+M: what it counts per time step against a count by hand
 from the fused core's structure, and a stray dtype conversion in the loop must break that count."""
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from triton_kernels import DEVICE, INTERPRET, elementwise, interpreter  # noqa: F401  (Triton's interpreter on CPU)
+from triton_kernels import DEVICE, INTERPRET, interpreter  # noqa: F401  (Triton's interpreter on CPU)
 
 _spec = importlib.util.spec_from_file_location("step_cost", ROOT / "bench" / "step_cost.py")
 step_cost = importlib.util.module_from_spec(_spec)
@@ -113,12 +114,15 @@ def test_batch_extrapolation_equals_a_direct_count(tiny):
 
 def test_a_stray_cast_in_the_step_gemm_breaks_the_count(tiny, monkeypatch):
     model, _, _ = tiny
-    original = elementwise.mm  # the step GEMM the fused core calls for kernel "triton"
+    backend = model.backend(torch.device(DEVICE).type)
+    assert backend.name == "triton"
+    original = backend.step.mm  # the step GEMM the fused core calls
 
     def mm_with_round_trip(x, W, out=None, bias=None):
         return original(x.to(torch.float64).to(x.dtype), W, out=out, bias=bias)
 
-    monkeypatch.setattr(elementwise, "mm", mm_with_round_trip)
+    stray = dataclasses.replace(backend, step=dataclasses.replace(backend.step, mm=mm_with_round_trip))
+    monkeypatch.setattr(model, "backend", lambda device_type: stray)
     per_step, _ = step_cost.step_costs(model, [2], STEPS, "bf16", torch.device(DEVICE), warm=False)[2]
     with pytest.raises(AssertionError):
         check_hand_count(per_step, "bf16")
