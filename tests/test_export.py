@@ -227,6 +227,21 @@ def re_search(pattern: str, text: str) -> bool:
     return re.search(pattern, text) is not None
 
 
+def test_a_native_export_serves_generate_with_its_own_tokenizer(setup, capsys, tmp_path):
+    root, tok, _, _ = setup
+    out = tmp_path / "native"
+    code, _, err = run(capsys, "export", root / "gpn_m_1l", "--to", "native", "--out", out, "--tokenizer", tok)
+    assert code == 0, err
+    prompt = ["--prompt", "the cat", "--max-new-tokens", "6", "--temperature", "0", "--ignore-eos"]
+    code, beside, err = run(capsys, "generate", out, *prompt)  # the tokenizer found beside the weights
+    assert code == 0, err
+    code, named, err = run(capsys, "generate", root / "gpn_m_1l", *prompt, "--tokenizer", tok)
+    assert code == 0, err
+    assert beside == named and beside.strip()
+    code, _, err = run(capsys, "generate", root / "gpn_m_1l", *prompt)  # a plain native checkpoint has none
+    assert code == 2 and "no tokenizer recorded with it" in err
+
+
 def test_bad_inputs_are_one_line_errors_and_write_nothing(setup, capsys, tmp_path):
     root, tok, _, _ = setup
     taken = tmp_path / "taken"

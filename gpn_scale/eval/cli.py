@@ -52,14 +52,18 @@ def bos_of(prep: PrepData | None) -> int | None:
 def resolve_tokenizer(checkpoint: str, trained: PrepData | None, tokenizer: str | None, data: PrepData | None,
                       model) -> tuple[Codec, PrepData | None]:
     """The codec for text in and out: --tokenizer, else the one recorded with --data, else the one of the
-    data the checkpoint was trained on (`trained`). Returns it with the prep output it came from (for
-    BOS), if any."""
+    data the checkpoint was trained on (`trained`), else the one a native export keeps beside its
+    weights. Returns it with the prep output it came from (for BOS), if any."""
+    from gpn_scale.checkpoints import native_tokenizer
+
     if tokenizer:
         codec, prep = Codec(tokenizer), data or trained
     elif data is not None and data.tokenizer_path is not None:
         codec, prep = Codec(data.tokenizer_path), data
     elif trained is not None:
         codec, prep = Codec(trained.tokenizer_path), trained
+    elif native_tokenizer(checkpoint) is not None:
+        codec, prep = Codec(native_tokenizer(checkpoint)), None
     else:
         raise UserError(f"{checkpoint}: no tokenizer recorded with it; pass --tokenizer FILE or --data PREP_DIR")
     if codec.vocab_size > model.config.vocab_size:

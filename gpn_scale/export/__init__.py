@@ -25,7 +25,6 @@ from pathlib import Path
 from gpn_scale.errors import UserError
 
 FORMATS = ("hf", "reference", "native")
-NATIVE_TOKENIZERS = ("tokenizer.json", "tokenizer.model")  # the names a native export gives its tokenizer
 
 
 @dataclass(frozen=True)
@@ -74,11 +73,12 @@ def find_tokenizer(source: Source, given: str | None) -> TokenizerSource:
     elif trained is not None:
         path, add_bos = trained.tokenizer_path, bool(trained.stats.get("add_bos"))
     else:
-        found = [source.path / name for name in NATIVE_TOKENIZERS if (source.path / name).is_file()]
-        if not found:
+        from gpn_scale.checkpoints import native_tokenizer
+
+        path, add_bos = native_tokenizer(source.path), False
+        if path is None:
             raise UserError(f"{source.path}: no tokenizer recorded with it; pass --tokenizer FILE "
                             "(a tokenizer.json or sentencepiece .model)")
-        path, add_bos = found[0], False
     codec = Codec(path)
     if trained is not None and trained.tokenizer_sha256 != codec.sha256:
         raise UserError(f"{path}: not the tokenizer the model was trained with (sha256 differs from "
