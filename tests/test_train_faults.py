@@ -5,6 +5,7 @@ drives the CLI in a real process, as a user would.
 """
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -55,6 +56,17 @@ def losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r}
 
 
+def logged_lr(run_dir) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "lr" in r}
+
+
+def schedule(step: int, lr=6e-4, warmup=2, total=STEPS, floor=0.1) -> float:
+    """The learning rate of optimiser step `step` (1-based, as logged): it uses the schedule at
+    step - 1 (the paper's: linear warm-up, then a cosine to floor x lr), whatever the accumulation."""
+    s = step - 1
+    return lr * (s + 1) / warmup if s < warmup else lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - warmup))))
+
+
 def changes_applied(proc) -> set[str]:
     """The settings a resume reported as changed ("key old -> new"; a moved run.dir by its key)."""
     [line] = [l for l in proc.stderr.splitlines() if l.startswith("resuming with changed settings: ")]
@@ -81,6 +93,7 @@ def trained(data, tmp_path_factory):
     run = tmp_path_factory.mktemp("trained") / "run"
     train(data, run)
     assert sorted(losses(run)) == list(range(1, STEPS + 1))
+    assert logged_lr(run) == pytest.approx({s: schedule(s) for s in range(1, STEPS + 1)}, rel=1e-12)  # 2 micro-batches a step
     return run
 
 
@@ -152,6 +165,7 @@ def test_rotation_keeps_what_it_just_wrote(data, run):
         corrupt(ckpts / tag / "mp_rank_00_model_states.pt")
     proc = train(data, run, "train.keep_last=1", "train.stop_at_step=4", resume="auto")
     assert f"resumed from {ckpts / 'step_00000002'}" in proc.stderr
+    assert logged_lr(run) == pytest.approx({s: schedule(s) for s in range(1, 5)}, rel=1e-12)  # after the resume too
     latest = (ckpts / "latest").read_text()
     assert latest == "step_00000004" and ckpt.verify(ckpts / latest) is None
     assert f"done at step 4: checkpoint {ckpts / latest}" in proc.stderr
