@@ -224,12 +224,25 @@ def test_lr_schedule_is_warmup_then_cosine_to_ten_percent():
         ("precision=fp16", "precision: expected fp32 or bf16"),
         ("optimizer.lr=1", "optimizer: unknown key"),
         ("model.d_state=wide", "gpn_m_tiny.yaml: d_state: expected int"),
+        ("model.checkpoint_every=128", "model.checkpoint_every: 128 has no effect with model.core=fused"),
     ],
 )
 def test_config_validator_names_the_key(override, message):
     with pytest.raises(UserError, match=message) as e:
         load_train_config(CONFIG, [override])
     assert "\n" not in str(e.value)
+
+
+def test_shipped_configs_load_and_agree_on_the_130m_learning_rate():
+    from gpn_scale.sweep.spec import load_spec
+
+    for path in sorted((ROOT / "configs" / "train").glob("*.yaml")):
+        load_train_config(path, ["data.train=x"])  # checkpoint_every only where it has an effect
+    assert load_train_config(CONFIG, ["model.checkpoint_every=128", "model.core=naive"]).model["checkpoint_every"] == 128
+    spec, _ = load_spec(ROOT / "configs" / "sweeps" / "gpu_130m_to_1b.yaml")
+    recipe = load_train_config("gpn_m_130m_1l", ["data.train=x"]).train.lr
+    assert recipe == 6e-4 and spec.lr(130e6) == pytest.approx(recipe)  # the paper's 130M recipe, both places
+    assert spec.lr(1.3e9) < recipe < spec.lr(20e6)
 
 
 def test_resolved_config_inlines_the_model():
