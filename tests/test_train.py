@@ -79,13 +79,13 @@ def samples(run_dir) -> list[list[int]]:
 def reference_runs(data, tmp_path_factory):
     """Uninterrupted 2-process runs, one per ZeRO stage under test."""
     root = tmp_path_factory.mktemp("ref")
-    for stage in (1, 2, 3):
+    for stage in (0, 1, 2, 3):
         train(data, root / f"zero{stage}", 2, f"zero.stage={stage}")
     return root
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_stop_and_resume_is_bitwise_identical(data, reference_runs, tmp_path, stage):
     ref = reference_runs / f"zero{stage}"
     assert len(losses(ref)) == TOTAL
@@ -151,6 +151,32 @@ def test_two_process_checkpoint_resumes_on_one_process(data, reference_runs, tmp
     assert len(flat) == len(set(flat)) == TOTAL * 8
     for step, loss in losses(ref).items():  # the same run, up to float reduction order
         assert abs(losses(run)[step] - loss) < 1e-5 * abs(loss), step
+
+
+WORLD_CHAIN = (1, 2, 3, 2, 1)  # every direction: 1 -> 2, 2 -> 3, 3 -> 2, 2 -> 1
+CHAIN_STEPS = 2 * len(WORLD_CHAIN)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_world_size_changes_keep_the_sample_order_and_the_losses(data, tmp_path, stage):
+    """One run resumed on 1, 2, 3, 2, then 1 ranks (2 steps each; a global batch of 12 divides
+    every world size) against an uninterrupted 2-rank run."""
+    batch = ["train.grad_accum=null", "train.global_batch=12", "train.micro_batch=2", f"train.total_steps={CHAIN_STEPS}",
+             "train.save_every=2", f"zero.stage={stage}"]
+    ref = tmp_path / "ref"
+    train(data, ref, 2, *batch)
+    run = tmp_path / "run"
+    for i, world in enumerate(WORLD_CHAIN):
+        proc = train(data, run, world, *batch, f"train.stop_at_step={2 * (i + 1)}", resume="auto" if i else None)
+        if i:
+            assert f"world size {WORLD_CHAIN[i - 1]} -> {world}: converting" in proc.stderr
+    assert samples(run) == samples(ref)  # the same global order, step by step
+    flat = sum(samples(run), [])
+    assert len(flat) == len(set(flat)) == CHAIN_STEPS * 12  # nothing repeated or skipped
+    assert sorted(losses(run)) == list(range(1, CHAIN_STEPS + 1))
+    for step, loss in losses(ref).items():  # the same run, up to float reduction order
+        assert losses(run)[step] == pytest.approx(loss, rel=1e-5), step
 
 
 def test_corrupted_newest_checkpoint_falls_back_to_the_previous(data, tmp_path):

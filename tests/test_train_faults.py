@@ -307,3 +307,28 @@ def test_rotation_hashes_only_checkpoints_this_run_has_not_verified(tmp_path, mo
     writer.commit(tmp_path, ckpt.tag_for(8), 2, verified)
     assert hashed == [ckpt.tag_for(4)] and ckpt.tags(tmp_path) == [ckpt.tag_for(8), ckpt.tag_for(6)]
     assert verified == {ckpt.tag_for(6), ckpt.tag_for(8)}
+
+
+def test_universal_conversion_keeps_every_parameter_and_its_optimizer_state(run):
+    """The conversion a resume on another world size does, in-process: each parameter's fp32
+    master and Adam moments in universal form, equal to the checkpoint's, under their own manifest."""
+    import torch
+
+    from gpn_scale import safe_load
+    from gpn_scale.train import checkpoint as writer
+
+    tag_dir = run / "checkpoints" / ckpt.tag_for(STEPS)
+    out = writer.to_universal(tag_dir)
+    assert ckpt.verify(out) is None
+    weights = safe_load.load(tag_dir / "mp_rank_00_model_states.pt")["module"]
+    [optim_file] = tag_dir.glob("*optim_states.pt")
+    state = safe_load.load(optim_file)["optimizer_state_dict"]
+    moments = sum(t.numel() for group in state["base_optimizer_state"]["state"].values()
+                  for k, t in group.items() if k in ("exp_avg", "exp_avg_sq"))
+    converted = 0
+    for name, tensor in weights.items():
+        master = safe_load.load(out / "zero" / name / "fp32.pt")["param"]
+        assert torch.equal(master.view_as(tensor), tensor.float()), name  # fp32 training: the weights are the master
+        for moment in ("exp_avg", "exp_avg_sq"):
+            converted += safe_load.load(out / "zero" / name / f"{moment}.pt")["param"].numel()
+    assert converted == moments == 2 * sum(t.numel() for t in weights.values())
