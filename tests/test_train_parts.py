@@ -242,3 +242,18 @@ def test_each_rank_hashes_the_files_it_wrote(tmp_path):
     entries = json.loads((tmp_path / manifest.MANIFEST).read_text())["files"]
     assert sorted(entries) == sorted(names) and entries["rng_rank2.pt"]["xxh3_128"] == "reported"
     assert entries["rng_rank1.pt"]["xxh3_128"] == manifest.file_hash(tmp_path / "rng_rank1.pt")
+
+
+def test_checkpoint_bench_prints_its_ratio(tmp_path):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "bench" / "ckpt.py"), "--gb", "0.004", "--files", "2", "--rounds", "1",
+                           "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(root)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"^ratio \(save \+ xxh3 manifest \+ verify\) / save: \d+\.\d{3} ", proc.stdout, re.M), proc.stdout
+    assert list(tmp_path.iterdir()) == []  # cleans up after itself
