@@ -158,7 +158,9 @@ CHAIN_STEPS = 2 * len(WORLD_CHAIN)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2, pytest.param(3, marks=pytest.mark.xfail(strict=True, reason=(
+    "open defect: at ZeRO-3 the sample order holds through 1 -> 2 -> 3 ranks, but the first step on 3 ranks "
+    "(step 5) differs from the uninterrupted run by 3.5e-4 relative, beyond float reduction order")))])
 def test_world_size_changes_keep_the_sample_order_and_the_losses(data, tmp_path, stage):
     """One run resumed on 1, 2, 3, 2, then 1 ranks (2 steps each; a global batch of 12 divides
     every world size) against an uninterrupted 2-rank run."""
