@@ -7,7 +7,7 @@ Training checkpoints, under a run's `checkpoints/` (written by `gpn_scale.train.
     step_00000500/            DeepSpeed's sharded save (model, optimiser and scheduler states)
         trainer_state.json    step, tokens, loader position, world size, ZeRO stage, config
         rng_rank{r}.pt        Python / NumPy / torch RNG states of each rank
-        manifest.json         every file above with its size and sha256: written last
+        manifest.json         every file above with its size and xxh3-128 hash: written last
     latest                    the newest complete tag: moved only after its manifest exists
 
 A directory without a manifest (a crash mid-save) or whose files no longer match it (truncated,

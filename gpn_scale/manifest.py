@@ -1,43 +1,74 @@
-"""`manifest.json`: the size and sha256 of each file of a checkpoint directory, written last.
+"""`manifest.json`: the size and hash of each file of a checkpoint directory, written last.
 
 Shared by training checkpoints (`gpn_scale/train/checkpoint.py`) and native ones
-(`gpn_scale/native.py`), which load without the trainer package: standard library only.
+(`gpn_scale/native.py`), which load without the trainer package.
+
+The hash is xxh3-128: it detects corruption (a truncated, torn or bit-flipped file) at memory
+speed, several times faster than sha256, which matters when a checkpoint holds tens of GB of
+optimiser state and is hashed at every save and resume. It is not meant to stop tampering: a
+forger regenerates the manifest anyway, and what protects a run from a planted file is the scan
+before anything is unpickled (`gpn_scale/safe_load.py`). Manifests written with sha256 still verify.
+Files are hashed by a pool of threads (the hashes release the GIL), each from a memory map of
+the file: no copy into Python's buffers, ~1.6x faster than reading it in blocks.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import xxhash
+
+from gpn_scale import atomic
+
 MANIFEST = "manifest.json"
+HASH = "xxh3_128"
+_HASHES = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}  # sha256: manifests written before xxh3
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def file_hash(path: Path, name: str = HASH) -> str:
+    h = _HASHES[name]()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+        if os.fstat(f.fileno()).st_size:  # an empty file cannot be mapped
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                h.update(mapped)
     return h.hexdigest()
 
 
-def write_manifest(directory: str | Path, names: list[str]) -> Path:
-    """Record the files `names` (relative to `directory`); atomically, after they are written."""
+def _threads(n_files: int) -> int:
+    return max(1, min(8, len(os.sched_getaffinity(0)), n_files))
+
+
+def hash_files(directory: str | Path, names: list[str]) -> dict[str, dict]:
+    """{name: {"bytes": size, HASH: hex}} of files under `directory`, hashed in parallel."""
     directory = Path(directory)
-    entries = {n: {"bytes": (directory / n).stat().st_size, "sha256": sha256(directory / n)} for n in sorted(names)}
-    tmp = directory / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps({"files": entries}, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
-    return directory / MANIFEST
+
+    def entry(name: str) -> dict:
+        return {"bytes": (directory / name).stat().st_size, HASH: file_hash(directory / name)}
+
+    with ThreadPoolExecutor(_threads(len(names))) as pool:
+        return dict(zip(names, pool.map(entry, names)))
+
+
+def write_entries(directory: str | Path, entries: dict[str, dict]) -> Path:
+    """The manifest of `entries` (as hash_files makes them), atomically, after the files are written."""
+    directory = Path(directory)
+    return atomic.write_text(directory / MANIFEST, json.dumps({"files": dict(sorted(entries.items()))}, indent=1))
+
+
+def write_manifest(directory: str | Path, names: list[str]) -> Path:
+    """Hash the files `names` (relative to `directory`) and record them."""
+    return write_entries(directory, hash_files(directory, names))
 
 
 def verify_manifest(directory: str | Path, required: tuple[str, ...] = ()) -> str | None:
     """None when `directory`'s files match its manifest, which lists every name in `required`;
-    else what is wrong, in a few words (the caller names the directory)."""
+    else what is wrong, in a few words (the caller names the directory). Sizes are checked first
+    (a truncated file costs no hashing), then the hashes, in parallel."""
     directory = Path(directory)
     try:
         entries = json.loads((directory / MANIFEST).read_text())["files"]
@@ -48,12 +79,21 @@ def verify_manifest(directory: str | Path, required: tuple[str, ...] = ()) -> st
     for name in required:
         if name not in entries:
             return f"{MANIFEST} does not list {name}"
-    for rel, want in entries.items():
+    for rel, want in sorted(entries.items()):
         path = directory / rel
         if not path.is_file():
             return f"{rel} is missing"
         if path.stat().st_size != want["bytes"]:
             return f"{rel} has {path.stat().st_size} bytes, the manifest says {want['bytes']}"
-        if sha256(path) != want["sha256"]:
-            return f"{rel} does not match its sha256 (corrupted)"
-    return None
+        if not any(name in want for name in _HASHES):
+            return f"{MANIFEST}: {rel} has no hash (expected one of {', '.join(_HASHES)})"
+
+    def problem(item: tuple[str, dict]) -> str | None:
+        rel, want = item
+        name = next(name for name in _HASHES if name in want)
+        if file_hash(directory / rel, name) != want[name]:
+            return f"{rel} does not match its {name} hash (corrupted)"
+        return None
+
+    with ThreadPoolExecutor(_threads(len(entries))) as pool:
+        return next((p for p in pool.map(problem, sorted(entries.items())) if p), None)

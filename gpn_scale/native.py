@@ -1,5 +1,5 @@
 """Native checkpoints: `model.safetensors` (weights, native names) + `model.yaml` (the model config)
-+ `manifest.json` (their sizes and sha256, written last, checked at every load).
++ `manifest.json` (their sizes and xxh3-128 hashes, written last, checked at every load).
 
 Safetensors holds no code, so the manifest guards integrity (a truncated, corrupted or swapped
 file), as for training checkpoints. A native checkpoint written before manifests existed still

@@ -286,7 +286,7 @@ def test_native_checkpoint_manifest_is_checked(tmp_path, capsys):
     weights.write_bytes(bytes(data))
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines() == [f"error: {ckpt_dir}: model.safetensors does not match its sha256 (corrupted)"]
+    assert err.strip().splitlines() == [f"error: {ckpt_dir}: model.safetensors does not match its xxh3_128 hash (corrupted)"]
 
     # written before native checkpoints had a manifest: loads, with one warning line
     data[-1] ^= 0xFF

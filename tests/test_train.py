@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -10,12 +11,17 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
+from gpn_scale.config import model_config
 from gpn_scale.errors import UserError
+from gpn_scale.models import build_model
 from gpn_scale.train.config import load_train_config
-from gpn_scale.train.engine import EXIT_PREEMPTED, lr_factor
+from gpn_scale.train.engine import EXIT_PREEMPTED
 from gpn_scale.train.gc import GarbageCollection
+from gpn_scale.train.metrics import flops_per_token
+from gpn_scale.train.optim import lr_factor
 from kernels.graph import CPU_GRAPHS_ENV
 from mds_fixture import write_windows
 from wandb_records import history
@@ -101,13 +107,13 @@ def samples(run_dir) -> list[list[int]]:
 def reference_runs(data, tmp_path_factory):
     """Uninterrupted 2-process runs, one per ZeRO stage under test."""
     root = tmp_path_factory.mktemp("ref")
-    for stage in (1, 2, 3):
+    for stage in (0, 1, 2, 3):
         train(data, root / f"zero{stage}", 2, f"zero.stage={stage}")
     return root
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_stop_and_resume_is_bitwise_identical(data, reference_runs, tmp_path, stage):
     ref = reference_runs / f"zero{stage}"
     assert len(losses(ref)) == TOTAL
@@ -175,6 +181,34 @@ def test_two_process_checkpoint_resumes_on_one_process(data, reference_runs, tmp
         assert abs(losses(run)[step] - loss) < 1e-5 * abs(loss), step
 
 
+WORLD_CHAIN = (1, 2, 3, 2, 1)  # every direction: 1 -> 2, 2 -> 3, 3 -> 2, 2 -> 1
+CHAIN_STEPS = 2 * len(WORLD_CHAIN)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, pytest.param(3, marks=pytest.mark.xfail(strict=True, reason=(
+    "open defect: at ZeRO-3 the sample order holds through 1 -> 2 -> 3 ranks, but the first step on 3 ranks "
+    "(step 5) differs from the uninterrupted run by 3.5e-4 relative, beyond float reduction order")))])
+def test_world_size_changes_keep_the_sample_order_and_the_losses(data, tmp_path, stage):
+    """One run resumed on 1, 2, 3, 2, then 1 ranks (2 steps each; a global batch of 12 divides
+    every world size) against an uninterrupted 2-rank run."""
+    batch = ["train.grad_accum=null", "train.global_batch=12", "train.micro_batch=2", f"train.total_steps={CHAIN_STEPS}",
+             "train.save_every=2", f"zero.stage={stage}"]
+    ref = tmp_path / "ref"
+    train(data, ref, 2, *batch)
+    run = tmp_path / "run"
+    for i, world in enumerate(WORLD_CHAIN):
+        proc = train(data, run, world, *batch, f"train.stop_at_step={2 * (i + 1)}", resume="auto" if i else None)
+        if i:
+            assert f"world size {WORLD_CHAIN[i - 1]} -> {world}: converting" in proc.stderr
+    assert samples(run) == samples(ref)  # the same global order, step by step
+    flat = sum(samples(run), [])
+    assert len(flat) == len(set(flat)) == CHAIN_STEPS * 12  # nothing repeated or skipped
+    assert sorted(losses(run)) == list(range(1, CHAIN_STEPS + 1))
+    for step, loss in losses(ref).items():  # the same run, up to float reduction order
+        assert losses(run)[step] == pytest.approx(loss, rel=1e-5), step
+
+
 def test_corrupted_newest_checkpoint_falls_back_to_the_previous(data, tmp_path):
     run = tmp_path / "run"
     train(data, run, 1, "zero.stage=1", "train.stop_at_step=6")
@@ -191,7 +225,7 @@ def test_corrupted_newest_checkpoint_falls_back_to_the_previous(data, tmp_path):
     warnings = [l for l in proc.stderr.splitlines() if l.startswith("warning: checkpoint")]
     assert len(warnings) == 2
     assert "step_00000009 skipped: incomplete" in warnings[0]
-    assert "step_00000006 skipped:" in warnings[1] and "sha256" in warnings[1]
+    assert "step_00000006 skipped:" in warnings[1] and "xxh3_128 hash (corrupted)" in warnings[1]
     assert f"resumed from {ckpts / 'step_00000003'} at step 3" in proc.stderr
     assert sorted(losses(run)) == list(range(1, 8))
 
@@ -204,16 +238,29 @@ def test_fresh_start_refuses_a_run_dir_with_checkpoints(data, tmp_path):
 
 
 def test_wandb_offline_logs_the_metrics_into_the_run_dir(data, tmp_path):
+    """Also: what people watch (step time, peak memory, elapsed, ETA, MFU where a peak is set)."""
     run = tmp_path / "run"
-    train(data, run, 1, "logging.wandb=offline", "train.total_steps=4")
+    proc = train(data, run, 1, "logging.wandb=offline", "train.total_steps=4", "logging.peak_tflops=0.001")
     files = glob.glob(str(run / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(files) == 1
     rows = history(files[0])
     logged = {r["_step"]: r["loss"] for r in rows if "loss" in r}
     assert logged == losses(run)
+    assert {r["_step"]: r["peak_mem_bytes"] for r in rows if "loss" in r} == {
+        r["step"]: r["peak_mem_bytes"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
     assert any("val_loss" in r for r in rows)
-    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-    assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu"} <= set(record)
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+    fpt = flops_per_token(build_model(model_config("gpn_m_tiny")), 32)
+    for r in records:
+        assert r["tokens"] == r["step"] * 4 * 32 and r["tokens_per_s"] == pytest.approx(4 * 32 / r["step_time_s"])
+        assert 100 << 20 < r["peak_mem_bytes"] < psutil.virtual_memory().total  # a process with torch: its RSS
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * fpt / 1e9)  # tokens/s x FLOPs/token / peak
+    assert [r["eta_s"] is None for r in records] == [True, False, False, False]  # no rate from the first step
+    assert records[-1]["eta_s"] == 0 and records[-1]["elapsed_s"] >= sum(r["step_time_s"] for r in records)
+    assert [r["elapsed_s"] for r in records] == sorted(r["elapsed_s"] for r in records)
+    # Off a terminal: the plain line, at the last step at least.
+    assert re.search(r"^step 4/4 \| loss \d+\.\d{4} \| [\d,]+ tok/s \| \d+\.\d GiB \| \d+s elapsed, ETA 0s$",
+                     proc.stdout, re.M), proc.stdout
 
 
 def test_lr_schedule_is_warmup_then_cosine_to_ten_percent():
@@ -233,12 +280,25 @@ def test_lr_schedule_is_warmup_then_cosine_to_ten_percent():
         ("precision=fp16", "precision: expected fp32 or bf16"),
         ("optimizer.lr=1", "optimizer: unknown key"),
         ("model.d_state=wide", "gpn_m_tiny.yaml: d_state: expected int"),
+        ("model.checkpoint_every=128", "model.checkpoint_every: 128 has no effect with model.core=fused"),
     ],
 )
 def test_config_validator_names_the_key(override, message):
     with pytest.raises(UserError, match=message) as e:
         load_train_config(CONFIG, [override])
     assert "\n" not in str(e.value)
+
+
+def test_shipped_configs_load_and_agree_on_the_130m_learning_rate():
+    from gpn_scale.sweep.spec import load_spec
+
+    for path in sorted((ROOT / "configs" / "train").glob("*.yaml")):
+        load_train_config(path, ["data.train=x"])  # checkpoint_every only where it has an effect
+    assert load_train_config(CONFIG, ["model.checkpoint_every=128", "model.core=naive"]).model["checkpoint_every"] == 128
+    spec, _ = load_spec(ROOT / "configs" / "sweeps" / "gpu_130m_to_1b.yaml")
+    recipe = load_train_config("gpn_m_130m_1l", ["data.train=x"]).train.lr
+    assert recipe == 6e-4 and spec.lr(130e6) == pytest.approx(recipe)  # the paper's 130M recipe, both places
+    assert spec.lr(1.3e9) < recipe < spec.lr(20e6)
 
 
 def test_resolved_config_inlines_the_model():
@@ -248,12 +308,15 @@ def test_resolved_config_inlines_the_model():
 
 
 def test_off_a_terminal_progress_is_plain_lines_not_a_redrawn_bar(tmp_path, capsys):
-    from gpn_scale.train.metrics import MetricsLog
+    from gpn_scale.train.metrics import MetricsLog, StepMetrics
 
     log = MetricsLog(tmp_path, {}, "disabled", "p", "n", start_step=0, total_steps=3, enabled=True)
     for step in (1, 2, 3):
-        log.progress(step, loss=4.0 - step, tokens_per_s=12345.0)
+        log.progress(StepMetrics(step=step, loss=4.0 - step, lr=1e-3, grad_norm=1.0, tokens=step, tokens_per_s=12345.0,
+                                 step_time_s=1.0, peak_mem_bytes=2**30, elapsed_s=60.0 * step, eta_s=60.0 * (3 - step),
+                                 mfu=None))
     log.close()
     out, err = capsys.readouterr()
     assert "\r" not in out + err  # pytest's capture is not a terminal: no bar
-    assert out.splitlines() == ["step 3/3 | loss 1.0000 | 12,345 tok/s"]  # the last step always, then every 30 s
+    # the last step always, then every 30 s
+    assert out.splitlines() == ["step 3/3 | loss 1.0000 | 12,345 tok/s | 1.0 GiB | 3m elapsed, ETA 0s"]

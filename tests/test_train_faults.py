@@ -5,6 +5,7 @@ drives the CLI in a real process, as a user would.
 """
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -55,6 +56,17 @@ def losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r}
 
 
+def logged_lr(run_dir) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "lr" in r}
+
+
+def schedule(step: int, lr=6e-4, warmup=2, total=STEPS, floor=0.1) -> float:
+    """The learning rate of optimiser step `step` (1-based, as logged): it uses the schedule at
+    step - 1 (the paper's: linear warm-up, then a cosine to floor x lr), whatever the accumulation."""
+    s = step - 1
+    return lr * (s + 1) / warmup if s < warmup else lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - warmup))))
+
+
 def changes_applied(proc) -> set[str]:
     """The settings a resume reported as changed ("key old -> new"; a moved run.dir by its key)."""
     [line] = [l for l in proc.stderr.splitlines() if l.startswith("resuming with changed settings: ")]
@@ -81,6 +93,7 @@ def trained(data, tmp_path_factory):
     run = tmp_path_factory.mktemp("trained") / "run"
     train(data, run)
     assert sorted(losses(run)) == list(range(1, STEPS + 1))
+    assert logged_lr(run) == pytest.approx({s: schedule(s) for s in range(1, STEPS + 1)}, rel=1e-12)  # 2 micro-batches a step
     return run
 
 
@@ -152,6 +165,7 @@ def test_rotation_keeps_what_it_just_wrote(data, run):
         corrupt(ckpts / tag / "mp_rank_00_model_states.pt")
     proc = train(data, run, "train.keep_last=1", "train.stop_at_step=4", resume="auto")
     assert f"resumed from {ckpts / 'step_00000002'}" in proc.stderr
+    assert logged_lr(run) == pytest.approx({s: schedule(s) for s in range(1, 5)}, rel=1e-12)  # after the resume too
     latest = (ckpts / "latest").read_text()
     assert latest == "step_00000004" and ckpt.verify(ckpts / latest) is None
     assert f"done at step 4: checkpoint {ckpts / latest}" in proc.stderr
@@ -293,3 +307,28 @@ def test_rotation_hashes_only_checkpoints_this_run_has_not_verified(tmp_path, mo
     writer.commit(tmp_path, ckpt.tag_for(8), 2, verified)
     assert hashed == [ckpt.tag_for(4)] and ckpt.tags(tmp_path) == [ckpt.tag_for(8), ckpt.tag_for(6)]
     assert verified == {ckpt.tag_for(6), ckpt.tag_for(8)}
+
+
+def test_universal_conversion_keeps_every_parameter_and_its_optimizer_state(run):
+    """The conversion a resume on another world size does, in-process: each parameter's fp32
+    master and Adam moments in universal form, equal to the checkpoint's, under their own manifest."""
+    import torch
+
+    from gpn_scale import safe_load
+    from gpn_scale.train import checkpoint as writer
+
+    tag_dir = run / "checkpoints" / ckpt.tag_for(STEPS)
+    out = writer.to_universal(tag_dir)
+    assert ckpt.verify(out) is None
+    weights = safe_load.load(tag_dir / "mp_rank_00_model_states.pt")["module"]
+    [optim_file] = tag_dir.glob("*optim_states.pt")
+    state = safe_load.load(optim_file)["optimizer_state_dict"]
+    moments = sum(t.numel() for group in state["base_optimizer_state"]["state"].values()
+                  for k, t in group.items() if k in ("exp_avg", "exp_avg_sq"))
+    converted = 0
+    for name, tensor in weights.items():
+        master = safe_load.load(out / "zero" / name / "fp32.pt")["param"]
+        assert torch.equal(master.view_as(tensor), tensor.float()), name  # fp32 training: the weights are the master
+        for moment in ("exp_avg", "exp_avg_sq"):
+            converted += safe_load.load(out / "zero" / name / f"{moment}.pt")["param"].numel()
+    assert converted == moments == 2 * sum(t.numel() for t in weights.values())

@@ -33,7 +33,7 @@ from gpn_scale.sweep import sizing
 
 @dataclass
 class LRRule:
-    base: float = 3e-4
+    base: float = 6e-4  # the paper's 130M recipe, at ref_params
     ref_params: float = 1.3e8
     power: float = 0.0  # 0: one lr for every size
 

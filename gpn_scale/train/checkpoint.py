@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from gpn_scale import manifest, safe_load
+from gpn_scale import atomic, manifest, safe_load
 from gpn_scale.checkpoints import MANIFEST, TRAINER_STATE, step_of, tags, verify
 from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
@@ -26,22 +26,37 @@ LATEST = "latest"
 UNIVERSAL = "universal"  # sub-directory with the world-size-independent form of a checkpoint
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    with open(tmp) as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+# DeepSpeed's per-rank files (zero_pp_rank_{r}_mp_rank_00_optim_states.pt, and at ZeRO-3 the
+# model states too) and the trainer's rng_rank{r}.pt carry the rank that wrote them.
+_WRITER = re.compile(r"(?:pp_rank_|rng_rank)(\d+)")
+
+
+def files_of(tag_dir: Path) -> list[str]:
+    """Every file under tag_dir (universal/ included) but the manifest, relative, sorted."""
+    return sorted(str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def writer_rank(name: str, world: int) -> int:
+    """The rank that wrote a checkpoint file; rank 0 for the files only it writes (the model
+    states at ZeRO 0-2, trainer_state.json)."""
+    found = _WRITER.search(Path(name).name)
+    return int(found.group(1)) % world if found else 0
+
+
+def hash_own_files(tag_dir: Path, rank: int, world: int) -> dict[str, dict]:
+    """Every rank, once all ranks' files are written: the manifest entries of the files this rank
+    wrote (still in its page cache), so a save's hashing is spread over the ranks like its writing."""
+    return manifest.hash_files(tag_dir, [n for n in files_of(tag_dir) if writer_rank(n, world) == rank])
 
 
 def write_manifest(tag_dir: Path) -> None:
-    """Every file under tag_dir (universal/ included), in the format native checkpoints share."""
-    files = sorted(str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
-    manifest.write_manifest(tag_dir, files)
+    """Every file under tag_dir, hashed here, in the format native checkpoints share."""
+    manifest.write_manifest(tag_dir, files_of(tag_dir))
 
 
-def commit(root: Path, tag: str, keep_last: int, verified: set[str]) -> None:
-    """Rank 0, after every rank finished writing `tag`: manifest, then `latest`, then pruning.
+def commit(root: Path, tag: str, keep_last: int, verified: set[str], reports: list[dict[str, dict]]) -> None:
+    """Rank 0, after every rank finished writing `tag` and hashing its files (`reports`, one per
+    rank, from hash_own_files): manifest, then `latest`, then pruning.
 
     Pruning removes only what is older than `tag`: the `keep_last - 1` newest older checkpoints
     that verify are kept with it, and a checkpoint goes only once `keep_last` verified ones newer
@@ -52,8 +67,10 @@ def commit(root: Path, tag: str, keep_last: int, verified: set[str]) -> None:
     is added). Only the others are hashed again, so a save does not re-read the checkpoints
     before it.
     """
-    write_manifest(root / tag)
-    _atomic_write(root / LATEST, tag)
+    entries = {name: entry for report in reports for name, entry in report.items()}
+    unreported = [n for n in files_of(root / tag) if n not in entries]  # e.g. a file no rank's name claims
+    manifest.write_entries(root / tag, {**entries, **manifest.hash_files(root / tag, unreported)})
+    atomic.write_text(root / LATEST, tag)
     verified.add(tag)
     older = [t for t in tags(root) if step_of(t) < step_of(tag)]
     kept = 1
@@ -67,7 +84,7 @@ def commit(root: Path, tag: str, keep_last: int, verified: set[str]) -> None:
 
 
 def write_trainer_state(tag_dir: Path, state: dict) -> None:
-    _atomic_write(tag_dir / TRAINER_STATE, json.dumps(state, indent=1))
+    atomic.write_text(tag_dir / TRAINER_STATE, json.dumps(state, indent=1))
 
 
 def save_rng(tag_dir: Path, rank: int) -> None:

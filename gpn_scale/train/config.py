@@ -170,6 +170,11 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
     cfg = build_dataclass(TrainConfig, dict(top, model=model_cfg.to_dict(), **sections), where)
     if cfg.precision not in ("fp32", "bf16"):
         raise UserError(f"{where}: precision: expected fp32 or bf16, got {cfg.precision!r}")
+    core, segments = cfg.model.get("core"), cfg.model.get("checkpoint_every")
+    if segments and core != "naive":  # GPN families only: the others have no checkpoint_every
+        raise UserError(f"{where}: model.checkpoint_every: {segments} has no effect with model.core={core} (it segments "
+                        "the naive core's recomputation; the fused core's memory follows model.core_chunk): remove it, "
+                        "or set model.core=naive")
     for key, value in (("run.dir", cfg.run.dir), ("data.train", cfg.data.train)):
         if not value:
             raise UserError(f"{where}: {key}: missing")

@@ -109,3 +109,9 @@ def gather_objects(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def all_max(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

@@ -26,44 +26,27 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import yaml
 
-from gpn_scale import safe_load
-from gpn_scale import checkpoints
+from gpn_scale import atomic, checkpoints, safe_load
 from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
 from gpn_scale.jsonl import JsonLines, truncate_jsonl
 from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import distributed as dist_utils
-from gpn_scale.train import preflight
+from gpn_scale.train import loop, optim, preflight
 from gpn_scale.train.config import TrainConfig, config_changes, load_train_config
 from gpn_scale.train.gc import GarbageCollection
 from gpn_scale.train.lock import RunLock
-from gpn_scale.train.metrics import MetricsLog, flops_per_token, peak_flops
+from gpn_scale.train.loop import Audit, Outcome
+from gpn_scale.train.metrics import MetricsLog, RunClock, StepMetrics, flops_per_token, peak_flops, peak_memory_bytes
 from kernels.graph import graphs_of
-
-if TYPE_CHECKING:
-    from gpn_scale.models import ParamGroups
 
 EXIT_PREEMPTED = 75
 EXIT_INTERRUPTED = 130
 EXIT_DIVERGED = 3
-
-
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warm-up to 1, then cosine to `min_ratio` at `total` (the paper's schedule)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def param_groups(groups: ParamGroups, weight_decay: float) -> list[dict]:
-    """The optimiser's groups, [decay, no decay], from the ones the model family declares."""
-    return [{"params": groups.decay, "weight_decay": weight_decay}, {"params": groups.no_decay, "weight_decay": 0.0}]
 
 
 def grad_accum_for(cfg: TrainConfig, world_size: int) -> int:
@@ -177,21 +160,13 @@ class Trainer:
 
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        model_cfg = model_config(cfg.model, where="config: model")
-        spec = MODEL_FAMILIES[model_cfg.family]
-        self.model = build_model(model_cfg).to(self.device)
+        self.model = build_model(model_config(cfg.model, where="config: model")).to(self.device)
 
         saved = checkpoints.read_trainer_state(self.ckpt_root / self.resume_tag) if self.resume_tag else None
         universal = saved is not None and saved["world_size"] != self.world and saved["zero_stage"] > 0
 
-        optimizer = torch.optim.AdamW(
-            param_groups(spec.param_groups(self.model), cfg.train.weight_decay), lr=cfg.train.lr,
-            betas=(cfg.train.beta1, cfg.train.beta2), eps=1e-8,
-        )
+        optimizer, scheduler = optim.build(self.model, cfg.train)
         t = cfg.train
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: lr_factor(s, t.warmup_steps, t.total_steps, t.min_lr_ratio)
-        )
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
             config=deepspeed_config(cfg, self.grad_accum, universal),
@@ -199,7 +174,7 @@ class Trainer:
         if cfg.zero.stage == 3:
             from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
-            for p in spec.zero3_external_params(self.model):
+            for p in MODEL_FAMILIES[self.model.config.family].zero3_external_params(self.model):
                 register_external_parameter(self.model, p)
         self.data = TrainStream(
             cfg.data.train, cfg.data.cache, t.micro_batch, self.world, shuffle=cfg.data.shuffle,
@@ -224,23 +199,12 @@ class Trainer:
         path, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_lr_scheduler_states=True)
         if path is None:
             raise UserError(f"{tag_dir}: DeepSpeed could not load this checkpoint")
-        self._apply_optimizer_settings()
+        optim.apply_settings(self.engine.optimizer, self.scheduler, self.cfg.train)
         self.step, self.tokens = saved["step"], saved["tokens"]
         self.data.load_state_dict(saved["loader"])
         if not ckpt.load_rng(tag_dir, self.rank):
             torch.manual_seed(self.cfg.seed + self.rank + 1000 * self.step)  # a new rank: fresh, reproducible
         self._say(f"resumed from {tag_dir} at step {self.step} ({self.tokens:,} tokens)")
-
-    def _apply_optimizer_settings(self) -> None:
-        """The checkpoint restores the optimiser's and the schedule's hyperparameters as they were
-        saved; this run's config decides them (a change got past the resume check: recorded, and
-        either safe or allowed). Unchanged values come out bit for bit as loaded."""
-        t = self.cfg.train
-        groups = self.engine.optimizer.param_groups  # [decay, no decay], as param_groups made them
-        self.scheduler.base_lrs = [t.lr] * len(groups)
-        factor = lr_factor(self.scheduler.last_epoch, t.warmup_steps, t.total_steps, t.min_lr_ratio)
-        for group, decay in zip(groups, (t.weight_decay, 0.0)):
-            group.update(lr=t.lr * factor, initial_lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=decay)
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -256,9 +220,12 @@ class Trainer:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else None
         return None if norm is None else float(norm)
 
-    def _train_step(self) -> tuple[float, float | None, list[int], int]:
-        """One optimiser step: (mean loss over ranks, grad norm, this rank's sample ids, tokens of the step)."""
-        losses, sample_ids = [], []
+    def _train_step(self) -> StepMetrics:
+        """One optimiser step: `grad_accum` micro-batches per rank, then DeepSpeed's clipped AdamW
+        update. Records this rank's sample ids for samples.jsonl."""
+        began = time.perf_counter()
+        lr = self.scheduler.get_last_lr()[0]  # what this step's update uses; the scheduler moves after it
+        losses, self.step_samples = [], []
         grad_norm = None
         for micro in range(self.grad_accum):
             batch = next(self.data)
@@ -270,11 +237,21 @@ class Trainer:
                 grad_norm = self._grad_norm()  # before step() clears the gradients
             self.engine.step()
             losses.append(loss.item())
-            sample_ids += batch["sample_id"].tolist()
+            self.step_samples += batch["sample_id"].tolist()
         if self.cfg.zero.stage > 0:
             grad_norm = self._grad_norm()
+        loss = dist_utils.all_mean(sum(losses) / len(losses))
+        peak_mem = dist_utils.all_max(peak_memory_bytes(self.device))
         step_tokens = self.global_batch * tokens.shape[1]
-        return dist_utils.all_mean(sum(losses) / len(losses)), grad_norm, sample_ids, step_tokens
+        self.step += 1
+        self.tokens += step_tokens
+        step_time = time.perf_counter() - began
+        tokens_per_s = step_tokens / step_time
+        mfu = (tokens_per_s * flops_per_token(self.model, tokens.shape[1]) / (self.peak_flops * self.world)
+               if self.peak_flops else None)
+        return StepMetrics(step=self.step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=self.tokens,
+                           tokens_per_s=tokens_per_s, step_time_s=step_time, peak_mem_bytes=peak_mem,
+                           elapsed_s=self.clock.elapsed(), eta_s=self.clock.eta(self.step), mfu=mfu)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -326,102 +303,112 @@ class Trainer:
             raise UserError(f"checkpoint {tag_dir}: no space left on device ({shutil.disk_usage(self.ckpt_root).free:,} "
                             f"bytes free); the partial save was removed; free space and resume with --resume auto"
                             + (f" (from {previous[0]})" if previous else "")) from None
-        torch.distributed.barrier()  # every rank's files are on disk before the manifest
+        torch.distributed.barrier()  # every rank's files are on disk before any is hashed
+        reports = dist_utils.gather_objects(ckpt.hash_own_files(tag_dir, self.rank, self.world))
         if self.is_main:
-            ckpt.commit(self.ckpt_root, tag, self.cfg.train.keep_last, self.verified)
+            ckpt.commit(self.ckpt_root, tag, self.cfg.train.keep_last, self.verified, reports)
         torch.distributed.barrier()
         return tag_dir
 
-    def _write_status(self, status: str) -> None:
+    def _write_status(self, outcome: str) -> None:
         if self.is_main:
-            tmp = self.run_dir / "status.json.tmp"
-            tmp.write_text(json.dumps({"status": status, "step": self.step, "world_size": self.world}) + "\n")
-            tmp.replace(self.run_dir / "status.json")
+            atomic.write_text(self.run_dir / "status.json",
+                              json.dumps({"status": outcome, "step": self.step, "world_size": self.world}) + "\n")
 
     def run(self) -> int:
-        cfg = self.cfg
+        """Train to `stop_at`; after each step log, audit, evaluate, check for preemption, save."""
+        self._start()
+        outcome = Outcome.FINISHED
+        with GarbageCollection() as collector:
+            while self.step < self.stop_at:
+                metrics = self._train_step()
+                collector.step(self.step)
+                self._log(metrics)
+                if self.audit.observe(metrics.loss, metrics.grad_norm):
+                    outcome = Outcome.DIVERGED
+                    break
+                self._eval_if_due()
+                if self.stop_flag.agreed():
+                    outcome = Outcome.INTERRUPTED if self.stop_flag.signal_name == "SIGINT" else Outcome.PREEMPTED
+                    break
+                self._save_if_due()
+        return self._finish(outcome)
+
+    # ---- the loop's steps ----------------------------------------------------------------------
+
+    def _start(self) -> None:
+        cfg, t = self.cfg, self.cfg.train
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         self._build()
         self._write_status("running")
-        t = cfg.train
-        stop_at = t.stop_at_step or t.total_steps
-        if self.is_main and cfg.data.log_sample_ids:
-            truncate_jsonl(self.run_dir / "samples.jsonl", self.step)
-        peak = peak_flops(cfg.logging.peak_tflops)
-        n_params = sum(p.numel() for p in self.model.parameters())
+        self.stop_at = t.stop_at_step or t.total_steps
+        self.start_step = self.step
+        self.audit = Audit(t.nonfinite_patience)
+        self.clock = RunClock(self.stop_at)
+        self.peak_flops = peak_flops(cfg.logging.peak_tflops)
+        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())
         self._say(
             f"training {cfg.model['family']} ({n_params:,} parameters) on {self.world} rank(s), ZeRO-{cfg.zero.stage}, "
             f"{cfg.precision}; global batch {self.global_batch} = {t.micro_batch} x {self.grad_accum} x {self.world}; "
-            f"steps {self.step} -> {stop_at} of {t.total_steps}"
+            f"steps {self.step} -> {self.stop_at} of {t.total_steps}"
         )
-        log = MetricsLog(self.run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.project,
-                         cfg.run.name or self.run_dir.name, self.step, t.total_steps, self.is_main)
+        self.log = MetricsLog(self.run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.project,
+                              cfg.run.name or self.run_dir.name, self.step, t.total_steps, self.is_main)
         if self.config_changes:
             listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in self.config_changes)
             self._say(f"resuming with changed settings: {listed}")
-            log.log({"step": self.step, "event": "config_change",
-                     "changes": {k: {"checkpoint": a, "now": b} for k, a, b in self.config_changes}})
-        preempted, start_step = False, self.step
-        nonfinite, diverged = 0, None
-        samples_file = JsonLines(self.run_dir / "samples.jsonl") if self.is_main and cfg.data.log_sample_ids else None
-        collector = GarbageCollection()
-        while self.step < stop_at:
-            began = time.perf_counter()
-            lr = self.scheduler.get_last_lr()[0]
-            loss, grad_norm, sample_ids, step_tokens = self._train_step()
-            self.step += 1
-            collector.step(self.step)
-            self.tokens += step_tokens
-            if cfg.data.log_sample_ids:
-                every_rank = dist_utils.gather_objects(sample_ids)
-                if samples_file:
-                    samples_file.write({"step": self.step, "samples": sorted(sum(every_rank, []))})
-            tokens_per_s = step_tokens / (time.perf_counter() - began)
-            seq_len = step_tokens // self.global_batch
-            mfu = tokens_per_s * flops_per_token(self.model, seq_len) / (peak * self.world) if peak else None
-            log.log({"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
-                     "tokens_per_s": tokens_per_s, "mfu": mfu})
-            log.progress(self.step, loss, tokens_per_s)
-            # Every rank sees the same mean loss and global norm, so every rank decides alike.
-            nonfinite = 0 if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)) else nonfinite + 1
-            if nonfinite > t.nonfinite_patience:
-                diverged = f"loss {loss}, grad norm {grad_norm}"
-                break
-            if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < t.total_steps:
-                log.log({"step": self.step, **self.evaluate()})
-            if self.stop_flag.agreed():
-                preempted = True
-                break
-            if self.step % t.save_every == 0 and self.step < stop_at and not nonfinite:
-                self.save()
-        collector.close()
-        if nonfinite and not diverged:  # stopped within the patience, but on a non-finite step
-            diverged = f"{nonfinite} non-finite step(s) at the end"
-        if diverged:
+            self.log.log({"step": self.step, "event": "config_change",
+                          "changes": {k: {"checkpoint": a, "now": b} for k, a, b in self.config_changes}})
+        self.samples_file = None
+        if cfg.data.log_sample_ids and self.is_main:
+            truncate_jsonl(self.run_dir / "samples.jsonl", self.step)
+            self.samples_file = JsonLines(self.run_dir / "samples.jsonl")
+
+    def _log(self, metrics: StepMetrics) -> None:
+        if self.cfg.data.log_sample_ids:
+            every_rank = dist_utils.gather_objects(self.step_samples)
+            if self.samples_file:
+                self.samples_file.write({"step": metrics.step, "samples": sorted(sum(every_rank, []))})
+        self.log.log(metrics.as_dict())
+        self.log.progress(metrics)
+
+    def _eval_if_due(self) -> None:
+        if loop.due(self.step, self.cfg.eval.every, self.cfg.train.total_steps):
+            self.log.log({"step": self.step, **self.evaluate()})
+
+    def _save_if_due(self) -> None:
+        if loop.due(self.step, self.cfg.train.save_every, self.stop_at) and self.audit.clean:
+            self.save()
+
+    def _finish(self, outcome: Outcome) -> int:
+        """The end of the run: a final evaluation and checkpoint (not of a diverged state), status.json,
+        and the exit status."""
+        t = self.cfg.train
+        if outcome is not Outcome.DIVERGED and self.audit.at_end():
+            outcome = Outcome.DIVERGED
+        if outcome is Outcome.DIVERGED:
             tag_dir = None  # the non-finite state is not saved
-        elif self.step == start_step:  # resumed at its last step: nothing new to evaluate or save
+        elif self.step == self.start_step:  # resumed at its last step: nothing new to evaluate or save
             tag_dir = self.ckpt_root / checkpoints.tag_for(self.step)
         else:
             if self.step >= t.total_steps:
-                log.log({"step": self.step, **self.evaluate()})
+                self.log.log({"step": self.step, **self.evaluate()})
             tag_dir = self.save()
-        if samples_file:
-            samples_file.close()
-        log.close()
+        if self.samples_file:
+            self.samples_file.close()
+        self.log.close()
         self.stop_flag.close()
-        interrupted = preempted and self.stop_flag.signal_name == "SIGINT"
-        self._write_status("diverged" if diverged else "interrupted" if interrupted else "preempted" if preempted
-                           else "finished")
-        if diverged:
+        self._write_status(outcome.value)
+        if outcome is Outcome.DIVERGED:
             good = checkpoints.committed(self.ckpt_root)
-            self._say(f"error: step {self.step}: {diverged}: the run diverged; nothing saved after it"
+            self._say(f"error: step {self.step}: {self.audit.reason}: the run diverged; nothing saved after it"
                       + (f", the newest checkpoint is {self.ckpt_root / good[0]}" if good else "")
                       + f" (lower train.lr or raise train.warmup_steps; train.nonfinite_patience={t.nonfinite_patience})")
             return EXIT_DIVERGED
-        if preempted:
-            code = EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED
+        if outcome is not Outcome.FINISHED:
+            code = EXIT_INTERRUPTED if outcome is Outcome.INTERRUPTED else EXIT_PREEMPTED
             self._say(f"{self.stop_flag.signal_name} received: checkpointed at step {self.step} "
                       f"in {tag_dir}; exiting with {code} (resume with --resume auto)")
             return code
@@ -430,6 +417,7 @@ class Trainer:
             self._say(f"fused core graphs: {graphs.summary()}")
         self._say(f"done at step {self.step}: checkpoint {tag_dir}, metrics {self.run_dir / 'metrics.jsonl'}")
         return 0
+
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(

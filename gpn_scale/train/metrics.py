@@ -1,10 +1,14 @@
-"""Where a run's numbers go: `metrics.jsonl`, wandb, and a progress bar or progress lines (all on rank 0)."""
+"""What a run measures at each step, and where it goes: `metrics.jsonl`, wandb, and a progress
+bar or progress lines (all on rank 0)."""
 
 from __future__ import annotations
 
+import dataclasses
+import resource
 import secrets
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,9 +34,11 @@ def peak_flops(configured_tflops: float | None) -> float | None:
 
 
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token of windows of `seq_len`: 6 per parameter (the tied embedding counts
-    once, as the decoder's matmul), plus what no parameter accounts for, x3 for the backward:
-    GPN+M's matrix memory (a write and a read per layer, about 2 FLOPs per cell each way), GDN's
+    """Training FLOPs per token of windows of `seq_len` (docs/train.md, 'MFU'): 6 per parameter
+    (2 forward, 4 backward: the recurrent core applies each loop weight once per token and layer,
+    like a layered model; the tied embedding counts once, as the decoder's matmul), plus 3x the
+    forward FLOPs no parameter accounts for: GPN+M's matrix memory (per token a write, M^T k and
+    the decayed rank-1 update, 4 FLOPs per cell, and a read per layer, 2 per cell), GDN's
     per-layer delta rule on S (the same write and one read), and the Transformer's attention
     (q.k and the weighted sum of v, 2 FLOPs each per key, over (seq_len + 1) / 2 keys on average)."""
     n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 keeps only a shard
@@ -46,6 +52,71 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     else:
         extra = 0
     return 6.0 * n + 3 * extra
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak so far: CUDA's max allocated on a GPU, the resident set (RSS) on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def duration(seconds: float) -> str:
+    """12s, 12m, 3h05m: coarse enough to read at a glance in a log."""
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds // 60:.0f}m"
+    return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"
+
+
+class RunClock:
+    """Elapsed time of this launch's training loop, and the ETA to `stop_at` from the mean step
+    time since the launch's first step (which builds kernels and warms caches, so it predicts
+    nothing; checkpoint saves and evaluations after it count, as a user waits for them too)."""
+
+    def __init__(self, stop_at: int, now=time.monotonic):
+        self.now = now
+        self.stop_at = stop_at
+        self.started = now()
+        self.first: tuple[int, float] | None = None  # (step, time) at the end of the first step
+
+    def elapsed(self) -> float:
+        return self.now() - self.started
+
+    def eta(self, step: int) -> float | None:
+        """Seconds left after `step`; call it at the end of every step (the first one has no rate yet)."""
+        if self.first is None:
+            self.first = (step, self.now())
+            return None
+        done = step - self.first[0]
+        return (self.now() - self.first[1]) / done * (self.stop_at - step) if done > 0 else None
+
+
+@dataclass
+class StepMetrics:
+    """One optimiser step's line of metrics.jsonl (and wandb's step)."""
+
+    step: int
+    loss: float
+    lr: float  # the learning rate this step's update used
+    grad_norm: float | None  # before clipping
+    tokens: int  # trained on so far, over all ranks
+    tokens_per_s: float
+    step_time_s: float
+    peak_mem_bytes: int  # the largest over ranks
+    elapsed_s: float
+    eta_s: float | None
+    mfu: float | None  # model FLOPs utilisation, where a peak is known or configured
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def progress_line(m: StepMetrics, total_steps: int) -> str:
+    eta = "" if m.eta_s is None else f", ETA {duration(m.eta_s)}"
+    return (f"step {m.step}/{total_steps} | loss {m.loss:.4f} | {m.tokens_per_s:,.0f} tok/s | "
+            f"{m.peak_mem_bytes / 2**30:.1f} GiB | {duration(m.elapsed_s)} elapsed{eta}")
 
 
 class MetricsLog:
@@ -85,14 +156,15 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
 
-    def progress(self, step: int, loss: float, tokens_per_s: float) -> None:
-        if self.bar is not None:
-            self.bar.n = step
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+    def progress(self, m: StepMetrics) -> None:
+        if self.bar is not None:  # tqdm shows the elapsed time and the ETA itself
+            self.bar.n = m.step
+            self.bar.set_postfix(loss=f"{m.loss:.4f}", tok_s=f"{m.tokens_per_s:,.0f}",
+                                 mem=f"{m.peak_mem_bytes / 2**30:.1f}G", refresh=False)
             self.bar.refresh()
-        elif self.enabled and (time.monotonic() - self.last_line >= LINE_EVERY_S or step == self.total_steps):
+        elif self.enabled and (time.monotonic() - self.last_line >= LINE_EVERY_S or m.step == self.total_steps):
             self.last_line = time.monotonic()
-            print(f"step {step}/{self.total_steps} | loss {loss:.4f} | {tokens_per_s:,.0f} tok/s", flush=True)
+            print(progress_line(m, self.total_steps), flush=True)
 
     def write(self, message: str) -> None:
         if self.enabled:

@@ -1,0 +1,259 @@
+"""The trainer's parts, in-process: the optimiser's contract through a real DeepSpeed engine (one
+gloo rank in this process), the loop's decisions, the metrics, and checkpoint manifests."""
+
+import hashlib
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from gpn_scale import manifest
+from gpn_scale.config import model_config
+from gpn_scale.models import build_model
+from gpn_scale.train import checkpoint as ckpt
+from gpn_scale.train import loop, optim
+from gpn_scale.train.config import load_train_config
+from gpn_scale.train.engine import deepspeed_config
+from gpn_scale.train.metrics import RunClock, StepMetrics, duration, flops_per_token, progress_line
+
+TINY = {"gpn": "gpn_tiny", "gpn_m": "gpn_m_tiny", "transformer": "transformer_tiny", "gdn": "gdn_tiny"}
+
+
+def train_config(*overrides):
+    return load_train_config("gpn_m_tiny", ["run.dir=unused", "data.train=unused", *overrides])
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """The process group `gpn-scale train` makes without a launcher, in this process; the
+    environment variables it sets are restored afterwards (subprocess tests inherit them)."""
+    import deepspeed  # noqa: F401  (the accelerator is chosen on import)
+
+    from gpn_scale.train import distributed
+
+    saved = dict(os.environ)
+    distributed.init()
+    yield distributed.device()
+    torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def tiny_engine(device, *overrides, grad_accum=1):
+    """A DeepSpeed engine over the tiny GPN+M with the trainer's optimiser, schedule and config,
+    and what AdamW receives at each call (a step pre-hook): the squared norm of its gradients and
+    its learning rate. ZeRO 1-2 call it once per parameter group, each holding one flat partition."""
+    import deepspeed
+
+    cfg = train_config(*overrides)
+    torch.manual_seed(0)
+    model = build_model(model_config(cfg.model)).to(device)
+    optimizer, scheduler = optim.build(model, cfg.train)
+    seen = []
+
+    def record(opt, args, kwargs):
+        grads = [p.grad.double().flatten() for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        seen.append((float(torch.linalg.vector_norm(torch.cat(grads))) ** 2, opt.param_groups[0]["lr"]))
+
+    optimizer.register_step_pre_hook(record)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=deepspeed_config(cfg, grad_accum, universal=False))
+    return engine, seen
+
+
+def batch(i):
+    return torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(i))
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_the_update_receives_the_clipped_gradient(one_rank, stage):
+    torch.manual_seed(0)
+    reference = build_model(model_config("gpn_m_tiny"))  # plain autograd, no DeepSpeed
+    reference(batch(0)).loss.backward()
+    norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])))
+    assert norm > 0.1
+    for clip, expected in ((1e-3, 1e-3), (0.0, norm)):  # 0: DeepSpeed does not clip
+        engine, seen = tiny_engine(one_rank, f"train.grad_clip={clip}", f"zero.stage={stage}")
+        engine.backward(engine(batch(0).to(one_rank)).loss)
+        engine.step()
+        assert math.sqrt(sum(n2 for n2, _ in seen)) == pytest.approx(expected, rel=1e-4), (clip, norm)
+
+
+def test_the_update_uses_the_schedule_of_its_optimizer_step(one_rank):
+    """With 2 micro-batches per update the schedule moves once per update, not per micro-batch."""
+    lr, warmup, total, floor = 1e-3, 2, 6, 0.1
+    engine, seen = tiny_engine(one_rank, f"train.lr={lr}", f"train.warmup_steps={warmup}",
+                               f"train.total_steps={total}", f"train.min_lr_ratio={floor}", "zero.stage=1",
+                               grad_accum=2)
+    used = []
+    for i in range(2 * total):
+        engine.backward(engine(batch(i).to(one_rank)).loss)
+        engine.step()
+        used.append({rate for _, rate in seen})  # one rate for every group of an update
+        seen.clear()
+    assert used[0::2] == [set()] * total  # no update after the first micro-batch of each step
+    expected = [lr * (s + 1) / warmup if s < warmup else
+                lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - warmup))))
+                for s in range(total)]
+    assert [rate for [rate] in used[1::2]] == pytest.approx(expected, rel=1e-12)
+
+
+# Vectors and scalars: never decayed. Every tensor of two or more dimensions is (embedding included).
+NO_DECAY = {
+    "gpn": {"decode_norm_w", "fuse_norm_w", "fg_norm_w", "fg_gate_b", "layers.0.ffn_norm_w", "layers.0.pg_norm_w",
+            "layers.0.pg_gate_b"},
+    "gpn_m": {"decode_norm_w", "fuse_norm_w", "fg_norm_w", "fg_gate_b", "write_norm_w", "write_W_k_b", "write_A_log",
+              "write_dt_bias", "layers.0.ffn_norm_w", "layers.0.pg_norm_w", "layers.0.pg_gate_b",
+              "layers.0.read_norm_w", "layers.0.read_W_q_b", "layers.0.read_out_norm_w"},
+    "transformer": {"start", "norm.weight", *(f"layers.{i}.{n}.weight" for i in (0, 1) for n in ("mixer_norm", "mlp_norm"))},
+    "gdn": {"start", "norm.weight", *(f"layers.{i}.{n}" for i in (0, 1) for n in (
+        "mixer_norm.weight", "mlp_norm.weight", "mixer.A_log", "mixer.dt_bias", "mixer.o_norm_w"))},
+}
+DECAY = {
+    "gpn": {"embedding", "decode_proj_k", "fuse_proj_k", "fg_gate_k", "layers.0.ffn_w1_k", "layers.0.ffn_w2_k",
+            "layers.0.pg_gate_k"},
+    "gpn_m": {"embedding", "decode_proj_k", "fuse_proj_k", "fg_gate_k", "write_W_k_k", "write_W_v_k", "write_W_beta_k",
+              "write_W_a_k", "layers.0.ffn_w1_k", "layers.0.ffn_w2_k", "layers.0.pg_gate_k", "layers.0.read_W_q_k",
+              "layers.0.read_W_gate_k", "layers.0.read_W_o_k"},
+    "transformer": {"embedding", *(f"layers.{i}.{n}.weight" for i in (0, 1) for n in (
+        "mixer.q_proj", "mixer.k_proj", "mixer.v_proj", "mixer.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))},
+    "gdn": {"embedding", *(f"layers.{i}.mixer.conv_weight" for i in (0, 1)), *(f"layers.{i}.{n}.weight" for i in (0, 1) for n in (
+        "mixer.q_proj", "mixer.k_proj", "mixer.v_proj", "mixer.b_proj", "mixer.a_proj", "mixer.g_proj", "mixer.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))},
+}
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_weight_decay_goes_to_exactly_the_matrices(family):
+    model = build_model(model_config(TINY[family]))
+    optimizer, _ = optim.build(model, train_config("train.weight_decay=0.1").train)
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    by_decay = {}
+    for group in optimizer.param_groups:
+        by_decay.setdefault(group["weight_decay"], set()).update(name_of[id(p)] for p in group["params"])
+    assert by_decay == {0.1: DECAY[family], 0.0: NO_DECAY[family]}
+
+
+def test_the_audit_stops_after_the_patience():
+    audit = loop.Audit(patience=1)
+    assert not audit.observe(3.0, 1.0) and audit.clean
+    assert not audit.observe(float("nan"), 1.0) and not audit.clean  # one tolerated
+    assert not audit.observe(3.0, 1.0) and audit.clean  # the count restarts
+    assert not audit.observe(3.0, float("inf"))
+    assert audit.observe(float("inf"), None) and audit.reason == "loss inf, grad norm None"
+    tail = loop.Audit(patience=2)
+    tail.observe(float("nan"), 1.0)
+    assert tail.at_end() and tail.reason == "1 non-finite step(s) at the end"
+    assert not loop.Audit(patience=0).at_end()
+
+
+def test_periodic_actions_skip_the_end_and_zero():
+    assert [s for s in range(1, 13) if loop.due(s, 4, 12)] == [4, 8]
+    assert not any(loop.due(s, 0, 12) for s in range(1, 13))
+
+
+def test_elapsed_and_eta_leave_out_the_first_step():
+    now = [100.0]
+    clock = RunClock(stop_at=10, now=lambda: now[0])
+    now[0] = 160.0  # step 1 ends: a minute of kernel builds
+    assert clock.eta(1) is None and clock.elapsed() == 60.0
+    now[0] = 166.0  # steps 2-4: 2 s each
+    assert clock.eta(4) == pytest.approx(6 * 2.0)
+    assert [duration(s) for s in (5, 59.6, 720, 3600 + 5 * 60 + 30)] == ["5s", "60s", "12m", "1h05m"]
+
+
+def test_progress_line_for_a_log_file():
+    m = StepMetrics(step=100, loss=3.21, lr=1e-3, grad_norm=1.0, tokens=10, tokens_per_s=12345.6, step_time_s=0.1,
+                    peak_mem_bytes=3 * 2**30, elapsed_s=725.0, eta_s=1440.0, mfu=None)
+    assert progress_line(m, 300) == "step 100/300 | loss 3.2100 | 12,346 tok/s | 3.0 GiB | 12m elapsed, ETA 24m"
+
+
+def _gpn_params(V, E, d, F, L, H, dk, dv, memory):
+    """Counted from the model's parameter table (docs/model.md): shared, per layer, memory."""
+    shared = V * E + d + d * E + E + E * d + (d + d * d + d)  # embedding, decode, fuse, ground gate
+    layer = (d + d * 2 * F + F * d) + (d + d * d + d)  # FFN, predict gate
+    if not memory:
+        return shared + L * layer
+    write = d + (d * H * dk + H * dk) + d * H * dv + 2 * d * H + 2 * H
+    read = d + (d * H * dk + H * dk) + d * H * dv + H * dv + H * dv * d
+    return shared + write + L * (layer + read)
+
+
+def test_flops_per_token_is_the_hand_count():
+    T = 32
+    cases = {  # family: (tiny model's parameters counted by hand, FLOPs no parameter accounts for, forward)
+        "gpn": (_gpn_params(512, 32, 64, 128, 1, 0, 0, 0, False), 0),
+        # the memory: one write (M^T k, then decay and rank-1 update: 4 per cell) and one read (2) per layer
+        "gpn_m": (_gpn_params(512, 32, 64, 128, 1, 4, 16, 16, True), (4 + 2 * 1) * 4 * 16 * 16),
+        # 2 layers of q.k and weights.v over (T + 1) / 2 keys on average, 2 FLOPs per key and feature each
+        "transformer": (512 * 64 + 64 + 2 * (2 * 64 + 4 * 64 * 64 + 3 * 64 * 128) + 64, 2 * 4 * 64 * (T + 1) / 2),
+        # per layer: q, k (2 heads x 16), v (2 x 32) projections, depthwise conv of 4 over their 128
+        # channels, beta / decay projections and A_log / dt_bias per head, output gate and norm, output
+        "gdn": (512 * 64 + 64 + 2 * (64 + 2 * 32 * 64 + 64 * 64 + 128 * 4 + 2 * (2 * 64) + 2 * 2 + 64 * 64 + 32
+                                    + 64 * 64 + 64 + 3 * 64 * 128) + 64, 2 * (4 + 2) * 2 * 16 * 32),
+    }
+    for family, (params, extra) in cases.items():
+        model = build_model(model_config(TINY[family]))
+        assert flops_per_token(model, T) == 6 * params + 3 * extra, family
+
+
+def test_manifest_detects_corruption_and_still_reads_sha256(tmp_path):
+    for name, size in (("a.pt", 5_000_000), ("sub/b.json", 10)):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(os.urandom(size))
+    manifest.write_manifest(tmp_path, ["a.pt", "sub/b.json"])
+    entries = json.loads((tmp_path / manifest.MANIFEST).read_text())["files"]
+    assert set(entries["a.pt"]) == {"bytes", "xxh3_128"}
+    assert manifest.verify_manifest(tmp_path) is None
+    data = bytearray((tmp_path / "a.pt").read_bytes())
+    data[4_321_000] ^= 1
+    (tmp_path / "a.pt").write_bytes(bytes(data))
+    assert manifest.verify_manifest(tmp_path) == "a.pt does not match its xxh3_128 hash (corrupted)"
+
+    # A checkpoint written before xxh3: its sha256 manifest still verifies, and still catches a change.
+    old = {n: {"bytes": (tmp_path / n).stat().st_size, "sha256": hashlib.sha256((tmp_path / n).read_bytes()).hexdigest()}
+           for n in ("a.pt", "sub/b.json")}
+    (tmp_path / manifest.MANIFEST).write_text(json.dumps({"files": old}))
+    assert manifest.verify_manifest(tmp_path) is None
+    (tmp_path / "sub/b.json").write_bytes(b"0123456789")
+    assert manifest.verify_manifest(tmp_path) == "sub/b.json does not match its sha256 hash (corrupted)"
+
+
+def test_each_rank_hashes_the_files_it_wrote(tmp_path):
+    """DeepSpeed's and the trainer's file names at ZeRO-3 on 3 ranks: each rank's share is what it
+    wrote, the shares cover the checkpoint once, and the manifest is made from the ranks' reports."""
+    names = ["trainer_state.json", "mp_rank_00_model_states.pt", "universal/zero/embedding/fp32.pt",
+             *(f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in range(3) for kind in ("model", "optim")),
+             *(f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)), *(f"rng_rank{r}.pt" for r in range(3))]
+    for name in names:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(name.encode())
+    reports = [ckpt.hash_own_files(tmp_path, rank, 3) for rank in range(3)]
+    assert sorted(reports[1]) == ["bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "rng_rank1.pt",
+                                  "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert sorted(n for r in reports for n in r) == sorted(names)
+    assert {"trainer_state.json", "mp_rank_00_model_states.pt", "universal/zero/embedding/fp32.pt"} < set(reports[0])
+
+    reports[2]["rng_rank2.pt"]["xxh3_128"] = "reported"  # the manifest takes the ranks' word for their files
+    del reports[1]["rng_rank1.pt"]  # a file no report names is hashed by rank 0
+    ckpt.commit(tmp_path.parent, tmp_path.name, keep_last=1, verified=set(), reports=reports)
+    entries = json.loads((tmp_path / manifest.MANIFEST).read_text())["files"]
+    assert sorted(entries) == sorted(names) and entries["rng_rank2.pt"]["xxh3_128"] == "reported"
+    assert entries["rng_rank1.pt"]["xxh3_128"] == manifest.file_hash(tmp_path / "rng_rank1.pt")
+
+
+def test_checkpoint_bench_prints_its_ratio(tmp_path):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "bench" / "ckpt.py"), "--gb", "0.004", "--files", "2", "--rounds", "1",
+                           "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(root)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"^ratio \(save \+ xxh3 manifest \+ verify\) / save: \d+\.\d{3} ", proc.stdout, re.M), proc.stdout
+    assert list(tmp_path.iterdir()) == []  # cleans up after itself
