@@ -80,3 +80,17 @@ def _softplus(x):
     tiny = w == 1.0
     log1p = tl.where(tiny, u, tl.log(w) * _div(u, tl.where(tiny, 1.0, w - 1.0)))
     return tl.where(x > 20.0, x, log1p)
+
+
+@triton.jit
+def _rounded(x, DT: tl.constexpr):
+    """x (float32 or float64) as DT, bf16 rounded to nearest even by hand: the GPU's conversion
+    does that, Triton's interpreter truncates, and a kernel must give the same numbers on both
+    (and the same as torch's `.to(bfloat16)`, which the twins use). NaN stays NaN."""
+    if DT == tl.bfloat16:
+        u = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        hi = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        hi = tl.where(x != x, 0x7FC0, hi)
+        return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DT)

@@ -30,7 +30,9 @@ import sys
 from conftest import ROOT
 
 # The pointer arguments in the state's dtype: the outputs (the launchers allocate them like the
-# state), and M's blocks for the memory kernels. Every other pointer is an input, converted on load.
+# state), and M's blocks for the memory kernels; for the groups whose outputs may be the next
+# GEMM's bf16, the state-dtype inputs their arithmetic follows. Every other pointer is an input,
+# converted on load (or an output, rounded on store).
 ARITH = {
     "_step_fwd": {"M", "M_out", "E", "O"},
     "_write": {"M", "M_out"},
@@ -43,8 +45,8 @@ ARITH = {
     "_residual_rms": {"OUT", "HAT", "R"},
     "_ground": {"FG", "G", "HAT", "R"},
     "_residual_rms_bwd": {"OUT"},
-    "_gate_grads": {"DFFN", "DPG"},
-    "_l2n_relu_bwd": {"OUT"},
+    "_gate_grads": {"FAC", "PGF"},  # the outputs may be bf16, the next GEMM's input
+    "_l2n_relu_bwd": {"Y", "MASK"},
 }
 # (state dtype, input dtype) of the two variants
 VARIANTS = {"float64 inputs": ("fp32", "fp64"), "bfloat16 inputs, float64 state": ("fp64", "bf16")}
@@ -66,7 +68,7 @@ VARIANTS = json.loads(sys.argv[2])
 HELPERS = {"_rms_out"}  # called from kernels, compiled with them (as kernels/numerics.py's)
 INTS = {"H", "DK", "DV", "N", "NF", "ND", "NHEADS", "NG"}  # runtime sizes; other lower-case names are strides
 CONSTEXPRS = {"BK": 128, "BV": 16, "BN": 4096, "BF": 1024, "BH": 16, "BHEADS": 32, "HEADS": True, "GATES": True,
-              "HAS_HAT": True, "HAS_EXTRA": True, "L2EPS": 1e-12}
+              "HAS_HAT": True, "HAS_EXTRA": True, "HAS_LOW": True, "L2EPS": 1e-12}
 TARGET = GPUTarget("cuda", 90, 32)
 # Instructions with a documented accuracy (PTX ISA, floating-point instructions), float types only.
 APPROX = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:ex2|lg2|rcp|sqrt|rsqrt|div|sin|cos|tanh)\.[\w.]*?\.(?:f16|bf16|f32|f64)(?:x2)?)\s", re.M)

@@ -279,6 +279,27 @@ def test_backward_groups_match_twin(impl, shape, dtype, monkeypatch):
     run_both(impl, "l2n_relu_backward", lambda p: ((y[:, 0], mask[:, 0], dQ[:, : H * dk].view(B, H, dk)), {}, []), torch.float32)
 
 
+@pytest.mark.parametrize("shape", EW_SHAPES[1:], ids=lambda s: "x".join(map(str, s[:6])))
+@impls
+def test_narrow_outputs_are_rounded_to_nearest_even(impl, shape):
+    """The outputs the core keeps in the step GEMMs' bf16 (`narrow_io`) are the float32 results
+    rounded to nearest even, as torch's `.to(bfloat16)` (and the GPU's conversion) rounds; a
+    truncating store (Triton's interpreter's own bf16 conversion) differs in about half of them."""
+    B, d = shape[:2]
+    x = rand(B, d, seed=30) * 3
+    r = x.square().mean(-1, keepdim=True).add(1e-6).sqrt()
+    args = (x / r, r, rand(B, d, seed=31), rand(B, d, seed=32), torch.sigmoid(rand(B, d, seed=33)))
+    out, low = buf(True, B, d), buf(True, B, d + 2, dtype=torch.bfloat16)[:, 1 : d + 1]
+    IMPLS[impl].residual_rms_backward(*args, out=out, out_low=low)
+    assert torch.equal(low, out.to(torch.bfloat16))
+    if impl == "triton":  # the groups that write a GEMM's bf16 input or read its output in place
+        wide, narrow = (buf(True, B, d), buf(True, B, 1)), (buf(True, B, d, dtype=torch.bfloat16), buf(True, B, 1))
+        y, pg = rand(B, d, seed=34).to(torch.bfloat16), rand(B, d, seed=35).to(torch.bfloat16)
+        E.residual_rms(y, pg, x, None, *wide)
+        E.residual_rms(y, pg, x, None, *narrow)
+        assert torch.equal(narrow[0], wide[0].to(torch.bfloat16)) and torch.equal(narrow[1], wide[1])
+
+
 # ---- the whole model: kernel = triton against kernel = torch ----------------------------------
 
 ODD = GPNConfig(vocab_size=29, d_state=14, d_emb=6, d_ffn=9, n_heads=3, d_key=5, d_val=4, core_chunk=3)

@@ -28,14 +28,19 @@ def hand_count(dtype: str) -> dict[tuple[str, str], int]:
     (M rebuilt inside the chunk), the fuse gate's GEMM and its factor (a mul), residual_rms
     backward, the second GEMM, gate_grads, the memory backward (_gated_rms_bwd, _step_bwd), dv
     copied into the chunk's rows, the write gates' factor (a mul), the heads' l2n backward, the
-    projection GEMM, residual_rms backward again; the step's input gradient copied out. Under
-    bf16 each step GEMM casts its float32 input to bf16 and its output back: two casts each.
+    projection GEMM, residual_rms backward again; the step's input gradient copied out.
+
+    Under bf16 the Triton groups read the GEMMs' outputs and write their inputs in bf16, so the
+    step GEMMs cast nothing, but for one input forward: the second GEMM's [FFN | read] row,
+    whose read part the memory kernel writes in float32 (its output norm is computed in the
+    dtype it writes). Backward, dv is copied into the bf16 projection-gradient rows: that copy
+    is a cast.
     """
-    casts = 2 if dtype == "bf16" else 0
-    return {("forward", "gemm"): 3, ("forward", "triton"): 5, ("forward", "cast"): 3 * casts, ("forward", "copy"): 0,
+    bf16 = dtype == "bf16"
+    return {("forward", "gemm"): 3, ("forward", "triton"): 5, ("forward", "cast"): int(bf16), ("forward", "copy"): 0,
             ("forward", "other"): 0,
-            ("backward", "gemm"): 3, ("backward", "triton"): 8, ("backward", "cast"): 3 * casts, ("backward", "copy"): 2,
-            ("backward", "other"): 2}
+            ("backward", "gemm"): 3, ("backward", "triton"): 8, ("backward", "cast"): int(bf16),
+            ("backward", "copy"): 2 - int(bf16), ("backward", "other"): 2}
 
 
 TRITON_KERNELS = {
@@ -96,7 +101,7 @@ def test_gemm_flops_and_memory_traffic_per_step_match_the_model(tiny):
     assert m <= fwd.read < 1.5 * m and m <= fwd.written < 1.5 * m
     assert 2 * m <= bwd.read < 2.5 * m and m <= bwd.written < 1.5 * m
     # Grids: one program per sequence for the elementwise groups, per (sequence, head) for _step_bwd.
-    assert per_step[("forward", "triton", "_post_projection", "float32")].programs == B
+    assert [t.programs for k, t in per_step.items() if k[:3] == ("forward", "triton", "_post_projection")] == [B]
     assert bwd.programs == B * H
     assert step_cost.phase_cost(per_step, "forward", step_cost.H200).min_programs == B
 

@@ -26,7 +26,10 @@ points 2-4):
   (dW += X^T dY), so the backward's working memory is a chunk's, not the window's.
 
 Under autocast the GEMMs run in the autocast dtype; the state, M and all elementwise math stay
-float32 (float64 inputs stay float64, for gradient checks). Truncated BPTT (`bptt`) cuts the
+float32 (float64 inputs stay float64, for gradient checks). With kernels that read and write
+the compute dtype (`StepOps.narrow_io`), the per-step buffers a step GEMM reads or writes are
+kept in it (`_io_dtype`): the GEMMs cast nothing inside the loop, and the values are those a
+cast would give (a bf16 GEMM's output widened is exact; its input is the float32 value rounded). Truncated BPTT (`bptt`) cuts the
 sweep at the same places where the naive core detaches the state. The incoming state receives
 gradients, as in the naive core.
 """
@@ -126,6 +129,12 @@ def fuse_weights(model) -> tuple[list[LayerWeights], torch.Tensor, torch.Tensor]
 # `out=` writes straight into the saved buffers. The elementwise work between the GEMMs is in
 # groups (kernels/step/reference.py, or their kernels), one call each; the step's GEMMs, of
 # B rows, are `ew.mm` (its own kernel on CPU), the chunk's, of many rows, `_mm` (BLAS).
+
+
+def _io_dtype(spec: Spec, sd: torch.dtype) -> torch.dtype:
+    """The dtype of the per-step buffers the step's GEMMs read and write: the compute dtype when
+    the step's kernels widen them on load and round into them on store, else the state's (sd)."""
+    return spec.compute_dtype if spec.backend.step.narrow_io else sd
 
 
 def _cast(spec: Spec, layers, fg_W, fg_b):
@@ -307,18 +316,23 @@ def _buffers(spec: Spec, layers, T, B, like):
     d, H, dk, dv = spec.d, spec.H, spec.dk, spec.dv
     new = lambda *shape: like.new_empty((T, B) + shape)  # noqa: E731
     ring = lambda *shape: like.new_empty((2, B) + shape)  # noqa: E731
+    io = _io_dtype(spec, like.dtype)
+    gemm_ring = lambda *shape: like.new_empty((2, B) + shape, dtype=io)  # noqa: E731  (only GEMMs read or write it)
     S = Saved(
         # Normalised layer inputs and their rms. Layer 0's is the grounded state's, which the
-        # backward forms again from u, P and the fuse gates: it lives in the work ring.
-        X=[ring(d)] + [new(d) for _ in layers[1:]],
+        # backward forms again from u, P and the fuse gates: it lives in the work ring, read by
+        # the projection GEMM only. Later layers' are saved in the state's dtype for the backward.
+        X=[gemm_ring(d)] + [new(d) for _ in layers[1:]],
         R=[ring(1)] + [new(1) for _ in layers[1:]],
         # Everything else is recomputed per chunk in the backward: the projections with one GEMM,
         # keys and queries from them, the fuse gates' inputs from the predictions, the write's
         # errors and the reads while M is rebuilt. The loop keeps only the current step's.
-        Y=[ring(L.W.shape[1]) for L in layers],  # fused projection outputs
-        Z=[ring(L.W2o.shape[0]) for L in layers],  # second GEMM inputs [silu(h1) * h2 | read output]
-        XP=ring(d), RP=ring(1),  # normalised predictions, their rms
-        FG=ring(d),  # fuse gates
+        Y=[gemm_ring(L.W.shape[1]) for L in layers],  # fused projection outputs
+        # Second GEMM inputs [silu(h1) * h2 | read output]: the memory kernels compute the read's
+        # output norm in the dtype they write, so it stays the state's.
+        Z=[ring(L.W2o.shape[0]) for L in layers],
+        XP=gemm_ring(d), RP=ring(1),  # normalised predictions (the fuse-gate GEMM's input), their rms
+        FG=gemm_ring(d),  # the fuse-gate GEMM's output, and the gates ground writes over it
     )
     if spec.memory:
         # Normalised [next key | query] of layer 0, [query] of later layers, and their norms.
@@ -380,6 +394,7 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
     S.u, S.g0 = u, g  # the backward forms layer 0's inputs again from them
     # The step's weights, in the layout its GEMM reads fastest (kernels/cpu/gemm.cpp packs them).
     packed = [L._replace(W=ew.pack(L.W, T, B), W2o=ew.pack(L.W2o, T, B)) for L in layers]
+    Y2 = _steps(g.new_empty((2, B, d), dtype=_io_dtype(spec, g.dtype)))  # the second GEMM's output, read by residual_rms
     fg_Wp = ew.pack(fg_W, T, B)
     # Each layer's normalised input is written by the group before it: the previous layer's
     # residual_rms, or (layer 0) the previous step's ground; the first step's here.
@@ -404,7 +419,7 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
                 mem.memory_read(M, v.q[w], v.gate[w], out_o=v.o[w], out_y=v.z_read[w])
             last = i == nl - 1
             x_next, r_next = (XP[w], RP[w]) if last else (V[i + 1].x[s], V[i + 1].r[s])
-            c = ew.residual_rms(ew.mm(v.z[w], L.W2o), v.pg[w], c, Ps[t] if last else None, x_next, r_next)
+            c = ew.residual_rms(ew.mm(v.z[w], L.W2o, Y2[w]), v.pg[w], c, Ps[t] if last else None, x_next, r_next)
         ew.mm(XP[w], fg_Wp, FG[w], fg_b)
         x_next, r_next = (V[0].x[1 - w], V[0].r[1 - w]) if t < T - 1 else (None, None)
         g_prev, g = g, ew.ground(FG[w], c, us[t], FG[w], x_next, r_next)
@@ -418,9 +433,10 @@ def _workspace(spec: Spec, layers, L, B, like):
     """Per layer, the chunk's widest buffers (projections, second GEMM inputs, their gradients,
     the SwiGLU factors), made once for the sweep and reused by every chunk: fresh ones per chunk
     leave the heap fragmented, and the process's resident memory creeping up chunk by chunk."""
-    new = lambda *shape: like.new_empty((L, B) + shape)  # noqa: E731
-    return [Workspace(Y=new(W.W.shape[1]), dY=new(W.W.shape[1]), Z=new(W.W2o.shape[0]), dZ=new(W.W2o.shape[0]),
-                      ffn_fac=new(2, spec.F)) for W in layers]
+    new = lambda *shape, dtype=like.dtype: like.new_empty((L, B) + shape, dtype=dtype)  # noqa: E731
+    io = _io_dtype(spec, like.dtype)  # the sweep's GEMM outputs and inputs (the weight gradients' too)
+    return [Workspace(Y=new(W.W.shape[1]), dY=new(W.W.shape[1], dtype=io), Z=new(W.W2o.shape[0]),
+                      dZ=new(W.W2o.shape[0], dtype=io), ffn_fac=new(2, spec.F)) for W in layers]
 
 
 def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_first, X0, R0, XP, RP, fg, work):
@@ -438,6 +454,7 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
     L, B, d = XP.shape
     H, dk, Fd = spec.H, spec.dk, spec.F
     empty = lambda *shape: XP.new_empty(shape)  # noqa: E731
+    io = _io_dtype(spec, XP.dtype)
     C = []
     for i, (W, col, ws) in enumerate(zip(layers, cols, work)):
         x_hat, r = (X0, R0) if i == 0 else (S.X[i][sl], S.R[i][sl])
@@ -450,7 +467,7 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
         silu = torch.mul(h1, s1, out=ffn_fac[:, :, 1])
         torch.mul(torch.addcmul(s1 + silu, silu, s1, value=-1.0), h2, out=ffn_fac[:, :, 0])  # silu'(h1) h2
         torch.mul(silu, h2, out=Z[..., :Fd])
-        dU = empty(L, B, d)
+        dU = XP.new_empty((L, B, d), dtype=io)  # the second GEMM's input (rounded), as the weight gradient's
         c = dict(X_full=x_hat, x=_steps(x_hat), r=_steps(r), Y=Y, Z_full=Z, dY_full=dY, dZ_full=dZ, dU_full=dU, dU=_steps(dU),
                  pg_gate=_steps(pg), pg_fac=_steps(pg_fac),
                  ffn_fac=_steps(ffn_fac), dY=_steps(dY), dZ=_steps(dZ), dffn=_steps(dY[..., col["ffn"]], 2, Fd),
@@ -465,7 +482,7 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
             if i == 0:
                 c.update(keys=[k_first] + list(_steps(nq[:-1, :, 0])), v=_steps(Y[..., col["v"]], H, spec.dv))
         C.append(ChunkLayer(**c))
-    dYfg = empty(L, B, d)
+    dYfg = XP.new_empty((L, B, d), dtype=io)
     G = dict(dYfg_full=dYfg, dYfg=_steps(dYfg), fg=_steps(fg), fg_fac=_steps((XP * RP).mul_(fg).mul_(1 - fg)),
              XP=XP, xp=_steps(XP), rp=_steps(RP))
     if spec.memory:
@@ -529,6 +546,7 @@ class Sweep(NamedTuple):
     dMring: tuple | None
     W_kT: torch.Tensor | None
     dg_prev: torch.Tensor | None
+    dX: torch.Tensor  # (B, d): the input-gradient GEMMs' output, read by the next group
 
 
 class Carry(NamedTuple):
@@ -556,17 +574,21 @@ def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, c0: i
            dk_next) -> Carry:
     """Steps c1-1 .. c0, backwards: through the fuse gate, the layers and the memory, writing the
     chunk's GEMM-output gradients (dY, dZ, dU rows), du, and dL/d(first key) into dk_next."""
-    ew, mem, WT, W2oT, fg_WT, dus, dPs, BETA, DECAY, dMring, W_kT, dg_prev = sw
+    ew, mem, WT, W2oT, fg_WT, dus, dPs, BETA, DECAY, dMring, W_kT, dg_prev, dX = sw
     dg, dM, kn_flows = carry
     nl = len(C)
+    # dL/d(a layer's output) goes on in the state's dtype (the carry); its copy in the GEMMs'
+    # dtype, the layer's dU row, is the second GEMM's input and the weight gradient's.
+    narrow = C[0].dU_full.dtype != dg.dtype
     for t in reversed(range(c0, c1)):
         j = t - c0
         dus[t].copy_(dg)
-        dxp = ew.mm(torch.mul(dg, G.fg_fac[j], out=G.dYfg[j]), fg_WT)
-        dc = ew.residual_rms_backward(G.xp[j], G.rp[j], dxp, dg, G.fg[j], None if dPs is None else dPs[t], out=C[-1].dU[j])
+        dxp = ew.mm(torch.mul(dg, G.fg_fac[j], out=G.dYfg[j]), fg_WT, dX)
+        dc = ew.residual_rms_backward(G.xp[j], G.rp[j], dxp, dg, G.fg[j], None if dPs is None else dPs[t],
+                                      **_dc_out(C[-1].dU[j], narrow))
         for i in reversed(range(nl)):
             c = C[i]
-            ew.mm(dc, W2oT[i], c.dZ[j])  # into the dZ rows of the chunk
+            ew.mm(c.dU[j], W2oT[i], c.dZ[j])  # into the dZ rows of the chunk
             ew.gate_grads(c.dz_ffn[j], c.ffn_fac[j], c.dffn[j], dc, c.pg_fac[j], c.dpg[j])
             if spec.memory:
                 if i == 0:
@@ -584,10 +606,10 @@ def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, c0: i
                                                          out_dM=dMring[1] if dM is dMring[0] else dMring[0])
                     dq = dq.unsqueeze(1)
                 ew.l2n_relu_backward(c.nq[j], c.nq_mask[j], dq, out=c.dheads[j])
-            dx = ew.mm(c.dY[j], WT[i])
+            dx = ew.mm(c.dY[j], WT[i], dX)
             if i == 0 and spec.memory and not kn_flows:  # the next key's gradient reaches the weights only
-                dx -= ew.mm(G.dkn[j], W_kT)
-            dc = ew.residual_rms_backward(c.x[j], c.r[j], dx, dc, c.pg_gate[j], out=C[i - 1].dU[j] if i > 0 else None)
+                dx = dx.to(dg.dtype) - ew.mm(G.dkn[j], W_kT)
+            dc = ew.residual_rms_backward(c.x[j], c.r[j], dx, dc, c.pg_gate[j], **(_dc_out(C[i - 1].dU[j], narrow) if i > 0 else {}))
         dg = dc if (t < T - 1 or dg_prev is None) else dc + dg_prev
         if spec.bptt and t > 0 and t % spec.bptt == 0:  # where the naive core detaches the state
             dg = torch.zeros_like(dg)
@@ -597,6 +619,12 @@ def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, c0: i
         elif spec.memory:
             kn_flows = True
     return Carry(dg, dM, kn_flows)
+
+
+def _dc_out(dU, narrow: bool) -> dict:
+    """Where residual_rms_backward writes dL/dc: the dU row itself, or (narrow) a new carry in the
+    state's dtype and the dU row rounded."""
+    return dict(out=None, out_low=dU) if narrow else dict(out=dU)
 
 
 def _gemm(acc, X, G, cd):
@@ -613,10 +641,10 @@ def _weight_grads(spec: Spec, S, sl: slice, C: list[ChunkLayer], G: ChunkShared,
     cd = spec.compute_dtype
     for i, c in enumerate(C):
         _gemm(grads[i][0], c.X_full, c.dY_full, cd)
-        grads[i][1] += c.dY_full.sum((0, 1))
+        grads[i][1] += c.dY_full.sum((0, 1), dtype=grads[i][1].dtype)
         _gemm(grads[i][2], c.Z_full, c.dU_full, cd)
     _gemm(dfg_W, G.XP, G.dYfg_full, cd)
-    dfg_b += G.dYfg_full.sum((0, 1))
+    dfg_b += G.dYfg_full.sum((0, 1), dtype=dfg_b.dtype)
     if spec.memory:
         dA_log += (G.dBD_full[:, 1] * S.DECAY[sl] * S.GAMMA[sl]).sum((0, 1))
 
@@ -656,7 +684,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
     # The transposed weights of the sweep's GEMMs, in the layout they are read fastest.
     sw = Sweep(ew, mem, [ew.pack(L.W.T, T, B) for L in layers], [ew.pack(L.W2o.T, T, B) for L in layers],
                ew.pack(fg_W.T, T, B), _steps(du), (_steps(dP) if dP is not None else None), BETA, DECAY, dMring, W_kT,
-               dg_prev)
+               dg_prev, S.P.new_empty((B, d), dtype=_io_dtype(spec, sd)))
     carry = Carry(dg, dM, True)
 
     for c0 in reversed(range(0, T, spec.chunk)):

@@ -68,9 +68,13 @@ def ground(y_fg, c, u, out_fg, out_hat=None, out_rms=None):
     return _load().ground(y_fg, c, u, out_fg, out_hat, out_rms, RMS_EPS)
 
 
-def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None):
-    """rms-norm backward of dx_hat + dc * gate [+ extra]."""
-    return _load().residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra, out)
+def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None, out_low=None):
+    """rms-norm backward of dx_hat + dc * gate [+ extra]; also into out_low when given (the core
+    asks for it only of kernels with `narrow_io`; here it is a copy)."""
+    dc = _load().residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra, out)
+    if out_low is not None:
+        out_low.copy_(dc)
+    return dc
 
 
 def gate_grads(dz_ffn, ffn_fac, out_dffn, dc, pg_fac, out_dpg):

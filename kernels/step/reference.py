@@ -28,13 +28,15 @@ def pack(W, steps, rows):
 
 
 def mm(x, W, out=None, bias=None):
-    """[bias +] x @ W with the GEMM in W's dtype (the compute dtype), into `out` (the state's dtype)."""
+    """[bias +] x @ W with the GEMM in W's dtype (the compute dtype): x of another dtype is cast
+    in; the result goes into `out` (cast if its dtype differs), or is returned in x's dtype."""
+    xc = x if x.dtype == W.dtype else x.to(W.dtype)
     if out is not None and W.dtype == out.dtype:
-        return torch.mm(x, W, out=out) if bias is None else torch.addmm(bias, x, W, out=out)
-    if out is None and bias is None and W.dtype == x.dtype:
-        return torch.mm(x, W)
-    y = x.to(W.dtype) @ W if bias is None else torch.addmm(bias, x.to(W.dtype), W)
-    return y.to(x.dtype) if out is None else out.copy_(y)
+        return torch.mm(xc, W, out=out) if bias is None else torch.addmm(bias, xc, W, out=out)
+    y = torch.mm(xc, W) if bias is None else torch.addmm(bias, xc, W)
+    if out is not None:
+        return out.copy_(y)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def rms_hat(x, out=None, rms_out=None):
@@ -99,13 +101,16 @@ def ground(y_fg, c, u, out_fg, out_hat=None, out_rms=None):
 # ---- backward groups -------------------------------------------------------------------------
 
 
-def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None):
+def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None, out_low=None):
     """dL/dc of c -> (c / rms(c) fed to a GEMM, gate * c): the rms-norm backward of dx_hat plus
-    dc * gate [+ extra]."""
+    dc * gate [+ extra]; also into out_low (the next GEMM's dtype) when given."""
     dx = rms_hat_backward(x_hat, r, dx_hat)
     if extra is not None:
         dx += extra
-    return torch.addcmul(dx, dc, gate, out=out)
+    dc = torch.addcmul(dx, dc, gate, out=out)
+    if out_low is not None:
+        out_low.copy_(dc)
+    return dc
 
 
 def gate_grads(dz_ffn, ffn_fac, out_dffn, dc, pg_fac, out_dpg):

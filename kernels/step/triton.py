@@ -9,8 +9,9 @@ grounding and the next step's RMS statistics (`ground`); in the reverse sweep th
 backward with the gated residual (`residual_rms_backward`), the FFN and predict-gate factors
 (`gate_grads`) and the heads' normalisation backward (`l2n_relu_backward`).
 
-Arithmetic is in the dtype of the state (float32, or float64 for gradient checks), the outputs'
-dtype: every input is converted to it on load. Rows may be column slices of wider buffers (see
+Arithmetic is in the dtype of the state (float32, or float64 for gradient checks): every input is
+converted to it on load. Outputs that feed a GEMM may be narrower (bf16, the GEMM's compute
+dtype) and are rounded on store, so the GEMMs around the groups cast nothing (`narrow_io`). Rows may be column slices of wider buffers (see
 kernels/layout.py). exp, sigmoid and softplus are kernels/numerics.py's, accurate to a few ulps
 on the GPU over float32's whole range (docs/kernels_accuracy.md).
 """
@@ -25,7 +26,7 @@ from kernels import layout
 from kernels.common import L2_EPS, RMS_EPS
 from kernels.step import StepOps
 from kernels.step import reference as twin
-from kernels.numerics import _exp, _sigmoid, _softplus
+from kernels.numerics import _exp, _rounded, _sigmoid, _softplus
 
 BLOCK = 1024  # columns per iteration of a row loop
 
@@ -42,7 +43,7 @@ def _post_projection(H1, H2, FFN, s_h1, s_h2, s_ffn, NF,
         m = c < NF
         h1 = tl.load(H1 + b * s_h1 + c, mask=m, other=0.0).to(FFN.dtype.element_ty)
         h2 = tl.load(H2 + b * s_h2 + c, mask=m, other=0.0).to(FFN.dtype.element_ty)
-        tl.store(FFN + b * s_ffn + c, h1 * _sigmoid(h1) * h2, mask=m)
+        tl.store(FFN + b * s_ffn + c, _rounded(h1 * _sigmoid(h1) * h2, FFN.dtype.element_ty), mask=m)
     if HEADS:  # heads j = block * H + h, each dk wide: relu, then divide by sqrt(|.|^2 + eps)
         j, col = tl.arange(0, BHEADS), tl.arange(0, BK)
         blk, h = j // H, j % H
@@ -68,7 +69,7 @@ def _rms_out(X, HAT, R, b, s_hat, s_r, N, eps, BN: tl.constexpr):
     """HAT = X / rms(X), R = rms(X) for row b of a full (BN-wide, masked) row X."""
     c = tl.arange(0, BN)
     r = tl.sqrt(tl.sum(X * X, 0) / N + eps)
-    tl.store(HAT + b * s_hat + c, X / r, mask=c < N)
+    tl.store(HAT + b * s_hat + c, _rounded(X / r, HAT.dtype.element_ty), mask=c < N)
     tl.store(R + b * s_r, r)
 
 
@@ -93,15 +94,15 @@ def _ground(YFG, C, U, FG, G, HAT, R, s_y, s_c, s_u, s_fg, s_g, s_hat, s_r, N, e
     dt = G.dtype.element_ty
     fg = _sigmoid(tl.load(YFG + b * s_y + c, mask=m, other=0.0).to(dt))
     g = tl.load(U + b * s_u + c, mask=m, other=0.0).to(dt) + fg * tl.load(C + b * s_c + c, mask=m, other=0.0).to(dt)
-    tl.store(FG + b * s_fg + c, fg, mask=m)
+    tl.store(FG + b * s_fg + c, _rounded(fg, FG.dtype.element_ty), mask=m)
     tl.store(G + b * s_g + c, g, mask=m)
     if HAS_HAT:
         _rms_out(g, HAT, R, b, s_hat, s_r, N, eps, BN)
 
 
 @triton.jit
-def _residual_rms_bwd(XH, R, DX, DC, GATE, EXTRA, OUT, s_xh, s_r, s_dx, s_dc, s_gate, s_ex, s_out, N,
-                      HAS_EXTRA: tl.constexpr, BN: tl.constexpr):
+def _residual_rms_bwd(XH, R, DX, DC, GATE, EXTRA, OUT, LOW, s_xh, s_r, s_dx, s_dc, s_gate, s_ex, s_out, s_low, N,
+                      HAS_EXTRA: tl.constexpr, HAS_LOW: tl.constexpr, BN: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BN)
     m = c < N
@@ -113,25 +114,29 @@ def _residual_rms_bwd(XH, R, DX, DC, GATE, EXTRA, OUT, s_xh, s_r, s_dx, s_dc, s_
         out += tl.load(EXTRA + b * s_ex + c, mask=m, other=0.0).to(dt)
     out += tl.load(DC + b * s_dc + c, mask=m, other=0.0).to(dt) * tl.load(GATE + b * s_gate + c, mask=m, other=0.0).to(dt)
     tl.store(OUT + b * s_out + c, out, mask=m)
+    if HAS_LOW:  # the same gradient rounded for the next GEMM, which reads its compute dtype
+        tl.store(LOW + b * s_low + c, _rounded(out, LOW.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _gate_grads(DZ, FAC, DFFN, s_dz, s_fb, s_f2, s_db, s_d2, NF, DC, PGF, DPG, s_dc, s_pgf, s_dpg, ND,
                 BF: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    dt = DFFN.dtype.element_ty
-    dt_pg = DPG.dtype.element_ty
+    dt = FAC.dtype.element_ty  # the state's: the outputs may be the next GEMM's narrower dtype
+    dt_pg = PGF.dtype.element_ty
     for c0 in range(0, NF, BF):
         c = c0 + tl.arange(0, BF)
         m = c < NF
         dz = tl.load(DZ + b * s_dz + c, mask=m, other=0.0).to(dt)
-        tl.store(DFFN + b * s_db + c, dz * tl.load(FAC + b * s_fb + c, mask=m, other=0.0).to(dt), mask=m)
-        tl.store(DFFN + b * s_db + s_d2 + c, dz * tl.load(FAC + b * s_fb + s_f2 + c, mask=m, other=0.0).to(dt), mask=m)
+        tl.store(DFFN + b * s_db + c, _rounded(dz * tl.load(FAC + b * s_fb + c, mask=m, other=0.0).to(dt), DFFN.dtype.element_ty),
+                 mask=m)
+        tl.store(DFFN + b * s_db + s_d2 + c,
+                 _rounded(dz * tl.load(FAC + b * s_fb + s_f2 + c, mask=m, other=0.0).to(dt), DFFN.dtype.element_ty), mask=m)
     for c0 in range(0, ND, BF):
         c = c0 + tl.arange(0, BF)
         m = c < ND
         dpg = tl.load(DC + b * s_dc + c, mask=m, other=0.0).to(dt_pg) * tl.load(PGF + b * s_pgf + c, mask=m, other=0.0).to(dt_pg)
-        tl.store(DPG + b * s_dpg + c, dpg, mask=m)
+        tl.store(DPG + b * s_dpg + c, _rounded(dpg, DPG.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -142,12 +147,12 @@ def _l2n_relu_bwd(Y, MASK, DY, OUT, s_yb, s_yk, s_mb, s_mk, s_db, s_dk, s_ob, s_
     blk, h = j // H, j % H
     m = (j < NHEADS)[:, None] & (col < DK)[None, :]
     at = (h * DK)[:, None] + col[None, :]
-    dt = OUT.dtype.element_ty
+    dt = Y.dtype.element_ty  # the state's: the output may be the next GEMM's narrower dtype
     y = tl.load(Y + b * s_yb + (blk * s_yk)[:, None] + at, mask=m, other=0.0).to(dt)
     dy = tl.load(DY + b * s_db + (blk * s_dk)[:, None] + at, mask=m, other=0.0).to(dt)
     mask_over_norm = tl.load(MASK + b * s_mb + (blk * s_mk)[:, None] + at, mask=m, other=0.0).to(dt)
     out = (dy - y * tl.sum(dy * y, 1)[:, None]) * mask_over_norm
-    tl.store(OUT + b * s_ob + (blk * s_ok)[:, None] + at, out, mask=m)
+    tl.store(OUT + b * s_ob + (blk * s_ok)[:, None] + at, _rounded(out, OUT.dtype.element_ty), mask=m)
 
 
 # ---- launchers: the twin's signatures --------------------------------------------------------
@@ -231,8 +236,8 @@ def ground(y_fg, c, u, out_fg, out_hat=None, out_rms=None):
     return g
 
 
-def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None):
-    """rms-norm backward of dx_hat + dc * gate [+ extra]."""
+def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None, out_low=None):
+    """rms-norm backward of dx_hat + dc * gate [+ extra]; also into out_low (another dtype) when given."""
     B, n = x_hat.shape
     x_hat, s_xh = layout.rows(x_hat, n)
     r, s_r = layout.rows(r, 1)
@@ -242,8 +247,12 @@ def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None):
     has_extra = extra is not None
     extra, s_ex = layout.rows(extra, n) if has_extra else (x_hat, 0)  # a placeholder when there is none
     o_w, o, s_o = _row_out(out, x_hat)
-    _residual_rms_bwd[(B,)](x_hat, r, dx_hat, dc, gate, extra, o_w, s_xh, s_r, s_dx, s_dc, s_gate, s_ex, s_o, n,
-                            HAS_EXTRA=has_extra, BN=triton.next_power_of_2(n), num_warps=layout.warps(n))
+    low_w, low, s_low = (o_w, None, 0) if out_low is None else _row_out(out_low, out_low)  # a placeholder when there is none
+    _residual_rms_bwd[(B,)](x_hat, r, dx_hat, dc, gate, extra, o_w, low_w, s_xh, s_r, s_dx, s_dc, s_gate, s_ex, s_o, s_low, n,
+                            HAS_EXTRA=has_extra, HAS_LOW=out_low is not None, BN=triton.next_power_of_2(n),
+                            num_warps=layout.warps(n))
+    if out_low is not None:
+        layout.finish(low_w, low)
     return layout.finish(o_w, o)
 
 
@@ -294,4 +303,4 @@ def l2n_relu_backward(y, mask_over_norm, dy, out=None):
 # The GEMMs are BLAS's, and l2n_relu, rms_hat and its backward run once per window, outside the
 # time loop: the twin's are as good as a kernel there.
 OPS = StepOps(twin.pack, twin.mm, twin.rms_hat, twin.rms_hat_backward, twin.l2n_relu, l2n_relu_backward, post_projection,
-              residual_rms, ground, residual_rms_backward, gate_grads)
+              residual_rms, ground, residual_rms_backward, gate_grads, narrow_io=True)
