@@ -3,6 +3,7 @@ every family trains and resumes bitwise, and the loss curve tracks the fp32 one.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,12 +42,19 @@ def losses(run_dir) -> dict[int, float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpn_m", "transformer", "gdn"])
-def test_bf16_stop_and_resume_bitwise(data, tmp_path, family):
+def test_bf16_resume_bitwise(data, tmp_path, family):
+    """An uninterrupted 6-step run saves at step 3; a copy of it without its step-6 checkpoint
+    resumes from step 3 in a new process and must repeat steps 4-6 bit for bit."""
     steps = ["train.total_steps=6", "train.save_every=3", "precision=bf16"]
-    train(data, family, tmp_path / "ref", *steps)
-    train(data, family, tmp_path / "run", *steps, "train.stop_at_step=3")
-    proc = train(data, family, tmp_path / "run", *steps, resume=True)
+    proc = train(data, family, tmp_path / "ref", *steps)
     assert "ZeRO-2, bf16" in proc.stderr
+    shutil.copytree(tmp_path / "ref", tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_00000006")
+    metrics = tmp_path / "run" / "metrics.jsonl"  # steps 4-6 must come from the resumed run, not the copy
+    metrics.write_text("".join(l + "\n" for l in metrics.read_text().splitlines() if json.loads(l)["step"] <= 3))
+    proc = train(data, family, tmp_path / "run", *steps, resume=True)
+    assert "resum" in proc.stderr and "step_00000003" in proc.stderr, proc.stderr[-3000:]
+    assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4, 5, 6]
     assert losses(tmp_path / "run") == losses(tmp_path / "ref")  # bitwise
 
 
