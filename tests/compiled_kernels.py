@@ -37,8 +37,9 @@ ARITH = {
     "_read_fwd": {"M", "O"},
     "_gated_rms_fwd": {"Y"},
     "_gated_rms_bwd": {"DO", "DGATE"},
-    "_read_bwd": {"M", "DM_OUT", "DQ"},
-    "_step_bwd": {"M_PREV", "DM_PREV", "DK_OUT", "DV_OUT", "DBETA", "DDECAY", "DQ"},
+    "_read_bwd": {"M", "DM_OUT", "PART"},
+    "_step_bwd": {"M_PREV", "DM_PREV", "DV_OUT", "PART"},
+    "_head_sums": {"PART", "DQ", "DK_OUT", "DBETA", "DDECAY"},
     "_post_projection": {"FFN", "NQ", "NN", "BETA", "GAMMA", "DECAY"},
     "_residual_rms": {"OUT", "HAT", "R"},
     "_ground": {"FG", "G", "HAT", "R"},
@@ -64,9 +65,10 @@ import kernels.memory.triton as K
 ARITH = {k: set(v) for k, v in json.loads(sys.argv[1]).items()}
 VARIANTS = json.loads(sys.argv[2])
 HELPERS = {"_rms_out"}  # called from kernels, compiled with them (as kernels/numerics.py's)
-INTS = {"H", "DK", "DV", "N", "NF", "ND", "NHEADS", "NG"}  # runtime sizes; other lower-case names are strides
+INTS = {"H", "DK", "DV", "N", "NF", "ND", "NHEADS", "NG", "NB"}  # runtime sizes; other lower-case names are strides
 CONSTEXPRS = {"BK": 128, "BV": 16, "BN": 4096, "BF": 1024, "BH": 16, "BHEADS": 32, "HEADS": True, "GATES": True,
-              "HAS_HAT": True, "HAS_EXTRA": True, "L2EPS": 1e-12}
+              "HAS_HAT": True, "HAS_EXTRA": True, "L2EPS": 1e-12,
+              "STEP": True}  # `_head_sums` for the step's backward: its code holds the read's as a part
 TARGET = GPUTarget("cuda", 90, 32)
 # Instructions with a documented accuracy (PTX ISA, floating-point instructions), float types only.
 APPROX = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:ex2|lg2|rcp|sqrt|rsqrt|div|sin|cos|tanh)\.[\w.]*?\.(?:f16|bf16|f32|f64)(?:x2)?)\s", re.M)

@@ -9,8 +9,8 @@ the ptxas Triton ships, in a fresh process (tests/compiled_kernels.py).
 from compiled_kernels import ARITH, compiled
 
 KERNELS = sorted([
-    "_gate_grads", "_gated_rms_bwd", "_gated_rms_fwd", "_ground", "_l2n_relu_bwd", "_post_projection", "_read_bwd",
-    "_read_fwd", "_residual_rms", "_residual_rms_bwd", "_step_bwd", "_step_fwd", "_write"])
+    "_gate_grads", "_gated_rms_bwd", "_gated_rms_fwd", "_ground", "_head_sums", "_l2n_relu_bwd", "_post_projection",
+    "_read_bwd", "_read_fwd", "_residual_rms", "_residual_rms_bwd", "_step_bwd", "_step_fwd", "_write"])
 
 
 def test_kernels_compile_for_sm90():
