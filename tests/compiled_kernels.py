@@ -7,7 +7,11 @@ imports, must be unset when kernels are defined. Each kernel is compiled three t
 
 - with float32 pointers, down to a cubin with the ptxas Triton ships; from its PTX, the
   floating-point instructions whose accuracy is documented per instruction (ex2, lg2, rcp,
-  sqrt, rsqrt, div, sin, cos, tanh) and the libdevice functions it inlines;
+  sqrt, rsqrt, div, sin, cos, tanh) and the libdevice functions it inlines; from ptxas' own
+  report (`ptxas -v`, which Triton runs and prints when asked), the registers per thread and the
+  bytes spilled to local memory. Triton's compiled kernel has `n_regs` and `n_spills` only once
+  a GPU driver has loaded it, so the report is read instead, compiled afresh (a cached kernel
+  runs no ptxas);
 - with the state's tensors (ARITH: the outputs, and M for the memory kernels) in float32 and
   every other tensor in float64, and
 - with the state's tensors in float64 and every other tensor in bfloat16: from the Triton IR
@@ -39,8 +43,9 @@ ARITH = {
     "_read_fwd": {"M", "O"},
     "_gated_rms_fwd": {"Y"},
     "_gated_rms_bwd": {"DO", "DGATE"},
-    "_read_bwd": {"M", "DM_OUT", "DQ"},
-    "_step_bwd": {"M_PREV", "DM_PREV", "DK_OUT", "DV_OUT", "DBETA", "DDECAY", "DQ"},
+    "_read_bwd": {"M", "DM_OUT", "PART"},
+    "_step_bwd": {"M_PREV", "DM_PREV", "DV_OUT", "PART"},
+    "_head_sums": {"PART", "DQ", "DK_OUT", "DBETA", "DDECAY"},
     "_post_projection": {"FFN", "NQ", "NN", "BETA", "GAMMA", "DECAY"},
     "_residual_rms": {"OUT", "HAT", "R"},
     "_ground": {"FG", "G", "HAT", "R"},
@@ -52,11 +57,14 @@ ARITH = {
 VARIANTS = {"float64 inputs": ("fp32", "fp64"), "bfloat16 inputs, float64 state": ("fp64", "bf16")}
 
 SCRIPT = r"""
+import contextlib
+import io
 import json
 import re
 import sys
 
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -66,12 +74,17 @@ import kernels.memory.triton as K
 ARITH = {k: set(v) for k, v in json.loads(sys.argv[1]).items()}
 VARIANTS = json.loads(sys.argv[2])
 HELPERS = {"_rms_out"}  # called from kernels, compiled with them (as kernels/numerics.py's)
-INTS = {"H", "DK", "DV", "N", "NF", "ND", "NHEADS", "NG"}  # runtime sizes; other lower-case names are strides
+INTS = {"H", "DK", "DV", "N", "NF", "ND", "NHEADS", "NG", "NB"}  # runtime sizes; other lower-case names are strides
 CONSTEXPRS = {"BK": 128, "BV": 16, "BN": 4096, "BF": 1024, "BH": 16, "BHEADS": 32, "HEADS": True, "GATES": True,
-              "HAS_HAT": True, "HAS_EXTRA": True, "HAS_LOW": True, "L2EPS": 1e-12}
+              "HAS_HAT": True, "HAS_EXTRA": True, "HAS_LOW": True, "L2EPS": 1e-12,
+              "STEP": True}  # `_head_sums` for the step's backward: its code holds the read's as a part
 TARGET = GPUTarget("cuda", 90, 32)
+knobs.nvidia.dump_ptxas_log = True  # ptxas -v's report, printed to stdout
+knobs.compilation.always_compile = True  # a kernel from Triton's cache runs no ptxas
 # Instructions with a documented accuracy (PTX ISA, floating-point instructions), float types only.
 APPROX = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:ex2|lg2|rcp|sqrt|rsqrt|div|sin|cos|tanh)\.[\w.]*?\.(?:f16|bf16|f32|f64)(?:x2)?)\s", re.M)
+REGISTERS = re.compile(r"Used (\d+) registers")
+SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 ARITH_OP = re.compile(r"= (arith\.(?:addf|subf|mulf|divf|remf|negf|maximumf|minimumf|maxnumf|minnumf|cmpf)|math\.\w+|tt\.precise_\w+)\b[^:]*:\s*(.*?)\s*(?:loc\(|$)")
 
 
@@ -118,15 +131,26 @@ def foreign_arithmetic(ttir, state):
     return sorted(set(found))
 
 
+def compile_with_report(fn, sig, constexprs):
+    # The compiled kernel and, from ptxas' report of it, registers per thread and bytes spilled.
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        kernel = triton.compile(ASTSource(fn, sig, constexprs), target=TARGET, options={"num_warps": 8})
+    regs, spills = REGISTERS.findall(log.getvalue()), SPILLS.findall(log.getvalue())
+    assert len(regs) == len(spills) == 1, log.getvalue()
+    return kernel, int(regs[0]), sum(map(int, spills[0]))
+
+
 out = {}
 for module in (K, E):
     for name, fn in vars(module).items():
         if not isinstance(fn, triton.runtime.jit.JITFunction) or name in HELPERS or fn.fn.__module__ != module.__name__:
             continue
         sig, constexprs = signature(name, fn, "fp32", "fp32")
-        kernel = triton.compile(ASTSource(fn, sig, constexprs), target=TARGET, options={"num_warps": 8})
+        kernel, n_regs, n_spills = compile_with_report(fn, sig, constexprs)
         ptx = kernel.asm["ptx"]
-        entry = {"cubin": bool(kernel.asm["cubin"]), "approx": sorted(set(APPROX.findall(ptx))),
+        entry = {"cubin": bool(kernel.asm["cubin"]), "n_regs": n_regs, "n_spills": n_spills,
+                 "approx": sorted(set(APPROX.findall(ptx))),
                  "libdevice": sorted(set(re.findall(r"__nv_[a-z0-9_]+", ptx))), "variants": {}}
         for variant, (state, inputs) in VARIANTS.items():
             try:
@@ -142,7 +166,8 @@ print(json.dumps(out))
 
 @functools.lru_cache(maxsize=None)
 def compiled() -> dict:
-    """{kernel name: {"cubin": bool, "approx": [PTX opcodes], "libdevice": [functions],
+    """{kernel name: {"cubin": bool, "n_regs": registers per thread, "n_spills": bytes spilled
+    (stores and loads), "approx": [PTX opcodes], "libdevice": [functions],
     "variants": {variant: [arithmetic in a dtype other than the state's]}}}."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)

@@ -115,6 +115,36 @@ def test_backward_matches_twin(shape, dtype, monkeypatch):
         check(a, b, dtype, name)
 
 
+class _Grids:
+    """A kernel whose launches record their grids."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+def test_backward_runs_a_program_per_column_block(monkeypatch):
+    """The backward kernels split M's columns across programs as the forward does (B 3, H 4,
+    d_k 6, d_v 33, 64-element tiles: 8 rows, 16 columns a block, 3 blocks per head), and one
+    program per (sequence, head) adds the blocks' column sums."""
+    B, H, dk, dv = 3, 4, 6, 33
+    monkeypatch.setattr(K, "TILE", 64)
+    grids = {name: _Grids(getattr(K, name)) for name in ("_step_fwd", "_step_bwd", "_read_bwd", "_head_sums")}
+    for name, g in grids.items():
+        monkeypatch.setattr(K, name, g)
+    x = inputs(B, H, dk, dv, torch.float32, seed=4)
+    M_t, e, o, _ = K.memory_step(**x)
+    f = T.read_factors(o, x["gate"])
+    K.memory_step_backward(x["M"], M_t, x["k"], x["beta"], x["decay"], e, x["beta"][..., None] * e, x["q"], f,
+                           torch.ones_like(M_t), torch.ones_like(o))
+    K.memory_read_backward(M_t, x["q"], f, torch.ones_like(o), torch.ones_like(M_t))
+    assert grids["_step_fwd"].grids == grids["_step_bwd"].grids == grids["_read_bwd"].grids == [(B * H, 3)]
+    assert grids["_head_sums"].grids == [(B * H,), (B * H,)]
+
+
 def test_float64_follows_m():
     """In float64 the kernels compute in float64: they agree with the twin to rounding."""
     x = inputs(3, 4, 6, 9, torch.float64, seed=3)

@@ -108,7 +108,7 @@ def worst(err, bound, x):
 SIGMOID = {"ex2.approx.ftz.f32", "div.rn.f32"}
 NORM = {"sqrt.approx.ftz.f32", "div.full.f32"}
 EXPECTED = {
-    "_step_fwd": set(), "_write": set(), "_read_fwd": set(), "_read_bwd": set(), "_step_bwd": set(),
+    "_step_fwd": set(), "_write": set(), "_read_fwd": set(), "_read_bwd": set(), "_step_bwd": set(), "_head_sums": set(),
     "_gate_grads": set(), "_l2n_relu_bwd": set(),
     "_gated_rms_fwd": SIGMOID | NORM,  # silu(gate) o / rms(o)
     "_gated_rms_bwd": {"div.full.f32"},  # / N, / rms

@@ -26,9 +26,10 @@ def hand_count(dtype: str) -> dict[tuple[str, str], int]:
     Forward: the projection GEMM, post_projection, the memory step (_step_fwd, _gated_rms_fwd),
     the second GEMM, residual_rms, the fuse-gate GEMM, ground. Backward: the memory step again
     (M rebuilt inside the chunk), the fuse gate's GEMM and its factor (a mul), residual_rms
-    backward, the second GEMM, gate_grads, the memory backward (_gated_rms_bwd, _step_bwd), dv
-    copied into the chunk's rows, the write gates' factor (a mul), the heads' l2n backward, the
-    projection GEMM, residual_rms backward again; the step's input gradient copied out.
+    backward, the second GEMM, gate_grads, the memory backward (_gated_rms_bwd, _step_bwd and the
+    per-head sums of its column blocks, _head_sums), dv copied into the chunk's rows, the write
+    gates' factor (a mul), the heads' l2n backward, the projection GEMM, residual_rms backward
+    again; the step's input gradient copied out.
 
     Under bf16 the Triton groups read the GEMMs' outputs and write their inputs in bf16, so the
     step GEMMs cast nothing, but for one input forward: the second GEMM's [FFN | read] row,
@@ -39,14 +40,14 @@ def hand_count(dtype: str) -> dict[tuple[str, str], int]:
     bf16 = dtype == "bf16"
     return {("forward", "gemm"): 3, ("forward", "triton"): 5, ("forward", "cast"): int(bf16), ("forward", "copy"): 0,
             ("forward", "other"): 0,
-            ("backward", "gemm"): 3, ("backward", "triton"): 8, ("backward", "cast"): int(bf16),
+            ("backward", "gemm"): 3, ("backward", "triton"): 9, ("backward", "cast"): int(bf16),
             ("backward", "copy"): 2 - int(bf16), ("backward", "other"): 2}
 
 
 TRITON_KERNELS = {
     "forward": {"_post_projection": 1, "_step_fwd": 1, "_gated_rms_fwd": 1, "_residual_rms": 1, "_ground": 1},
     "backward": {"_step_fwd": 1, "_gated_rms_fwd": 1, "_residual_rms_bwd": 2, "_gate_grads": 1, "_gated_rms_bwd": 1,
-                 "_step_bwd": 1, "_l2n_relu_bwd": 1},
+                 "_step_bwd": 1, "_head_sums": 1, "_l2n_relu_bwd": 1},
 }
 
 
@@ -100,9 +101,11 @@ def test_gemm_flops_and_memory_traffic_per_step_match_the_model(tiny):
     fwd, bwd = per_step[("forward", "triton", "_step_fwd", "float32")], per_step[("backward", "triton", "_step_bwd", "float32")]
     assert m <= fwd.read < 1.5 * m and m <= fwd.written < 1.5 * m
     assert 2 * m <= bwd.read < 2.5 * m and m <= bwd.written < 1.5 * m
-    # Grids: one program per sequence for the elementwise groups, per (sequence, head) for _step_bwd.
+    # Grids: one program per sequence for the elementwise groups; the memory step's backward
+    # splits M's columns into blocks as its forward does, its per-head sums one per (sequence, head).
     assert [t.programs for k, t in per_step.items() if k[:3] == ("forward", "triton", "_post_projection")] == [B]
-    assert bwd.programs == B * H
+    assert bwd.programs == fwd.programs
+    assert per_step[("backward", "triton", "_head_sums", "float32")].programs == B * H
     assert step_cost.phase_cost(per_step, "forward", step_cost.H200).min_programs == B
 
 

@@ -6,9 +6,12 @@ Layout of the work. Per (sequence, head) M is a dk x dv float32 block; the write
 are independent per column of M (e_j = v_j - M[:, j] . k, M[:, j] <- decay M[:, j] + k beta e_j,
 o_j = M[:, j] . q), so the forward kernels run one program per (sequence, head, block of
 columns) and move M through memory exactly once: one read, one write for a step, one read for
-a read. The backward reduces over columns too (dq, dk, dbeta, ddecay), so it runs one program
-per (sequence, head) that walks the columns block by block, reading M_prev and dM and writing
-dM_prev: the M after the write is rebuilt in registers from M_prev, one M-sized read fewer.
+a read. The backward kernels split the columns the same way, reading M_prev and dM and writing
+dM_prev (the M after the write is rebuilt in registers from M_prev, one M-sized read fewer).
+What they reduce over columns (dq, dk, dbeta, ddecay) each block writes as partial sums to a
+scratch buffer, and a small kernel per (sequence, head) adds the blocks in a fixed order
+(`_head_sums`): a (sequence, head) of the 130M model is 16 blocks, so at batch 32 the backward
+runs 7680 programs rather than 480, and the sums stay deterministic without atomics.
 
 The output RMS norm and gate, y = silu(gate) o / rms(o), reduce over all heads of a sequence,
 so they are a small per-sequence kernel after the memory kernel (and before it, in the
@@ -34,9 +37,9 @@ from kernels.memory import MemoryOps, ReadFactors
 from kernels.numerics import _sigmoid
 
 # Elements of M per program tile. Small enough that the backward, which holds M_prev, dM and the
-# per-row vectors of a tile at once, stays near 128 registers per thread at 8 warps (128 x 16 at
-# dk = 128: 120 registers for sm_90, two programs per SM; 128 x 32 needs 211); large enough for 16
-# contiguous float32 (64 bytes) per row segment. Tiles are addressed from an int64 base pointer
+# per-row vectors of a tile at once, stays well under 128 registers per thread at 8 warps (128 x 16
+# at dk = 128: 62 registers for sm_90, four programs per SM; 128 x 32 needs 118, two); large
+# enough for 16 contiguous float32 (64 bytes) per row segment. Tiles are addressed from an int64 base pointer
 # with int32 offsets inside, which saves a third of the registers against int64 offsets.
 TILE = 2048
 
@@ -133,74 +136,94 @@ def _gated_rms_bwd(DY, R, O_HAT, SILU_GATE, TO_GATE, DO, DGATE, sdy, sr, soh, ss
 
 
 @triton.jit
-def _read_bwd(M, Q, DO, DM, DM_OUT, DQ, sq, sdo, sdq, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
-    """dq = M do, dM_out = dM + q do^T, walking the columns."""
+def _read_bwd(M, Q, DO, DM, DM_OUT, PART, sq, sdo, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
+    """dM_out = dM + q do^T for one block of columns; this block's share of dq = M do goes to PART."""
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // H, bh % H
-    M, DM, DM_OUT = M + bh * DK * DV, DM + bh * DK * DV, DM_OUT + bh * DK * DV
-    rows = tl.arange(0, BK)
-    rmask = rows < DK
+    base = bh * DK * DV
+    M, DM, DM_OUT = M + base, DM + base, DM_OUT + base
+    rows, cols = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV)
+    rmask, cmask = rows < DK, cols < DV
+    mask = rmask[:, None] & cmask[None, :]
+    tile = rows[:, None] * DV + cols[None, :]
     dt = M.dtype.element_ty
     q = tl.load(Q + b * sq + h * DK + rows, mask=rmask, other=0.0).to(dt)
-    dq = tl.zeros([BK], dtype=dt)
-    for c0 in range(0, DV, BV):
-        cols = c0 + tl.arange(0, BV)
-        cmask = cols < DV
-        mask = rmask[:, None] & cmask[None, :]
-        tile = rows[:, None] * DV + cols[None, :]
-        do = tl.load(DO + b * sdo + h * DV + cols, mask=cmask, other=0.0).to(dt)
-        dq += tl.sum(tl.load(M + tile, mask=mask, other=0.0) * do[None, :], 1)
-        tl.store(DM_OUT + tile, tl.load(DM + tile, mask=mask, other=0.0).to(dt) + q[:, None] * do[None, :], mask=mask)
-    tl.store(DQ + b * sdq + h * DK + rows, dq, mask=rmask)
+    do = tl.load(DO + b * sdo + h * DV + cols, mask=cmask, other=0.0).to(dt)
+    tl.store(DM_OUT + tile, tl.load(DM + tile, mask=mask, other=0.0).to(dt) + q[:, None] * do[None, :], mask=mask)
+    dq = tl.sum(tl.load(M + tile, mask=mask, other=0.0) * do[None, :], 1)
+    tl.store(PART + (bh * tl.num_programs(1) + tl.program_id(1)) * DK + rows, dq, mask=rmask)
 
 
 @triton.jit
-def _step_bwd(M_PREV, K, Q, BETA, DECAY, E, DELTA, DO, DM, DM_PREV, DK_OUT, DV_OUT, DBETA, DDECAY, DQ,
-              sk, sq, sbeta, sdecay, se, sdelta, sdo, sdk, sdv, sdbeta, sddecay, sdq,
-              H, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
-    """The backward of `_step_fwd` and of the read's M^T q, given do (from `_gated_rms_bwd`).
+def _step_bwd(M_PREV, K, Q, BETA, DECAY, E, DELTA, DO, DM, DM_PREV, DV_OUT, PART,
+              sk, sq, sbeta, sdecay, se, sdelta, sdo, sdv, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
+    """The backward of `_step_fwd` and of the read's M^T q, given do (from `_gated_rms_bwd`), for
+    one block of columns.
 
     With dM' = dM + q do^T (the read's share) and M = decay M_prev + k delta^T:
     dq = M do, d_delta = dM'^T k, dbeta = d_delta . e, dv = beta d_delta,
     dk = dM' delta - M_prev dv, ddecay = <dM', M_prev>, dM_prev = decay dM' - k dv^T.
+    dv and dM_prev are per column, written here; dq, dk, dbeta and ddecay sum over all columns:
+    this block's shares go to its row of PART, [dq | dk | dbeta, ddecay], for `_head_sums`.
     """
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // H, bh % H
     base = bh * DK * DV  # int64 once; offsets inside the block stay int32
     M_PREV, DM, DM_PREV = M_PREV + base, DM + base, DM_PREV + base
-    rows = tl.arange(0, BK)
-    rmask = rows < DK
+    rows, cols = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV)
+    rmask, cmask = rows < DK, cols < DV
+    mask = rmask[:, None] & cmask[None, :]
+    tile = rows[:, None] * DV + cols[None, :]
     dt = M_PREV.dtype.element_ty
     k = tl.load(K + b * sk + h * DK + rows, mask=rmask, other=0.0).to(dt)
     q = tl.load(Q + b * sq + h * DK + rows, mask=rmask, other=0.0).to(dt)
     beta = tl.load(BETA + b * sbeta + h).to(dt)
     decay = tl.load(DECAY + b * sdecay + h).to(dt)
-    dq = tl.zeros([BK], dtype=dt)
-    dk = tl.zeros([BK], dtype=dt)
-    dbeta = tl.zeros([BV], dtype=dt)  # per-column partial sums, reduced once at the end
-    ddecay = tl.zeros([BV], dtype=dt)
-    for c0 in range(0, DV, BV):
-        cols = c0 + tl.arange(0, BV)
-        cmask = cols < DV
-        mask = rmask[:, None] & cmask[None, :]
-        tile = rows[:, None] * DV + cols[None, :]
-        p = tl.load(M_PREV + tile, mask=mask, other=0.0)
-        do = tl.load(DO + b * sdo + h * DV + cols, mask=cmask, other=0.0).to(dt)
-        e = tl.load(E + b * se + h * DV + cols, mask=cmask, other=0.0).to(dt)
-        delta = tl.load(DELTA + b * sdelta + h * DV + cols, mask=cmask, other=0.0).to(dt)
-        g = tl.load(DM + tile, mask=mask, other=0.0).to(dt) + q[:, None] * do[None, :]
-        dq += tl.sum((p * decay + k[:, None] * delta[None, :]) * do[None, :], 1)
-        d_delta = tl.sum(k[:, None] * g, 0)
-        dbeta += d_delta * e
-        dv = beta * d_delta
-        tl.store(DV_OUT + b * sdv + h * DV + cols, dv, mask=cmask)
-        dk += tl.sum(g * delta[None, :] - p * dv[None, :], 1)
-        ddecay += tl.sum(g * p, 0)
-        tl.store(DM_PREV + tile, g * decay - k[:, None] * dv[None, :], mask=mask)
+    p = tl.load(M_PREV + tile, mask=mask, other=0.0)
+    do = tl.load(DO + b * sdo + h * DV + cols, mask=cmask, other=0.0).to(dt)
+    e = tl.load(E + b * se + h * DV + cols, mask=cmask, other=0.0).to(dt)
+    delta = tl.load(DELTA + b * sdelta + h * DV + cols, mask=cmask, other=0.0).to(dt)
+    g = tl.load(DM + tile, mask=mask, other=0.0).to(dt) + q[:, None] * do[None, :]
+    d_delta = tl.sum(k[:, None] * g, 0)
+    dv = beta * d_delta
+    tl.store(DV_OUT + b * sdv + h * DV + cols, dv, mask=cmask)
+    tl.store(DM_PREV + tile, g * decay - k[:, None] * dv[None, :], mask=mask)
+    part = PART + (bh * tl.num_programs(1) + tl.program_id(1)) * (2 * DK + 2)
+    tl.store(part + rows, tl.sum((p * decay + k[:, None] * delta[None, :]) * do[None, :], 1), mask=rmask)
+    tl.store(part + DK + rows, tl.sum(g * delta[None, :] - p * dv[None, :], 1), mask=rmask)
+    tl.store(part + 2 * DK, tl.sum(d_delta * e, 0))
+    tl.store(part + 2 * DK + 1, tl.sum(tl.sum(g * p, 0), 0))
+
+
+@triton.jit
+def _head_sums(PART, DQ, DK_OUT, DBETA, DDECAY, sdq, sdk, sdbeta, sddecay, H, DK, NB,
+               BK: tl.constexpr, STEP: tl.constexpr):
+    """The column sums of a backward run by column blocks, per (sequence, head): the NB blocks'
+    partials added in block order, so the result does not depend on which program ran first.
+    STEP: `_step_bwd`'s rows [dq | dk | dbeta, ddecay]; else `_read_bwd`'s [dq]."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // H, bh % H
+    rows = tl.arange(0, BK)
+    rmask = rows < DK
+    width = 2 * DK + 2 if STEP else DK
+    part = PART + bh * NB * width
+    dq = tl.load(part + rows, mask=rmask, other=0.0)
+    if STEP:
+        dk = tl.load(part + DK + rows, mask=rmask, other=0.0)
+        dbeta = tl.load(part + 2 * DK)
+        ddecay = tl.load(part + 2 * DK + 1)
+    for j in range(1, NB):
+        block = part + j * width
+        dq += tl.load(block + rows, mask=rmask, other=0.0)
+        if STEP:
+            dk += tl.load(block + DK + rows, mask=rmask, other=0.0)
+            dbeta += tl.load(block + 2 * DK)
+            ddecay += tl.load(block + 2 * DK + 1)
     tl.store(DQ + b * sdq + h * DK + rows, dq, mask=rmask)
-    tl.store(DK_OUT + b * sdk + h * DK + rows, dk, mask=rmask)
-    tl.store(DBETA + b * sdbeta + h, tl.sum(dbeta, 0))
-    tl.store(DDECAY + b * sddecay + h, tl.sum(ddecay, 0))
+    if STEP:
+        tl.store(DK_OUT + b * sdk + h * DK + rows, dk, mask=rmask)
+        tl.store(DBETA + b * sdbeta + h, dbeta)
+        tl.store(DDECAY + b * sddecay + h, ddecay)
 
 
 # ---- launchers: the twin's signatures --------------------------------------------------------
@@ -292,7 +315,13 @@ def memory_read_backward(M, q, f: ReadFactors, dy, dM, *, out_dq=None, out_dgate
     do, dgate = _read_grad(f, dy, out_dgate)
     dM_out = layout.empty(M, M.shape) if out_dM is None else _check_m(out_dM)
     dq_w, dq, sdq = layout.out(out_dq, H * n_k, M, (B, H, n_k))
-    _read_bwd[(B * H,)](M, q, do, dM.contiguous(), dM_out, dq_w, sq, do.stride(0), sdq, H, n_k, n_v, BK=bk, BV=bv, num_warps=layout.warps(bk * bv))
+    nb = triton.cdiv(n_v, bv)
+    part = layout.empty(M, (B * H, nb, n_k))
+    _read_bwd[(B * H, nb)](M, q, do, dM.contiguous(), dM_out, part, sq, do.stride(0), H, n_k, n_v, BK=bk, BV=bv,
+                           num_warps=layout.warps(bk * bv))
+    # STEP=False writes dq alone: the other outputs' arguments are never touched.
+    _head_sums[(B * H,)](part, dq_w, dq_w, dq_w, dq_w, sdq, sdq, sdq, sdq, H, n_k, nb, BK=bk, STEP=False,
+                         num_warps=layout.warps(bk))
     return layout.finish(dq_w, dq), dgate, dM_out
 
 
@@ -321,9 +350,13 @@ def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors,
     dq_w, dq, sdq = layout.out(out_dq, H * n_k, M_prev, (B, H, n_k))
     db_w, dbeta, sdb = layout.out(out_dbeta, H, M_prev, (B, H))
     dd_w, ddecay, sdd = layout.out(out_ddecay, H, M_prev, (B, H))
-    _step_bwd[(B * H,)](M_prev, k, q, beta, decay, e, delta, do, dM.contiguous(), dM_prev, dk_w, dv, db_w, dd_w, dq_w,
-                        sk, sq, sbeta, sdecay, se, sdelta, do.stride(0), sdk, dv.stride(0), sdb, sdd, sdq,
-                        H, n_k, n_v, BK=bk, BV=bv, num_warps=layout.warps(bk * bv))
+    nb = triton.cdiv(n_v, bv)
+    part = layout.empty(M_prev, (B * H, nb, 2 * n_k + 2))
+    _step_bwd[(B * H, nb)](M_prev, k, q, beta, decay, e, delta, do, dM.contiguous(), dM_prev, dv, part,
+                           sk, sq, sbeta, sdecay, se, sdelta, do.stride(0), dv.stride(0), H, n_k, n_v, BK=bk, BV=bv,
+                           num_warps=layout.warps(bk * bv))
+    _head_sums[(B * H,)](part, dq_w, dk_w, db_w, dd_w, sdq, sdk, sdb, sdd, H, n_k, nb, BK=bk, STEP=True,
+                         num_warps=layout.warps(bk))
     for w, o in ((dk_w, dk), (dq_w, dq), (db_w, dbeta), (dd_w, ddecay)):
         layout.finish(w, o)
     return dM_prev, dk, dv, dbeta, ddecay, dq, dgate
