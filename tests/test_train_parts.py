@@ -41,7 +41,7 @@ def one_rank():
     os.environ.update(saved)
 
 
-def tiny_engine(device, *overrides, grad_accum=1):
+def tiny_engine(device, *overrides, grad_accum=1, universal=False):
     """A DeepSpeed engine over the tiny GPN+M with the trainer's optimiser, schedule and config,
     and what AdamW receives at each call (a step pre-hook): the squared norm of its gradients and
     its learning rate. ZeRO 1-2 call it once per parameter group, each holding one flat partition."""
@@ -59,7 +59,7 @@ def tiny_engine(device, *overrides, grad_accum=1):
 
     optimizer.register_step_pre_hook(record)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=deepspeed_config(cfg, grad_accum, universal=False))
+                                      config=deepspeed_config(cfg, grad_accum, universal=universal))
     return engine, seen
 
 
@@ -98,6 +98,36 @@ def test_the_update_uses_the_schedule_of_its_optimizer_step(one_rank):
                 lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - warmup))))
                 for s in range(total)]
     assert [rate for [rate] in used[1::2]] == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_zero3_universal_resume_updates_as_the_uninterrupted_run(one_rank, tmp_path):
+    """Loaded from the universal form at ZeRO-3 (as a resume on another world size loads it), the
+    next updates equal the uninterrupted engine's bit for bit: the same masters, Adam moments and
+    step counts (one per parameter group, each advanced once per update)."""
+    engine, _ = tiny_engine(one_rank, "zero.stage=3")
+    for i in range(2):
+        engine.backward(engine(batch(i).to(one_rank)).loss)
+        engine.step()
+    engine.save_checkpoint(str(tmp_path), tag="step_2", save_latest=False)
+    ckpt.to_universal(tmp_path / "step_2")
+    resumed, _ = tiny_engine(one_rank, "zero.stage=3", universal=True)
+    assert ckpt.load_engine(resumed, tmp_path, f"step_2/{ckpt.UNIVERSAL}", train_config("zero.stage=3").train)
+    for i in range(2, 5):
+        losses = []
+        for e in (engine, resumed):
+            loss = e(batch(i).to(one_rank)).loss
+            e.backward(loss)
+            e.step()
+            losses.append(loss.item())
+        assert losses[0] == losses[1], i
+    states = [e.optimizer.optimizer.state for e in (engine, resumed)]
+    masters = [e.optimizer.fp32_partitioned_groups_flat for e in (engine, resumed)]
+    assert len(masters[0]) == len(masters[1]) == 2  # decay, no decay
+    for ours, theirs in zip(*masters):
+        assert torch.equal(ours, theirs)
+        assert float(states[0][ours]["step"]) == float(states[1][theirs]["step"]) == 5
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(states[0][ours][moment], states[1][theirs][moment]), moment
 
 
 # Vectors and scalars: never decayed. Every tensor of two or more dimensions is (embedding included).

@@ -21,6 +21,8 @@ from gpn_scale import atomic, manifest, safe_load
 from gpn_scale.checkpoints import MANIFEST, TRAINER_STATE, step_of, tags, verify
 from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
+from gpn_scale.train import optim
+from gpn_scale.train.config import TrainSection
 
 LATEST = "latest"
 UNIVERSAL = "universal"  # sub-directory with the world-size-independent form of a checkpoint
@@ -126,6 +128,30 @@ def to_universal(tag_dir: Path, workers: int = 1) -> Path:
     ds_to_universal(args)  # unpickles tag_dir's files unrestricted: scanned just above
     write_manifest(out)
     return out
+
+
+def load_engine(engine, load_dir: Path, tag: str, t: TrainSection) -> str | None:
+    """DeepSpeed's load of the model, optimiser and schedule states (native or universal form),
+    then the optimiser settings of this run's config (`optim.apply_settings`); the loaded path, or
+    None where DeepSpeed found nothing to load.
+
+    At ZeRO-3 DeepSpeed's universal load
+    (`DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3`) gives
+    every parameter group the first group's hyperparameters (apply_settings sets each group's
+    weight decay again) and one shared `step` tensor for all groups' states. torch's AdamW
+    increments each group's counter in place, so with two groups (decay, no decay) every update
+    would advance it twice and use the bias corrections of later steps (all but the first group's
+    first update): each state gets a counter of its own here.
+    """
+    path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_lr_scheduler_states=True)
+    if path is None:
+        return None
+    base = getattr(engine.optimizer, "optimizer", engine.optimizer)  # ZeRO's wrapper holds torch's AdamW
+    for state in base.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+    optim.apply_settings(engine.optimizer, engine.lr_scheduler, t)
+    return path
 
 
 def main(argv: list[str]) -> int:

@@ -196,10 +196,8 @@ class Trainer:
             load_dir, tag = self.ckpt_root, self.resume_tag
         # DeepSpeed unpickles these files without torch's restrictions: they are trusted because rank 0
         # scanned every file of this checkpoint, universal/ included, in _resume_choice (safe_load).
-        path, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_lr_scheduler_states=True)
-        if path is None:
+        if ckpt.load_engine(self.engine, load_dir, tag, self.cfg.train) is None:
             raise UserError(f"{tag_dir}: DeepSpeed could not load this checkpoint")
-        optim.apply_settings(self.engine.optimizer, self.scheduler, self.cfg.train)
         self.step, self.tokens = saved["step"], saved["tokens"]
         self.data.load_state_dict(saved["loader"])
         if not ckpt.load_rng(tag_dir, self.rank):
