@@ -5,6 +5,21 @@ buffer) are read and written in place, and anything else is copied."""
 from __future__ import annotations
 
 import torch
+import triton
+
+# Column blocks per row the per-row kernels aim for: 2 x 132 programs (two per SM of a 132-SM
+# H100/H200) at batch 32, rather than one program per sequence. Chosen from the row's width
+# alone, not the batch, so that a launch's grid grows linearly with the batch (as
+# bench/step_cost.py assumes when it counts at two small batches and extrapolates).
+BLOCKS_PER_ROW = triton.cdiv(2 * 132, 32)
+
+
+def split(n: int, most: int, least: int = 16) -> int:
+    """Columns per program when rows of n are split into column blocks: the largest power of two
+    within [least, most] that makes BLOCKS_PER_ROW blocks or more (a row of 2496 is 10 blocks of
+    256, of 6656 13 of 512)."""
+    block = 1 << max(0, (n // BLOCKS_PER_ROW).bit_length() - 1)
+    return max(least, min(block, most, triton.next_power_of_2(n)))
 
 
 def warps(elements: int) -> int:
