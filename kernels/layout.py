@@ -14,12 +14,13 @@ import triton
 BLOCKS_PER_ROW = triton.cdiv(2 * 132, 32)
 
 
-def split(n: int, most: int, least: int = 16) -> int:
+def split(n: int, most: int, least: int = 32) -> int:
     """Columns per program when rows of n are split into column blocks: the largest power of two
-    within [least, most] that makes BLOCKS_PER_ROW blocks or more (a row of 2496 is 10 blocks of
-    256, of 6656 13 of 512)."""
+    that makes BLOCKS_PER_ROW blocks or more (a row of 2496 is 10 blocks of 256, of 6656 13 of
+    512), but at least `least` (smaller rows: fewer blocks; under Triton's interpreter each
+    program is a Python call, and each sums its whole row) and at most `most` or the row."""
     block = 1 << max(0, (n // BLOCKS_PER_ROW).bit_length() - 1)
-    return max(least, min(block, most, triton.next_power_of_2(n)))
+    return min(most, triton.next_power_of_2(n), max(least, block))
 
 
 def warps(elements: int) -> int:

@@ -101,10 +101,10 @@ def test_gemm_flops_and_memory_traffic_per_step_match_the_model(tiny):
     assert m <= fwd.read < 1.5 * m and m <= fwd.written < 1.5 * m
     assert 2 * m <= bwd.read < 2.5 * m and m <= bwd.written < 1.5 * m
     # Grids: the per-row groups split a row of n into column blocks of a power of two, n / 9 or
-    # less (9 blocks a row: 2 x 132 programs at batch 32) but at least 16 columns, or one head;
+    # less (9 blocks a row: 2 x 132 programs at batch 32) but at least 32 columns, or one head;
     # the memory step's backward splits M's columns into blocks as its forward does, its
     # per-head sums one program per (sequence, head).
-    rows = lambda n, least=16: B * math.ceil(n / max(least, 2 ** int(math.log2(max(n // 9, 1)))))  # noqa: E731
+    rows = lambda n, least=32: B * math.ceil(n / min(n, max(least, 2 ** int(math.log2(max(n // 9, 1))))))  # noqa: E731
     grids = {("forward", "_post_projection"): max(rows(F), rows(2 * H, 1)), ("forward", "_residual_rms"): rows(d),
              ("forward", "_ground"): rows(d), ("forward", "_gated_rms_fwd"): rows(H * dv),
              ("backward", "_residual_rms_bwd"): rows(d), ("backward", "_gate_grads"): rows(max(F, d)),
@@ -114,7 +114,7 @@ def test_gemm_flops_and_memory_traffic_per_step_match_the_model(tiny):
     assert bwd.programs == fwd.programs
     for phase in step_cost.PHASES:
         smallest = min([fwd.programs] + [n for (p, _), n in grids.items() if p == phase])
-        assert step_cost.phase_cost(per_step, phase, step_cost.H200).min_programs == smallest == 4 * B
+        assert step_cost.phase_cost(per_step, phase, step_cost.H200).min_programs == smallest == 2 * B  # d = 64: 2 blocks of 32
 
 
 def test_batch_extrapolation_equals_a_direct_count(tiny):
