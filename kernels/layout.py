@@ -5,6 +5,22 @@ buffer) are read and written in place, and anything else is copied."""
 from __future__ import annotations
 
 import torch
+import triton
+
+# Column blocks per row the per-row kernels aim for: 2 x 132 programs (two per SM of a 132-SM
+# H100/H200) at batch 32, rather than one program per sequence. Chosen from the row's width
+# alone, not the batch, so that a launch's grid grows linearly with the batch (as
+# bench/step_cost.py assumes when it counts at two small batches and extrapolates).
+BLOCKS_PER_ROW = triton.cdiv(2 * 132, 32)
+
+
+def split(n: int, most: int, least: int = 32) -> int:
+    """Columns per program when rows of n are split into column blocks: the largest power of two
+    that makes BLOCKS_PER_ROW blocks or more (a row of 2496 is 10 blocks of 256, of 6656 13 of
+    512), but at least `least` (smaller rows: fewer blocks; under Triton's interpreter each
+    program is a Python call, and each sums its whole row) and at most `most` or the row."""
+    block = 1 << max(0, (n // BLOCKS_PER_ROW).bit_length() - 1)
+    return min(most, triton.next_power_of_2(n), max(least, block))
 
 
 def warps(elements: int) -> int:

@@ -41,8 +41,8 @@ ARITH = {
     "_step_fwd": {"M", "M_out", "E", "O"},
     "_write": {"M", "M_out"},
     "_read_fwd": {"M", "O"},
-    "_gated_rms_fwd": {"Y"},
-    "_gated_rms_bwd": {"DO", "DGATE"},
+    "_gated_rms_fwd": {"O"},  # y may be the next GEMM's bf16
+    "_gated_rms_bwd": {"DO"},  # dgate may be the next GEMM's bf16
     "_read_bwd": {"M", "DM_OUT", "PART"},
     "_step_bwd": {"M_PREV", "DM_PREV", "DV_OUT", "PART"},
     "_head_sums": {"PART", "DQ", "DK_OUT", "DBETA", "DDECAY"},
@@ -73,9 +73,9 @@ import kernels.memory.triton as K
 
 ARITH = {k: set(v) for k, v in json.loads(sys.argv[1]).items()}
 VARIANTS = json.loads(sys.argv[2])
-HELPERS = {"_rms_out"}  # called from kernels, compiled with them (as kernels/numerics.py's)
+HELPERS = {"_rms_out", "_residual", "_grounded"}  # called from kernels, compiled with them (as kernels/numerics.py's)
 INTS = {"H", "DK", "DV", "N", "NF", "ND", "NHEADS", "NG", "NB"}  # runtime sizes; other lower-case names are strides
-CONSTEXPRS = {"BK": 128, "BV": 16, "BN": 4096, "BF": 1024, "BH": 16, "BHEADS": 32, "HEADS": True, "GATES": True,
+CONSTEXPRS = {"BK": 128, "BV": 16, "BN": 1024, "BF": 1024, "BH": 16, "BHEADS": 32, "HEADS": True, "GATES": True,
               "HAS_HAT": True, "HAS_EXTRA": True, "HAS_LOW": True, "L2EPS": 1e-12,
               "STEP": True}  # `_head_sums` for the step's backward: its code holds the read's as a part
 TARGET = GPUTarget("cuda", 90, 32)

@@ -258,12 +258,14 @@ def test_residual_rms_and_ground_match_twin(impl, shape, dtype):
     run_both(impl, "residual_rms", make_residual, dtype)
     run_both(impl, "residual_rms", lambda p: make_residual(p, to_out=False), dtype)
 
-    def make_ground(poison, with_hat=True):
-        fg = (Y.to(dtype) if poison else Y.to(dtype).float())[:, 1 : d + 1].float().clone()  # the core's FG slot, read in place
+    def make_ground(poison, with_hat=True, in_place=False):
+        y_fg = (Y.to(dtype) if poison else Y.to(dtype).float())[:, 1 : d + 1].float().clone()  # the fuse-gate GEMM's row
+        fg = y_fg if in_place else buf(poison, B, d + 2)[:, 1 : d + 1]  # the gates over it, or into another row
         hat, r = buf(poison, B, d + 3)[:, 2 : d + 2], buf(poison, B, 1)
-        return (fg, c, u, fg, hat if with_hat else None, r if with_hat else None), {}, [fg] + ([hat, r] if with_hat else [])
+        return (y_fg, c, u, fg, hat if with_hat else None, r if with_hat else None), {}, [fg] + ([hat, r] if with_hat else [])
 
     run_both(impl, "ground", make_ground, dtype)
+    run_both(impl, "ground", lambda p: make_ground(p, in_place=True), dtype)
     run_both(impl, "ground", lambda p: make_ground(p, with_hat=False), dtype)
 
 

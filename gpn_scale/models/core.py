@@ -328,11 +328,9 @@ def _buffers(spec: Spec, layers, T, B, like):
         # keys and queries from them, the fuse gates' inputs from the predictions, the write's
         # errors and the reads while M is rebuilt. The loop keeps only the current step's.
         Y=[gemm_ring(L.W.shape[1]) for L in layers],  # fused projection outputs
-        # Second GEMM inputs [silu(h1) * h2 | read output]: the memory kernels compute the read's
-        # output norm in the dtype they write, so it stays the state's.
-        Z=[ring(L.W2o.shape[0]) for L in layers],
+        Z=[gemm_ring(L.W2o.shape[0]) for L in layers],  # second GEMM inputs [silu(h1) * h2 | read output]
         XP=gemm_ring(d), RP=ring(1),  # normalised predictions (the fuse-gate GEMM's input), their rms
-        FG=gemm_ring(d),  # the fuse-gate GEMM's output, and the gates ground writes over it
+        FG=gemm_ring(d),  # the fuse-gate GEMM's output
     )
     if spec.memory:
         # Normalised [next key | query] of layer 0, [query] of later layers, and their norms.
@@ -422,7 +420,9 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
             c = ew.residual_rms(ew.mm(v.z[w], L.W2o, Y2[w]), v.pg[w], c, Ps[t] if last else None, x_next, r_next)
         ew.mm(XP[w], fg_Wp, FG[w], fg_b)
         x_next, r_next = (V[0].x[1 - w], V[0].r[1 - w]) if t < T - 1 else (None, None)
-        g_prev, g = g, ew.ground(FG[w], c, us[t], FG[w], x_next, r_next)
+        # The gates go to Y2's row, which residual_rms has read: over FG itself, the Triton
+        # kernel's column blocks could read one another's gates where they need the row's norm.
+        g_prev, g = g, ew.ground(FG[w], c, us[t], Y2[w], x_next, r_next)
     return P, g, g_prev, M, (S if save else None)
 
 

@@ -14,8 +14,8 @@ scratch buffer, and a small kernel per (sequence, head) adds the blocks in a fix
 runs 7680 programs rather than 480, and the sums stay deterministic without atomics.
 
 The output RMS norm and gate, y = silu(gate) o / rms(o), reduce over all heads of a sequence,
-so they are a small per-sequence kernel after the memory kernel (and before it, in the
-backward), not part of it.
+so they are a small kernel after the memory kernel (and before it, in the backward), not part
+of it, split into column blocks of the sequence's row as kernels/step/triton.py's groups are.
 
 Arithmetic follows M's dtype (float32, or float64 for gradient checks), which the outputs have:
 every other input (k, v, q, gates, gradients) is converted to it on load, so one in a lower
@@ -34,7 +34,7 @@ import triton.language as tl
 from kernels import layout
 from kernels.common import RMS_EPS
 from kernels.memory import MemoryOps, ReadFactors
-from kernels.numerics import _sigmoid
+from kernels.numerics import _rounded, _sigmoid
 
 # Elements of M per program tile. Small enough that the backward, which holds M_prev, dM and the
 # per-row vectors of a tile at once, stays well under 128 registers per thread at 8 warps (128 x 16
@@ -42,6 +42,7 @@ from kernels.numerics import _sigmoid
 # enough for 16 contiguous float32 (64 bytes) per row segment. Tiles are addressed from an int64 base pointer
 # with int32 offsets inside, which saves a third of the registers against int64 offsets.
 TILE = 2048
+ROW_BLOCK = 1024  # the most columns of a row a program of the output norm takes (`layout.split`)
 
 
 def _blocks(n_k: int, n_v: int) -> tuple[int, int]:
@@ -109,30 +110,46 @@ def _read_fwd(M, Q, O, sq, so, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
 
 @triton.jit
 def _gated_rms_fwd(O, GATE, Y, so, sg, sy, N, eps, BN: tl.constexpr):
-    """y = silu(gate) o / rms(o) over one sequence's N = H dv read outputs."""
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BN)
+    """y = silu(gate) o / rms(o) over one sequence's N = H dv read outputs, block p of them in
+    program (b, p), which sums the row's squares itself (as kernels/step/triton.py's norms do).
+    Computed in o's dtype, the state's; y may be the next GEMM's bf16, rounded on store."""
+    b, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    dt = O.dtype.element_ty
+    ss = tl.zeros([BN], dtype=dt)
+    for c0 in range(0, N, BN):
+        c = c0 + tl.arange(0, BN)
+        o = tl.load(O + b * so + c, mask=c < N, other=0.0).to(dt)
+        ss += o * o
+    r = tl.sqrt(tl.sum(ss, 0) / N + eps)
+    c = p * BN + tl.arange(0, BN)
     mask = c < N
-    dt = Y.dtype.element_ty
     o = tl.load(O + b * so + c, mask=mask, other=0.0).to(dt)
     g = tl.load(GATE + b * sg + c, mask=mask, other=0.0).to(dt)
-    r = tl.sqrt(tl.sum(o * o, 0) / N + eps)
-    tl.store(Y + b * sy + c, g * _sigmoid(g) * (o / r), mask=mask)
+    tl.store(Y + b * sy + c, _rounded(g * _sigmoid(g) * (o / r), Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _gated_rms_bwd(DY, R, O_HAT, SILU_GATE, TO_GATE, DO, DGATE, sdy, sr, soh, ssg, stg, sdo, sdg, N, BN: tl.constexpr):
-    """do = (dhat - o_hat (dhat . o_hat) / N) / rms, dhat = dy silu(gate); dgate = dy to_gate."""
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BN)
-    mask = c < N
+    """do = (dhat - o_hat (dhat . o_hat) / N) / rms, dhat = dy silu(gate); dgate = dy to_gate
+    (rounded on store: it may be the next GEMM's bf16). Block p in program (b, p), the dot
+    product over the whole row in each."""
+    b, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
     dt = DO.dtype.element_ty
+    dot = tl.zeros([BN], dtype=dt)
+    for c0 in range(0, N, BN):
+        c = c0 + tl.arange(0, BN)
+        m = c < N
+        dhat = tl.load(DY + b * sdy + c, mask=m, other=0.0).to(dt) * tl.load(SILU_GATE + b * ssg + c, mask=m, other=0.0).to(dt)
+        dot += dhat * tl.load(O_HAT + b * soh + c, mask=m, other=0.0).to(dt)
+    c = p * BN + tl.arange(0, BN)
+    mask = c < N
     o_hat = tl.load(O_HAT + b * soh + c, mask=mask, other=0.0).to(dt)
     dy = tl.load(DY + b * sdy + c, mask=mask, other=0.0).to(dt)
     dhat = dy * tl.load(SILU_GATE + b * ssg + c, mask=mask, other=0.0).to(dt)
     r = tl.load(R + b * sr).to(dt)
-    tl.store(DO + b * sdo + c, (dhat - o_hat * (tl.sum(dhat * o_hat, 0) / N)) / r, mask=mask)
-    tl.store(DGATE + b * sdg + c, dy * tl.load(TO_GATE + b * stg + c, mask=mask, other=0.0).to(dt), mask=mask)
+    tl.store(DO + b * sdo + c, (dhat - o_hat * (tl.sum(dot, 0) / N)) / r, mask=mask)
+    dgate = dy * tl.load(TO_GATE + b * stg + c, mask=mask, other=0.0).to(dt)
+    tl.store(DGATE + b * sdg + c, _rounded(dgate, DGATE.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -286,7 +303,8 @@ def _gated_rms(o, gate, out_y):
     o, so = layout.rows(o, n)
     gate, sg = layout.rows(gate, n)
     y_w, y, sy = layout.out(out_y, n, o, (B, n))
-    _gated_rms_fwd[(B,)](o, gate, y_w, so, sg, sy, n, RMS_EPS, BN=triton.next_power_of_2(n), num_warps=layout.warps(n))
+    bn = layout.split(n, ROW_BLOCK)
+    _gated_rms_fwd[(B, triton.cdiv(n, bn))](o, gate, y_w, so, sg, sy, n, RMS_EPS, BN=bn, num_warps=layout.warps(bn))
     return layout.finish(y_w, y)
 
 
@@ -300,8 +318,9 @@ def _read_grad(f: ReadFactors, dy, out_dgate):
     to_gate, stg = layout.rows(f.to_gate, n)
     do = layout.empty(o_hat, (B, n))
     dg_w, dgate, sdg = layout.out(out_dgate, n, o_hat, (B, n))
-    _gated_rms_bwd[(B,)](dy, r, o_hat, silu_gate, to_gate, do, dg_w, sdy, sr, soh, ssg, stg, do.stride(0), sdg, n,
-                         BN=triton.next_power_of_2(n), num_warps=layout.warps(n))
+    bn = layout.split(n, ROW_BLOCK)
+    _gated_rms_bwd[(B, triton.cdiv(n, bn))](dy, r, o_hat, silu_gate, to_gate, do, dg_w, sdy, sr, soh, ssg, stg, do.stride(0),
+                                            sdg, n, BN=bn, num_warps=layout.warps(bn))
     return do, layout.finish(dg_w, dgate)
 
 

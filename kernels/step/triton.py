@@ -1,8 +1,9 @@
 """Triton kernels for the elementwise work of a fused-core step, one kernel per group.
 
 The twin is kernels/step/reference.py (same functions, same signatures). Each group is one
-program per sequence (row), which reads the GEMM output it follows once and writes every
-per-step vector that group produces: after the projection GEMM the SwiGLU, the heads' relu +
+launch, one program per column block of a sequence's row (`layout.split`: 2 x 132 programs at
+batch 32, not 32), which reads the GEMM output it follows once and writes every per-step vector
+that group produces: after the projection GEMM the SwiGLU, the heads' relu +
 l2-normalisation and the write's gates (`post_projection`); after the second GEMM the gated
 residual and the next input's RMS statistics (`residual_rms`); after the fuse-gate GEMM the
 grounding and the next step's RMS statistics (`ground`); in the reverse sweep the rms-norm
@@ -28,7 +29,7 @@ from kernels.step import StepOps
 from kernels.step import reference as twin
 from kernels.numerics import _exp, _rounded, _sigmoid, _softplus
 
-BLOCK = 1024  # columns per iteration of a row loop
+BLOCK = 1024  # the most columns a program takes (`layout.split` picks fewer to fill the GPU)
 
 
 @triton.jit
@@ -37,15 +38,18 @@ def _post_projection(H1, H2, FFN, s_h1, s_h2, s_ffn, NF,
                      BETA_IN, A_IN, A, BETA, GAMMA, DECAY, s_bi, s_ai, s_b, s_g, s_d, NG,
                      HEADS: tl.constexpr, GATES: tl.constexpr, BHEADS: tl.constexpr, BK: tl.constexpr,
                      BH: tl.constexpr, BF: tl.constexpr, L2EPS: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    for c0 in range(0, NF, BF):
-        c = c0 + tl.arange(0, BF)
-        m = c < NF
-        h1 = tl.load(H1 + b * s_h1 + c, mask=m, other=0.0).to(FFN.dtype.element_ty)
-        h2 = tl.load(H2 + b * s_h2 + c, mask=m, other=0.0).to(FFN.dtype.element_ty)
-        tl.store(FFN + b * s_ffn + c, _rounded(h1 * _sigmoid(h1) * h2, FFN.dtype.element_ty), mask=m)
+    """Program (b, p): block p of the FFN's columns, block p of the heads, and (p = 0) the gates."""
+    b, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    dt = FFN.dtype.element_ty
+    if dt == tl.bfloat16:  # the next GEMM's input (`narrow_io`): computed in float32, rounded on store
+        dt = tl.float32
+    c = p * BF + tl.arange(0, BF)
+    m = c < NF
+    h1 = tl.load(H1 + b * s_h1 + c, mask=m, other=0.0).to(dt)
+    h2 = tl.load(H2 + b * s_h2 + c, mask=m, other=0.0).to(dt)
+    tl.store(FFN + b * s_ffn + c, _rounded(h1 * _sigmoid(h1) * h2, FFN.dtype.element_ty), mask=m)
     if HEADS:  # heads j = block * H + h, each dk wide: relu, then divide by sqrt(|.|^2 + eps)
-        j, col = tl.arange(0, BHEADS), tl.arange(0, BK)
+        j, col = p * BHEADS + tl.arange(0, BHEADS), tl.arange(0, BK)
         blk, h = j // H, j % H
         m = (j < NHEADS)[:, None] & (col < DK)[None, :]
         z = tl.load(Z + b * s_zb + (blk * s_zk + h * DK)[:, None] + col[None, :], mask=m, other=0.0).to(NQ.dtype.element_ty)
@@ -55,7 +59,7 @@ def _post_projection(H1, H2, FFN, s_h1, s_h2, s_ffn, NF,
         tl.store(NN + b * s_nb + blk * s_nk + h, n, mask=j < NHEADS)
     if GATES:
         h = tl.arange(0, BH)
-        m = h < NG
+        m = (h < NG) & (p == 0)
         dt = BETA.dtype.element_ty
         beta = tl.load(BETA_IN + b * s_bi + h, mask=m, other=0.0).to(dt)
         gamma = _softplus(tl.load(A_IN + b * s_ai + h, mask=m, other=0.0).to(dt)) * tl.load(A + h, mask=m, other=0.0).to(dt)
@@ -64,52 +68,82 @@ def _post_projection(H1, H2, FFN, s_h1, s_h2, s_ffn, NF,
         tl.store(DECAY + b * s_d + h, _exp(gamma), mask=m)
 
 
+# The groups with a norm over the row run one program per column block too: each program sums
+# the whole row itself (the same loop in every program, so every block divides by the same
+# number, deterministically) and writes its own block. A row is a few KB, read again from L2 by
+# each of its blocks; a second kernel summing per-block partials would cost a launch per group.
+
+
 @triton.jit
-def _rms_out(X, HAT, R, b, s_hat, s_r, N, eps, BN: tl.constexpr):
-    """HAT = X / rms(X), R = rms(X) for row b of a full (BN-wide, masked) row X."""
-    c = tl.arange(0, BN)
-    r = tl.sqrt(tl.sum(X * X, 0) / N + eps)
-    tl.store(HAT + b * s_hat + c, _rounded(X / r, HAT.dtype.element_ty), mask=c < N)
-    tl.store(R + b * s_r, r)
+def _residual(Y, PG, C, s_y, s_pg, s_c, b, c, m, dt: tl.constexpr):
+    pg = tl.load(PG + b * s_pg + c, mask=m, other=0.0).to(dt)
+    return tl.load(Y + b * s_y + c, mask=m, other=0.0).to(dt) + _sigmoid(pg) * tl.load(C + b * s_c + c, mask=m, other=0.0).to(dt)
+
+
+@triton.jit
+def _rms_out(x, ss, HAT, R, b, p, c, m, s_hat, s_r, N, eps):
+    """HAT = x / rms, R = rms for the block c of row b, ss the row's squares summed per lane."""
+    r = tl.sqrt(tl.sum(ss, 0) / N + eps)
+    tl.store(HAT + b * s_hat + c, _rounded(x / r, HAT.dtype.element_ty), mask=m)
+    tl.store(R + b * s_r, r, mask=p == 0)
 
 
 @triton.jit
 def _residual_rms(Y, PG, C, OUT, HAT, R, s_y, s_pg, s_c, s_out, s_hat, s_r, N, eps, BN: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BN)
-    m = c < N
+    b, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
     dt = OUT.dtype.element_ty
-    pg = tl.load(PG + b * s_pg + c, mask=m, other=0.0).to(dt)
-    x = tl.load(Y + b * s_y + c, mask=m, other=0.0).to(dt) + _sigmoid(pg) * tl.load(C + b * s_c + c, mask=m, other=0.0).to(dt)
+    ss = tl.zeros([BN], dtype=dt)
+    for c0 in range(0, N, BN):
+        c = c0 + tl.arange(0, BN)
+        x = _residual(Y, PG, C, s_y, s_pg, s_c, b, c, c < N, dt)
+        ss += x * x
+    c = p * BN + tl.arange(0, BN)
+    m = c < N
+    x = _residual(Y, PG, C, s_y, s_pg, s_c, b, c, m, dt)
     tl.store(OUT + b * s_out + c, x, mask=m)
-    _rms_out(x, HAT, R, b, s_hat, s_r, N, eps, BN)
+    _rms_out(x, ss, HAT, R, b, p, c, m, s_hat, s_r, N, eps)
+
+
+@triton.jit
+def _grounded(YFG, C, U, s_y, s_c, s_u, b, c, m, dt: tl.constexpr):
+    fg = _sigmoid(tl.load(YFG + b * s_y + c, mask=m, other=0.0).to(dt))
+    return fg, tl.load(U + b * s_u + c, mask=m, other=0.0).to(dt) + fg * tl.load(C + b * s_c + c, mask=m, other=0.0).to(dt)
 
 
 @triton.jit
 def _ground(YFG, C, U, FG, G, HAT, R, s_y, s_c, s_u, s_fg, s_g, s_hat, s_r, N, eps,
             HAS_HAT: tl.constexpr, BN: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BN)
-    m = c < N
+    b, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
     dt = G.dtype.element_ty
-    fg = _sigmoid(tl.load(YFG + b * s_y + c, mask=m, other=0.0).to(dt))
-    g = tl.load(U + b * s_u + c, mask=m, other=0.0).to(dt) + fg * tl.load(C + b * s_c + c, mask=m, other=0.0).to(dt)
+    c = p * BN + tl.arange(0, BN)
+    m = c < N
+    fg, g = _grounded(YFG, C, U, s_y, s_c, s_u, b, c, m, dt)
+    if HAS_HAT:  # the row is read before the gates are stored: they may go over YFG
+        ss = tl.zeros([BN], dtype=dt)
+        for c0 in range(0, N, BN):
+            cc = c0 + tl.arange(0, BN)
+            _, gg = _grounded(YFG, C, U, s_y, s_c, s_u, b, cc, cc < N, dt)
+            ss += gg * gg
+        _rms_out(g, ss, HAT, R, b, p, c, m, s_hat, s_r, N, eps)
     tl.store(FG + b * s_fg + c, _rounded(fg, FG.dtype.element_ty), mask=m)
     tl.store(G + b * s_g + c, g, mask=m)
-    if HAS_HAT:
-        _rms_out(g, HAT, R, b, s_hat, s_r, N, eps, BN)
 
 
 @triton.jit
 def _residual_rms_bwd(XH, R, DX, DC, GATE, EXTRA, OUT, LOW, s_xh, s_r, s_dx, s_dc, s_gate, s_ex, s_out, s_low, N,
                       HAS_EXTRA: tl.constexpr, HAS_LOW: tl.constexpr, BN: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BN)
-    m = c < N
+    b, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
     dt = OUT.dtype.element_ty
+    dot = tl.zeros([BN], dtype=dt)  # dx . x_hat over the row, as _residual_rms sums its squares
+    for c0 in range(0, N, BN):
+        c = c0 + tl.arange(0, BN)
+        m = c < N
+        dot += tl.load(DX + b * s_dx + c, mask=m, other=0.0).to(dt) * tl.load(XH + b * s_xh + c, mask=m, other=0.0).to(dt)
+    c = p * BN + tl.arange(0, BN)
+    m = c < N
     xh = tl.load(XH + b * s_xh + c, mask=m, other=0.0).to(dt)
     dx = tl.load(DX + b * s_dx + c, mask=m, other=0.0).to(dt)
-    out = (dx - xh * (tl.sum(dx * xh, 0) / N)) / tl.load(R + b * s_r).to(dt)
+    out = (dx - xh * (tl.sum(dot, 0) / N)) / tl.load(R + b * s_r).to(dt)
     if HAS_EXTRA:
         out += tl.load(EXTRA + b * s_ex + c, mask=m, other=0.0).to(dt)
     out += tl.load(DC + b * s_dc + c, mask=m, other=0.0).to(dt) * tl.load(GATE + b * s_gate + c, mask=m, other=0.0).to(dt)
@@ -121,29 +155,28 @@ def _residual_rms_bwd(XH, R, DX, DC, GATE, EXTRA, OUT, LOW, s_xh, s_r, s_dx, s_d
 @triton.jit
 def _gate_grads(DZ, FAC, DFFN, s_dz, s_fb, s_f2, s_db, s_d2, NF, DC, PGF, DPG, s_dc, s_pgf, s_dpg, ND,
                 BF: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
+    """Program (b, p): block p of the FFN's columns and block p of the predict gate's."""
+    b, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
     dt = FAC.dtype.element_ty  # the state's: the outputs may be the next GEMM's narrower dtype
     dt_pg = PGF.dtype.element_ty
-    for c0 in range(0, NF, BF):
-        c = c0 + tl.arange(0, BF)
-        m = c < NF
-        dz = tl.load(DZ + b * s_dz + c, mask=m, other=0.0).to(dt)
-        tl.store(DFFN + b * s_db + c, _rounded(dz * tl.load(FAC + b * s_fb + c, mask=m, other=0.0).to(dt), DFFN.dtype.element_ty),
-                 mask=m)
-        tl.store(DFFN + b * s_db + s_d2 + c,
-                 _rounded(dz * tl.load(FAC + b * s_fb + s_f2 + c, mask=m, other=0.0).to(dt), DFFN.dtype.element_ty), mask=m)
-    for c0 in range(0, ND, BF):
-        c = c0 + tl.arange(0, BF)
-        m = c < ND
-        dpg = tl.load(DC + b * s_dc + c, mask=m, other=0.0).to(dt_pg) * tl.load(PGF + b * s_pgf + c, mask=m, other=0.0).to(dt_pg)
-        tl.store(DPG + b * s_dpg + c, _rounded(dpg, DPG.dtype.element_ty), mask=m)
+    c = p * BF + tl.arange(0, BF)
+    m = c < NF
+    dz = tl.load(DZ + b * s_dz + c, mask=m, other=0.0).to(dt)
+    tl.store(DFFN + b * s_db + c, _rounded(dz * tl.load(FAC + b * s_fb + c, mask=m, other=0.0).to(dt), DFFN.dtype.element_ty),
+             mask=m)
+    tl.store(DFFN + b * s_db + s_d2 + c,
+             _rounded(dz * tl.load(FAC + b * s_fb + s_f2 + c, mask=m, other=0.0).to(dt), DFFN.dtype.element_ty), mask=m)
+    m = c < ND
+    dpg = tl.load(DC + b * s_dc + c, mask=m, other=0.0).to(dt_pg) * tl.load(PGF + b * s_pgf + c, mask=m, other=0.0).to(dt_pg)
+    tl.store(DPG + b * s_dpg + c, _rounded(dpg, DPG.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _l2n_relu_bwd(Y, MASK, DY, OUT, s_yb, s_yk, s_mb, s_mk, s_db, s_dk, s_ob, s_ok, NHEADS, H, DK,
                   BHEADS: tl.constexpr, BK: tl.constexpr):
+    """Program (b, p): heads p BHEADS to (p + 1) BHEADS - 1 of sequence b."""
     b = tl.program_id(0).to(tl.int64)
-    j, col = tl.arange(0, BHEADS), tl.arange(0, BK)
+    j, col = tl.program_id(1) * BHEADS + tl.arange(0, BHEADS), tl.arange(0, BK)
     blk, h = j // H, j % H
     m = (j < NHEADS)[:, None] & (col < DK)[None, :]
     at = (h * DK)[:, None] + col[None, :]
@@ -177,7 +210,12 @@ def post_projection(h1, h2, out_ffn, heads=None, out_heads=None, out_norms=None,
         n_w, s_nb, s_nk = layout.heads_out(out_norms)
         heads_args = (z, q_w, n_w, s_zb, s_zk, s_qb, s_qk, s_nb, s_nk, nb * H, H, dk)
         written += [(q_w, out_heads), (n_w, out_norms)]
-        bheads, bk = triton.next_power_of_2(nb * H), triton.next_power_of_2(dk)
+        bk = triton.next_power_of_2(dk)
+    bf = layout.split(nf, BLOCK)
+    blocks = triton.cdiv(nf, bf)
+    if heads is not None:  # as many programs for the heads as for the FFN, or more
+        bheads = layout.split(nb * H, triton.next_power_of_2(triton.cdiv(nb * H, blocks)), least=1)
+        blocks = max(blocks, triton.cdiv(nb * H, bheads))
     gate_args, bh = (h1,) * 6 + (0,) * 6, 1
     if beta is not None:
         nh = beta.shape[-1]
@@ -187,9 +225,9 @@ def post_projection(h1, h2, out_ffn, heads=None, out_heads=None, out_norms=None,
         gate_args = (beta, a, A.contiguous(), *(w for w, _, _ in outs), s_bi, s_ai, *(st for _, _, st in outs), nh)
         written += [(w, o) for w, o, _ in outs]
         bh = triton.next_power_of_2(nh)
-    _post_projection[(B,)](h1, h2, ffn_w, s_h1, s_h2, s_ffn, nf, *heads_args, *gate_args, HEADS=heads is not None,
-                           GATES=beta is not None, BHEADS=bheads, BK=bk, BH=bh, BF=min(BLOCK, triton.next_power_of_2(nf)),
-                           L2EPS=L2_EPS, num_warps=layout.warps(max(bheads * bk, BLOCK)))
+    _post_projection[(B, blocks)](h1, h2, ffn_w, s_h1, s_h2, s_ffn, nf, *heads_args, *gate_args, HEADS=heads is not None,
+                                  GATES=beta is not None, BHEADS=bheads, BK=bk, BH=bh, BF=bf, L2EPS=L2_EPS,
+                                  num_warps=layout.warps(max(bheads * bk, bf)))
     for w, o in written:
         layout.finish(w, o)
 
@@ -207,8 +245,9 @@ def residual_rms(y, pg, c, out=None, out_hat=None, out_rms=None):
     o_w, o, s_o = _row_out(out, c)
     h_w, hat, s_h = _row_out(out_hat, c)
     r_w, r, s_r = layout.out(out_rms, 1, c, (B, 1))
-    _residual_rms[(B,)](y, pg, c, o_w, h_w, r_w, s_y, s_pg, s_c, s_o, s_h, s_r, n, RMS_EPS, BN=triton.next_power_of_2(n),
-                        num_warps=layout.warps(n))
+    bn = layout.split(n, BLOCK)
+    _residual_rms[(B, triton.cdiv(n, bn))](y, pg, c, o_w, h_w, r_w, s_y, s_pg, s_c, s_o, s_h, s_r, n, RMS_EPS, BN=bn,
+                                           num_warps=layout.warps(bn))
     layout.finish(h_w, hat)
     layout.finish(r_w, r)
     return layout.finish(o_w, o)
@@ -216,7 +255,8 @@ def residual_rms(y, pg, c, out=None, out_hat=None, out_rms=None):
 
 def ground(y_fg, c, u, out_fg, out_hat=None, out_rms=None):
     """fg = sigmoid(y_fg) into out_fg, g = u + fg c, and (g / rms(g), rms(g)) into out_hat,
-    out_rms when given. Returns g."""
+    out_rms when given. Returns g. With out_fg over y_fg and a norm to compute, one program per
+    row (otherwise one per column block)."""
     B, n = c.shape
     y_fg, s_y = layout.rows(y_fg, n)
     c, s_c = layout.rows(c, n)
@@ -227,8 +267,13 @@ def ground(y_fg, c, u, out_fg, out_hat=None, out_rms=None):
     if out_hat is not None:
         h_w, hat, s_h = _row_out(out_hat, c)
         r_w, r, s_r = layout.out(out_rms, 1, c, (B, 1))
-    _ground[(B,)](y_fg, c, u, fg_w, g, h_w, r_w, s_y, s_c, s_u, s_fg, n, s_h, s_r, n, RMS_EPS,
-                  HAS_HAT=out_hat is not None, BN=triton.next_power_of_2(n), num_warps=layout.warps(n))
+    bn = layout.split(n, BLOCK)
+    if out_hat is not None and out_fg.untyped_storage().data_ptr() == y_fg.untyped_storage().data_ptr():
+        # The gates written over their own input: every column block reads the whole row for the
+        # norm, so one program must take the whole row, or a block could read another's gates.
+        bn = max(bn, triton.next_power_of_2(n))
+    _ground[(B, triton.cdiv(n, bn))](y_fg, c, u, fg_w, g, h_w, r_w, s_y, s_c, s_u, s_fg, n, s_h, s_r, n, RMS_EPS,
+                                     HAS_HAT=out_hat is not None, BN=bn, num_warps=layout.warps(bn))
     layout.finish(fg_w, fg)
     if out_hat is not None:
         layout.finish(h_w, hat)
@@ -248,9 +293,10 @@ def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None, out_
     extra, s_ex = layout.rows(extra, n) if has_extra else (x_hat, 0)  # a placeholder when there is none
     o_w, o, s_o = _row_out(out, x_hat)
     low_w, low, s_low = (o_w, None, 0) if out_low is None else _row_out(out_low, out_low)  # a placeholder when there is none
-    _residual_rms_bwd[(B,)](x_hat, r, dx_hat, dc, gate, extra, o_w, low_w, s_xh, s_r, s_dx, s_dc, s_gate, s_ex, s_o, s_low, n,
-                            HAS_EXTRA=has_extra, HAS_LOW=out_low is not None, BN=triton.next_power_of_2(n),
-                            num_warps=layout.warps(n))
+    bn = layout.split(n, BLOCK)
+    _residual_rms_bwd[(B, triton.cdiv(n, bn))](x_hat, r, dx_hat, dc, gate, extra, o_w, low_w, s_xh, s_r, s_dx, s_dc, s_gate,
+                                               s_ex, s_o, s_low, n, HAS_EXTRA=has_extra, HAS_LOW=out_low is not None, BN=bn,
+                                               num_warps=layout.warps(bn))
     if out_low is not None:
         layout.finish(low_w, low)
     return layout.finish(o_w, o)
@@ -266,8 +312,9 @@ def gate_grads(dz_ffn, ffn_fac, out_dffn, dc, pg_fac, out_dpg):
     dc, s_dc = layout.rows(dc, n)
     pg_fac, s_pgf = layout.rows(pg_fac, n)
     dpg_w, dpg, s_dpg = _row_out(out_dpg, dc)
-    _gate_grads[(B,)](dz, fac, dffn_w, s_dz, s_fb, s_f2, s_db, s_d2, nf, dc, pg_fac, dpg_w, s_dc, s_pgf, s_dpg, n,
-                      BF=min(BLOCK, triton.next_power_of_2(max(nf, n))))
+    bf = layout.split(max(nf, n), BLOCK)
+    _gate_grads[(B, triton.cdiv(max(nf, n), bf))](dz, fac, dffn_w, s_dz, s_fb, s_f2, s_db, s_d2, nf, dc, pg_fac, dpg_w, s_dc,
+                                                  s_pgf, s_dpg, n, BF=bf, num_warps=layout.warps(bf))
     layout.finish(dffn_w, out_dffn)
     layout.finish(dpg_w, dpg)
 
@@ -294,9 +341,9 @@ def l2n_relu_backward(y, mask_over_norm, dy, out=None):
     dy, s_db, s_dk = layout.heads_in(dy)
     out = layout.empty(y, y.shape) if out is None else out
     o_w, s_ob, s_ok = layout.heads_out(out)
-    _l2n_relu_bwd[(B,)](y, mask_over_norm, dy, o_w, s_yb, s_yk, s_mb, s_mk, s_db, s_dk, s_ob, s_ok, nb * H, H, dk,
-                        BHEADS=triton.next_power_of_2(nb * H), BK=triton.next_power_of_2(dk),
-                        num_warps=layout.warps(nb * H * dk))
+    bheads, bk = layout.split(nb * H, triton.next_power_of_2(nb * H), least=1), triton.next_power_of_2(dk)
+    _l2n_relu_bwd[(B, triton.cdiv(nb * H, bheads))](y, mask_over_norm, dy, o_w, s_yb, s_yk, s_mb, s_mk, s_db, s_dk, s_ob, s_ok,
+                                                    nb * H, H, dk, BHEADS=bheads, BK=bk, num_warps=layout.warps(bheads * bk))
     return layout.finish(o_w, out)
 
 
