@@ -9,6 +9,12 @@ All of them need the CPU (marker `cpu_only`).
 """
 
 import dataclasses
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,3 +283,37 @@ def test_without_a_compiler_auto_falls_back_to_the_twins_with_a_warning(monkeypa
         assert resolve("auto", "cpu") == "torch"
     with pytest.raises(RuntimeError, match="kernel 'cpp': the C\\+\\+ CPU kernels could not be built"):
         K.memory_step(**inputs(1, 1, 2, 3, torch.float32))
+
+
+def test_two_checkouts_sharing_one_cache_build_once(tmp_path):
+    """A second checkout of the same sources loads the build the first made (no '[kernels]
+    building' line); a checkout whose sources differ gets a build of its own name, so the two
+    never rebuild each other's."""
+    import torch
+
+    arch = torch.backends.cpu.get_cpu_capability()
+    other = tmp_path / "other_checkout"
+    shutil.copytree(Path(cpu_build.__file__).parent, other / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    from torch.utils import cpp_extension
+
+    name = cpu_build.build_name(arch)
+    built = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
+    stamp = built.stat().st_mtime_ns
+    probe = ("import torch, kernels; from kernels import cpu_build; cpu_build.load(); "
+             "print(kernels.__file__, cpu_build.build_name(torch.backends.cpu.get_cpu_capability()))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, cwd=other,
+                          env=dict(os.environ, PYTHONPATH=str(other)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    where, other_name = proc.stdout.split()
+    assert where == str(other / "kernels" / "__init__.py")  # the copy ran, not this checkout
+    assert other_name == name
+    assert "[kernels] building" not in proc.stderr, proc.stderr
+    assert built.stat().st_mtime_ns == stamp  # this checkout's build loaded, not rebuilt
+
+    with open(other / "kernels" / "cpu" / "layout.h", "a") as f:  # an edited checkout
+        f.write("\n// edited\n")
+    spec = importlib.util.spec_from_file_location("edited_cpu_build", other / "kernels" / "cpu_build.py")
+    edited = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(edited)  # hashes the files beside it: the edited checkout's
+    assert edited.build_name(arch) != cpu_build.build_name(arch)
+    assert edited.build_name(arch).startswith(f"gpn_cpu_kernels_{arch.lower()}_")
