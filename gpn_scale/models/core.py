@@ -582,7 +582,8 @@ def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, c0: i
     narrow = C[0].dU_full.dtype != dg.dtype
     for t in reversed(range(c0, c1)):
         j = t - c0
-        dus[t].copy_(dg)
+        if t == T - 1:  # later steps' dL/dg (= dL/du_t) is their last group's output, written into du
+            dus[t].copy_(dg)
         dxp = ew.mm(torch.mul(dg, G.fg_fac[j], out=G.dYfg[j]), fg_WT, dX)
         dc = ew.residual_rms_backward(G.xp[j], G.rp[j], dxp, dg, G.fg[j], None if dPs is None else dPs[t],
                                       **_dc_out(C[-1].dU[j], narrow))
@@ -609,10 +610,12 @@ def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, c0: i
             dx = ew.mm(c.dY[j], WT[i], dX)
             if i == 0 and spec.memory and not kn_flows:  # the next key's gradient reaches the weights only
                 dx = dx.to(dg.dtype) - ew.mm(G.dkn[j], W_kT)
-            dc = ew.residual_rms_backward(c.x[j], c.r[j], dx, dc, c.pg_gate[j], **(_dc_out(C[i - 1].dU[j], narrow) if i > 0 else {}))
-        dg = dc if (t < T - 1 or dg_prev is None) else dc + dg_prev
+            # dL/dg_t (layer 0's) is dL/du_{t-1}: written into du's row, the next step reads it there
+            out = _dc_out(C[i - 1].dU[j], narrow) if i > 0 else dict(out=dus[t - 1] if t > 0 else None)
+            dc = ew.residual_rms_backward(c.x[j], c.r[j], dx, dc, c.pg_gate[j], **out)
+        dg = dc if (t < T - 1 or dg_prev is None) else dc.add_(dg_prev)
         if spec.bptt and t > 0 and t % spec.bptt == 0:  # where the naive core detaches the state
-            dg = torch.zeros_like(dg)
+            dg.zero_()
             if spec.memory:
                 dM = torch.zeros_like(dM)
                 kn_flows = False
