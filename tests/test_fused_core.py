@@ -5,8 +5,11 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from gpn_scale.models import GPN, GPNConfig, GPNState
+from gpn_scale.models.core import fuse_weights
 from kernels.memory.reference import memory_read, memory_read_backward, memory_step, memory_step_backward, read_factors
 
 # Odd sizes everywhere; T = 21 is not a multiple of any chunk length used below. The core runs the
@@ -153,6 +156,42 @@ def test_bf16_autocast_keeps_state_in_float32_and_is_as_accurate_as_naive():
         assert torch.isfinite(grads[name]).all()
         err, naive_err = (grads[name] - exact[name]).norm(), (ref[name] - exact[name]).norm()
         assert err <= 2 * naive_err + 0.01 * exact[name].norm(), name
+
+
+class NewTensors(TorchDispatchMode):
+    """Records the shape of every tensor an op returns in storage that none of its inputs (nor
+    its out= argument) holds: the tensors it allocated."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {x.untyped_storage().data_ptr() for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)}
+        self.shapes += [tuple(x.shape) for x in tree_flatten(out)[0]
+                        if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in given]
+        return out
+
+
+def test_bf16_weight_gradients_allocate_nothing_weight_sized_per_chunk():
+    """Under bf16 the weight-gradient GEMMs run in bf16 into float32 gradients; however many chunks
+    the backward sweeps, it allocates the same weight-sized tensors (those made once per window)."""
+    T, B = 6, 4  # B * chunk rows (8, 24) is no weight's dimension
+    made = {}
+    for chunk in (6, 2):  # one chunk, three
+        model = make(**CASES["gpn_m_2l"], core_chunk=chunk)
+        with torch.no_grad():  # the matrices the core's GEMMs read: its fused weights
+            layers, fg_W, _ = fuse_weights(model)
+        weights = {tuple(w.shape) for w in [fg_W, *(w for L in layers for w in (L.W, L.W2o))]}
+        weights |= {s[::-1] for s in weights}
+        tokens = torch.randint(0, ODD.vocab_size, (B, T), generator=torch.Generator().manual_seed(1))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(tokens, core="fused").loss
+        with NewTensors() as new:
+            loss.backward()
+        made[chunk] = sorted(s for s in new.shapes if s in weights)
+    assert made[6] and made[2] == made[6]
 
 
 def test_inference_path_gives_the_same_outputs():

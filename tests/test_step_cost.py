@@ -30,7 +30,7 @@ def hand_count(dtype: str) -> dict[tuple[str, str], int]:
     backward, the second GEMM, gate_grads, the memory backward (_gated_rms_bwd, _step_bwd and the
     per-head sums of its column blocks, _head_sums), dv copied into the chunk's rows, the write
     gates' factor (a mul), the heads' l2n backward, the projection GEMM, residual_rms backward
-    again; the step's input gradient copied out.
+    again, which writes the step's input gradient into its row of du (no copy).
 
     Under bf16 the Triton groups and the memory kernels' output norm read the GEMMs' outputs and
     write their inputs in bf16, so the step GEMMs cast nothing forward. Backward, dv is copied
@@ -40,7 +40,7 @@ def hand_count(dtype: str) -> dict[tuple[str, str], int]:
     return {("forward", "gemm"): 3, ("forward", "triton"): 5, ("forward", "cast"): 0, ("forward", "copy"): 0,
             ("forward", "other"): 0,
             ("backward", "gemm"): 3, ("backward", "triton"): 9, ("backward", "cast"): int(bf16),
-            ("backward", "copy"): 2 - int(bf16), ("backward", "other"): 2}
+            ("backward", "copy"): 1 - int(bf16), ("backward", "other"): 2}
 
 
 TRITON_KERNELS = {

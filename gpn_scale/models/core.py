@@ -582,7 +582,8 @@ def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, c0: i
     narrow = C[0].dU_full.dtype != dg.dtype
     for t in reversed(range(c0, c1)):
         j = t - c0
-        dus[t].copy_(dg)
+        if t == T - 1:  # later steps' dL/dg (= dL/du_t) is their last group's output, written into du
+            dus[t].copy_(dg)
         dxp = ew.mm(torch.mul(dg, G.fg_fac[j], out=G.dYfg[j]), fg_WT, dX)
         dc = ew.residual_rms_backward(G.xp[j], G.rp[j], dxp, dg, G.fg[j], None if dPs is None else dPs[t],
                                       **_dc_out(C[-1].dU[j], narrow))
@@ -609,10 +610,12 @@ def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, c0: i
             dx = ew.mm(c.dY[j], WT[i], dX)
             if i == 0 and spec.memory and not kn_flows:  # the next key's gradient reaches the weights only
                 dx = dx.to(dg.dtype) - ew.mm(G.dkn[j], W_kT)
-            dc = ew.residual_rms_backward(c.x[j], c.r[j], dx, dc, c.pg_gate[j], **(_dc_out(C[i - 1].dU[j], narrow) if i > 0 else {}))
-        dg = dc if (t < T - 1 or dg_prev is None) else dc + dg_prev
+            # dL/dg_t (layer 0's) is dL/du_{t-1}: written into du's row, the next step reads it there
+            out = _dc_out(C[i - 1].dU[j], narrow) if i > 0 else dict(out=dus[t - 1] if t > 0 else None)
+            dc = ew.residual_rms_backward(c.x[j], c.r[j], dx, dc, c.pg_gate[j], **out)
+        dg = dc if (t < T - 1 or dg_prev is None) else dc.add_(dg_prev)
         if spec.bptt and t > 0 and t % spec.bptt == 0:  # where the naive core detaches the state
-            dg = torch.zeros_like(dg)
+            dg.zero_()
             if spec.memory:
                 dM = torch.zeros_like(dM)
                 kn_flows = False
@@ -627,23 +630,37 @@ def _dc_out(dU, narrow: bool) -> dict:
     return dict(out=None, out_low=dU) if narrow else dict(out=dU)
 
 
-def _gemm(acc, X, G, cd):
-    """acc += X^T G over all rows, the GEMM in the compute dtype cd."""
+def _weight_grad_workspace(spec: Spec, layers, fg_W, sd: torch.dtype) -> torch.Tensor | None:
+    """Where a weight gradient's GEMM writes its (in x out) product when it runs in a compute
+    dtype narrower than the float32 gradients (BLAS cannot write another dtype than it reads):
+    one buffer of the largest weight, made once for the backward and reused by every GEMM of
+    every chunk, so a chunk allocates nothing weight-sized. None when the dtypes agree."""
+    cd = spec.compute_dtype
+    if cd == sd:
+        return None
+    return fg_W.new_empty(max(w.numel() for L in layers for w in (L.W, L.W2o, fg_W)), dtype=cd)
+
+
+def _gemm(acc, X, G, cd, work):
+    """acc += X^T G over all rows, the GEMM in the compute dtype cd. Without `work` (cd is acc's
+    dtype) it accumulates in place; with it, the product goes into `work` and is added from there,
+    widened on load: the same numbers as rounding a fresh product, without one."""
     X, G = X.reshape(-1, X.shape[-1]).to(cd), G.reshape(-1, G.shape[-1]).to(cd)
-    if cd == acc.dtype:  # accumulate in place: no (in x out) temporary
+    if work is None:
         acc.addmm_(X.T, G)
     else:
-        acc += (X.T @ G).to(acc.dtype)
+        acc.add_(torch.mm(X.T, G, out=work[: acc.numel()].view(acc.shape)))
 
 
-def _weight_grads(spec: Spec, S, sl: slice, C: list[ChunkLayer], G: ChunkShared, grads, dfg_W, dfg_b, dA_log) -> None:
+def _weight_grads(spec: Spec, S, sl: slice, C: list[ChunkLayer], G: ChunkShared, grads, dfg_W, dfg_b, dA_log,
+                  work) -> None:
     """The chunk's weight gradients, accumulated: dW += X^T dY as GEMMs over its B*L rows."""
     cd = spec.compute_dtype
     for i, c in enumerate(C):
-        _gemm(grads[i][0], c.X_full, c.dY_full, cd)
+        _gemm(grads[i][0], c.X_full, c.dY_full, cd, work)
         grads[i][1] += c.dY_full.sum((0, 1), dtype=grads[i][1].dtype)
-        _gemm(grads[i][2], c.Z_full, c.dU_full, cd)
-    _gemm(dfg_W, G.XP, G.dYfg_full, cd)
+        _gemm(grads[i][2], c.Z_full, c.dU_full, cd, work)
+    _gemm(dfg_W, G.XP, G.dYfg_full, cd, work)
     dfg_b += G.dYfg_full.sum((0, 1), dtype=dfg_b.dtype)
     if spec.memory:
         dA_log += (G.dBD_full[:, 1] * S.DECAY[sl] * S.GAMMA[sl]).sum((0, 1))
@@ -667,6 +684,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
     grads = [[torch.zeros_like(L.W, dtype=sd), torch.zeros_like(L.b, dtype=sd), torch.zeros_like(L.W2o, dtype=sd)] for L in layers]
     dfg_W, dfg_b = torch.zeros_like(fg_W, dtype=sd), torch.zeros_like(fg_b, dtype=sd)
     work = _workspace(spec, layers, min(spec.chunk, T), B, S.P)
+    gemm_work = _weight_grad_workspace(spec, layers, fg_W, sd)
     A = mem = BETA = DECAY = dMring = W_kT = dA_log = dk_next = None
     if spec.memory:
         mem = spec.backend.memory
@@ -706,7 +724,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
             G.dKQ_full[-1, 0] = dk_next
             dk_next = torch.empty_like(dk_next)
         carry = _sweep(spec, sw, C, G, Ms, c0, c1, T, carry, dk_next)
-        _weight_grads(spec, S, sl, C, G, grads, dfg_W, dfg_b, dA_log)
+        _weight_grads(spec, S, sl, C, G, grads, dfg_W, dfg_b, dA_log, gemm_work)
         del C, G, Ms  # before the next chunk's buffers exist, not after
 
     dg, dM = carry.dg, carry.dM
@@ -714,7 +732,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
         return du, dg, None, None, None, grads, dfg_W, dfg_b
     # The first key comes from the incoming previous state.
     dk0 = ew.l2n_relu_backward(S.k0, (S.k0 > 0) / S.k0n, dk_next).flatten(1)
-    _gemm(grads[0][0][:, col0["k"]], S.x_prev, dk0, spec.compute_dtype)
+    _gemm(grads[0][0][:, col0["k"]], S.x_prev, dk0, spec.compute_dtype, gemm_work)
     grads[0][1][col0["k"]] += dk0.sum(0)
     dg_prev0 = ew.rms_hat_backward(S.x_prev, S.r_prev, ew.mm(dk0, W_kT))
     return du, dg, dg_prev0, dM, dA_log, grads, dfg_W, dfg_b
