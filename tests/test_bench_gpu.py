@@ -79,3 +79,24 @@ def test_transformer_baseline_is_the_faster_of_eager_and_compiled():
     # The ratio's name says which baseline it was measured against.
     rows = {"gpn_m_triton": dict(tokens_per_s=30.0), "transformer": dict(tokens_per_s=60.0, compile=dict(used="compiled"))}
     assert bench.ratios(rows, None, None) == [("gpn_m_triton / transformer (compiled) tokens/s", 0.5, 0.5)]
+
+
+@pytest.mark.slow
+def test_transformer_row_falls_back_to_eager_when_compile_fails(monkeypatch):
+    """A real torch.compile failure (inductor finds no C++ compiler): the row is eager and says why."""
+    import torch
+    import torch._inductor.config
+
+    bench = load_bench()
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "/nonexistent/c++"))
+    args = bench.parse_args(["--device", "cpu", "--models", "transformer", "--seq-len", "8", "--steps", "1", "--compile"])
+    try:
+        row = bench.run_row(args, "transformer", torch.device("cpu"))
+    finally:
+        torch._dynamo.reset()  # no compiled or failed frames left for later tests
+    timing = row["compile"]
+    assert timing["used"] == "eager" and timing["compiled_s"] is None
+    assert timing["note"].startswith("torch.compile failed (") and "C++ compiler" in timing["note"]
+    assert row["step_s"] == timing["eager_s"] and row["label"].endswith(", eager)")
+    assert bench.ratios({"gpn_m_triton": dict(tokens_per_s=1.0), "transformer": row}, None, None)[0][0] == \
+        "gpn_m_triton / transformer (eager) tokens/s"
