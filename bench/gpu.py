@@ -13,7 +13,11 @@ backward), with torch.cuda.max_memory_allocated as the peak:
   naive         the same model with the naive autograd time loop, run at --naive-seq-len and
                 reported as tokens/s "extrapolated" to --seq-len: a sequential loop's cost per
                 token does not shrink with T, and at T 2048 its graph would not fit
-  transformer   Transformer++ (--transformer, 12L 130M) with torch SDPA
+  transformer   Transformer++ (--transformer, 12L 130M) with torch SDPA, timed eager and then
+                under torch.compile (--no-compile: eager only; the default on CPU, where
+                compiling the tiny model takes ~50 s); the row, and so the ratio table, use the
+                faster of the two, and say which. Where compile is unavailable or fails, the
+                row is eager and says why
 Each row's batch fills the GPU: one probe step at batch 2 measures the memory per sequence,
 and the batch is what fits in --fill of the free memory (`--batch name=N` sets it).
 
@@ -32,6 +36,7 @@ import json
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -50,6 +55,8 @@ def parse_args(argv):
     p.add_argument("--batch", action="append", default=[], metavar="NAME=N", help="fix a row's batch (repeatable)")
     p.add_argument("--fill", type=float, default=0.8, help="share of free GPU memory a row's batch may use")
     p.add_argument("--steps", type=int, default=2, help="timed steps per row (>= 1), after one untimed step")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time the transformer row under torch.compile and keep the faster (default: on CUDA only)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
@@ -57,6 +64,7 @@ def parse_args(argv):
     args.transformer = args.transformer or ("transformer_130m" if cuda else "transformer_tiny")
     args.seq_len = args.seq_len or (2048 if cuda else 16)
     args.naive_seq_len = args.naive_seq_len or (128 if cuda else 8)
+    args.compile = cuda if args.compile is None else args.compile
     if args.steps < 1:
         p.error("--steps: expected >= 1")
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -101,7 +109,7 @@ def build(args, name):
 
     if name == "transformer":
         cfg = model_config(args.transformer)
-        return cfg, args.seq_len, f"Transformer++ {cfg.n_layers}L (torch SDPA)"
+        return cfg, args.seq_len, f"Transformer++ {cfg.n_layers}L (torch SDPA"  # run_row closes it with the mode
     cfg = model_config(args.gpn)
     if name == "naive":  # plain autograd: no segment recomputation
         return dataclasses.replace(cfg, core="naive", checkpoint_every=0), args.naive_seq_len, f"GPN+M {cfg.n_layers}L naive loop"
@@ -120,6 +128,36 @@ def train_step_fn(model, opt, tokens, device, bf16: bool):
         return loss
 
     return step
+
+
+class CompileTiming(NamedTuple):
+    """The transformer row's two timings and which one the row reports."""
+
+    used: str  # "eager" or "compiled"
+    eager_s: float
+    compiled_s: float | None  # None: not run or failed (see note)
+    note: str
+
+
+def fastest(eager_s: float, compiled_s: float | None, note: str) -> CompileTiming:
+    """The faster of eager and compiled: a baseline as fast as a user would run it."""
+    used = "compiled" if compiled_s is not None and compiled_s < eager_s else "eager"
+    return CompileTiming(used, eager_s, compiled_s, note)
+
+
+def compiled_step_s(model, opt, tokens, device, steps: int, bf16: bool) -> tuple[float | None, str]:
+    """Seconds per training step of torch.compile(model) (after one untimed step that
+    compiles), or None and one line saying why it could not run."""
+    if not hasattr(torch, "compile"):
+        return None, f"torch {torch.__version__} has no torch.compile; eager used"
+    try:
+        step = train_step_fn(torch.compile(model), opt, tokens, device, bf16)
+        step()
+        sync(device)
+        return timed(step, device, steps, warmup=False), "eager and compiled timed"
+    except Exception as e:  # the eager figure stands; say why there is no compiled one
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return None, f"torch.compile failed ({type(e).__name__}: {first[:200]}); eager used"
 
 
 def probe_batch(args, model, opt, cfg, T, device) -> int:
@@ -174,9 +212,24 @@ def run_row(args, name, device) -> dict:
             release(model)  # graphs captured at this batch hold memory
             batch //= 2
             print(f"{name}: out of memory, retrying at batch {batch}", flush=True)
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    compile_timing = None
+    if name == "transformer":
+        compiled_s, note = None, "compile not requested (--compile; on by default on CUDA only)"
+        if args.compile:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            compiled_s, note = compiled_step_s(model, opt, tokens, device, args.steps, bf16=cuda)
+        compile_timing = fastest(sec, compiled_s, note)
+        if compiled_s is None and args.compile:
+            print(f"{name}: {note}", flush=True)
+        if compile_timing.used == "compiled":
+            sec, peak = compiled_s, torch.cuda.max_memory_allocated(device) if cuda else None
+        label += f", {compile_timing.used})"
     row = dict(name=name, label=label, batch=batch, seq_len=T, step_s=sec, tokens_per_s=batch * T / sec,
-               peak_bytes=torch.cuda.max_memory_allocated(device) if cuda else None, loss=loss.item(),
-               params=sum(p.numel() for p in model.parameters()))
+               peak_bytes=peak, loss=loss.item(), params=sum(p.numel() for p in model.parameters()))
+    if compile_timing is not None:
+        row["compile"] = compile_timing._asdict()
     if name == "naive":
         row["extrapolated_to_seq_len"] = args.seq_len
     graphs = graphs_of(model)
@@ -259,7 +312,8 @@ def ratios(rows: dict, kernel: dict | None, copy_bps: float | None) -> list[tupl
     for other in ("transformer", "naive", "gpn_m_eager", "gpn_m_torch"):
         if "gpn_m_triton" in tps and other in tps:
             key = f"gpn_m_triton / {other}"
-            out.append((key + " tokens/s", tps["gpn_m_triton"] / tps[other], TARGETS.get(key)))
+            mode = f" ({rows[other]['compile']['used']})" if "compile" in rows[other] else ""  # eager or compiled baseline
+            out.append((f"{key}{mode} tokens/s", tps["gpn_m_triton"] / tps[other], TARGETS.get(key)))
     if kernel and copy_bps:
         for name in ("memory_step (fwd)", "memory_step_backward"):
             out.append((f"{name} / copy bandwidth", kernel[name]["bytes_per_s"] / copy_bps, TARGETS["memory kernel / copy"]))
@@ -300,6 +354,9 @@ def main(argv=None) -> int:
     print(f"\n{'row':13s} {'what':44s} {'batch':>5s} {'T':>5s} {'tok/s':>11s} {'peak GiB':>8s}")
     for r in rows.values():
         note = f"  (measured at T {r['seq_len']}, extrapolated to T {r['extrapolated_to_seq_len']})" if r["name"] == "naive" else ""
+        if "compile" in r:  # both timings, so the choice can be checked
+            c, tok = r["compile"], r["batch"] * r["seq_len"]
+            note = f"  (eager {tok / c['eager_s']:.0f} tok/s, " + (f"compiled {tok / c['compiled_s']:.0f} tok/s)" if c["compiled_s"] else f"{c['note']})")
         peak = f"{r['peak_bytes'] / 2**30:8.2f}" if r["peak_bytes"] is not None else f"{'-':>8s}"
         print(f"{r['name']:13s} {r['label']:44s} {r['batch']:5d} {r['seq_len']:5d} {r['tokens_per_s']:11.0f} {peak}{note}")
     for name, error in failed.items():

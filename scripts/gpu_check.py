@@ -553,7 +553,8 @@ def stage_bench(part: Part, mode: Mode, out: Path) -> None:
         part.finish("FAIL", f"bench/gpu.py exited with {rc} and wrote no results")
         return
     rows = {n: dict(batch=r["batch"], seq_len=r["seq_len"], tokens_per_s=r["tokens_per_s"], step_s=r["step_s"],
-                    peak_gib=None if r["peak_bytes"] is None else r["peak_bytes"] / 2**30, cuda_graphs=r.get("cuda_graphs"))
+                    peak_gib=None if r["peak_bytes"] is None else r["peak_bytes"] / 2**30, cuda_graphs=r.get("cuda_graphs"),
+                    compile=r.get("compile"))
             for n, r in result["rows"].items()}
     part.update(device=result["device"], rows=rows, failed_rows=result["failed"], ratios=result["ratios"], wall_s=result["wall_s"])
     shown = [r for r in result["ratios"] if r["target"] is not None]

@@ -1,5 +1,6 @@
 """bench/gpu.py on CPU: tiny configs, the Triton kernels in the interpreter, every row and figure."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -35,7 +36,10 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     names = [r["name"] for r in result["ratios"]]
     assert "gpn_m_triton / naive tokens/s" in names and "memory_step (fwd) / copy bandwidth" in names
     assert "gpn_m_triton / gpn_m_eager tokens/s" in names
-    assert "gpn_m_triton / transformer tokens/s" in names
+    # CPU default: no torch.compile (it takes ~50 s on the tiny model), and the table says so.
+    assert rows["transformer"]["compile"]["used"] == "eager" and rows["transformer"]["compile"]["compiled_s"] is None
+    assert rows["transformer"]["step_s"] == rows["transformer"]["compile"]["eager_s"]
+    assert "gpn_m_triton / transformer (eager) tokens/s" in names
     # The ratio table is printed last (before the line naming the JSON file).
     tail = proc.stdout.strip().splitlines()[-(len(names) + 2):]
     assert tail[0].startswith("ratio") and tail[-1] == f"wrote {out}"
@@ -52,3 +56,47 @@ def test_models_kernels_and_bench_import_only_torch_triton_numpy_yaml():
     top = set(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert not top & {"deepspeed", "streaming", "wandb", "pyarrow", "tokenizers", "safetensors"}, top
     assert {"torch", "triton", "yaml", "gpn_scale", "kernels"} <= top
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_transformer_baseline_is_the_faster_of_eager_and_compiled():
+    bench = load_bench()
+    assert bench.fastest(0.2, 0.1, "timed").used == "compiled"
+    assert bench.fastest(0.1, 0.2, "timed").used == "eager"
+    assert bench.fastest(0.1, 0.1, "timed").used == "eager"  # a tie needs no compiler
+    failed = bench.fastest(0.3, None, "torch.compile failed (X); eager used")
+    assert failed.used == "eager" and failed.note.startswith("torch.compile failed")
+    # Compile is on by default on CUDA only; either way a flag overrides it.
+    assert bench.parse_args(["--device", "cuda"]).compile and not bench.parse_args(["--device", "cpu"]).compile
+    assert bench.parse_args(["--device", "cpu", "--compile"]).compile
+    assert not bench.parse_args(["--device", "cuda", "--no-compile"]).compile
+    # The ratio's name says which baseline it was measured against.
+    rows = {"gpn_m_triton": dict(tokens_per_s=30.0), "transformer": dict(tokens_per_s=60.0, compile=dict(used="compiled"))}
+    assert bench.ratios(rows, None, None) == [("gpn_m_triton / transformer (compiled) tokens/s", 0.5, 0.5)]
+
+
+@pytest.mark.slow
+def test_transformer_row_falls_back_to_eager_when_compile_fails(monkeypatch):
+    """A real torch.compile failure (inductor finds no C++ compiler): the row is eager and says why."""
+    import torch
+    import torch._inductor.config
+
+    bench = load_bench()
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "/nonexistent/c++"))
+    args = bench.parse_args(["--device", "cpu", "--models", "transformer", "--seq-len", "8", "--steps", "1", "--compile"])
+    try:
+        row = bench.run_row(args, "transformer", torch.device("cpu"))
+    finally:
+        torch._dynamo.reset()  # no compiled or failed frames left for later tests
+    timing = row["compile"]
+    assert timing["used"] == "eager" and timing["compiled_s"] is None
+    assert timing["note"].startswith("torch.compile failed (") and "C++ compiler" in timing["note"]
+    assert row["step_s"] == timing["eager_s"] and row["label"].endswith(", eager)")
+    assert bench.ratios({"gpn_m_triton": dict(tokens_per_s=1.0), "transformer": row}, None, None)[0][0] == \
+        "gpn_m_triton / transformer (eager) tokens/s"

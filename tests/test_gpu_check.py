@@ -97,6 +97,7 @@ def test_dry_kernel_bench_and_engine_stages_report_what_they_ran(dry):
     b = report["stages"]["bench"]
     assert set(b["rows"]) == {"gpn_m_triton", "gpn_m_eager", "gpn_m_torch", "naive", "transformer"}
     assert b["rows"]["gpn_m_triton"]["cuda_graphs"]["forward"]["replayed"] > 0
+    assert b["rows"]["transformer"]["compile"]["used"] == "eager"  # the dry bench does not compile
     assert b["ratio_table"][0].startswith("ratio") and len(b["ratio_table"]) == len(b["ratios"]) + 1
     assert [line.split("  ")[0].strip() for line in b["ratio_table"][1:]] == [r["name"] for r in b["ratios"]]
     assert json.loads((out / "bench.json").read_text())["ratios"] == b["ratios"]
