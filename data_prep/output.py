@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import logging
 import os
 import shutil
 import sys
@@ -29,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+from streaming.base.util import merge_index
 
 from gpn_scale.errors import UserError
 
@@ -277,15 +279,7 @@ def _merge(out: Path) -> dict:
 
     for split in config["splits"]:
         (out / split).mkdir(exist_ok=True)  # absent when no unit was planned
-        shards = []
-        for uid, _ in kept:
-            index_path = out / split / uid / "index.json"
-            for shard in json.loads(index_path.read_text())["shards"]:
-                for key in ("raw_data", "zip_data"):
-                    if shard.get(key):
-                        shard[key]["basename"] = f"{uid}/{shard[key]['basename']}"
-                shards.append(shard)
-        write_atomic(out, out / split / "index.json", dump_json({"shards": shards, "version": 2}))
+        _merge_split_index(out, out / split, [uid for uid, _ in kept])
 
     unigram = np.zeros(manifest["tokenizer"]["vocab_size"], np.int64)
     for uid, _ in kept:
@@ -299,6 +293,35 @@ def _merge(out: Path) -> dict:
     for warning in stats["warnings"]:
         print(f"warning: {out}: {warning}", file=sys.stderr)
     return stats
+
+
+def _merge_split_index(out: Path, split_dir: Path, uids: list[str]) -> None:
+    """Write split_dir/index.json over the units' indexes, in unit order, with streaming's merge.
+
+    The library moves its merged file into the directory it is given (and fails if one is there
+    already), so it writes into a fresh directory in OUT/.tmp and the result replaces the old root
+    index in one rename: a reader never sees a partial index, and a rerun's merge replaces it."""
+    tmp = out / ".tmp" / f"index.{uuid.uuid4().hex}"
+    tmp.mkdir(parents=True)
+    if uids:
+        with _root_logger_quiet():
+            merge_index([str(split_dir / uid / "index.json") for uid in uids], str(tmp))
+    else:  # the library writes nothing for an empty list; an output without documents has an empty index
+        (tmp / "index.json").write_bytes(dump_json({"shards": [], "version": 2}))
+    os.replace(tmp / "index.json", split_dir / "index.json")
+    tmp.rmdir()
+
+
+@contextmanager
+def _root_logger_quiet() -> Iterator[None]:
+    """merge_index reports its scratch folder through `logging.warning`, which would also install a
+    stderr handler on the root logger for the rest of the process; a handler of ours prevents both."""
+    root, handler = logging.getLogger(), logging.NullHandler()
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
 
 
 def nothing_kept(out: Path, files: list[dict], bad: dict, listed: list[dict]) -> UserError:

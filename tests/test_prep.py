@@ -6,6 +6,7 @@ The multi-process checks (workers x nodes identity, SIGKILL resume) are in test_
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 from pathlib import Path
@@ -171,6 +172,25 @@ def test_streaming_reads_a_filesystem_remote_into_a_separate_cache(corpus, token
     remote = read_split(cache, remote=str(out / "train"))
     assert np.array_equal(local, remote) and len(local) > 0
     assert (cache / "index.json").exists() and any(cache.glob("000000/shard.*.mds"))  # unit paths resolve
+
+
+def test_merge_again_replaces_the_root_index_with_the_units_in_order(corpus, tokenizer, tmp_path):
+    out = tmp_path / "out"
+    assert prep(corpus, "--out", out, "--tokenizer", tokenizer, "--seq-len", SEQ_LEN, "--workers", 1,
+                "--on-error", "skip")[0] == 0
+    first = (out / "train" / "index.json").read_bytes()
+    root_handlers = list(logging.getLogger().handlers)
+    assert prep("merge", out)[0] == 0  # over an existing root index: replaced, not refused
+    assert (out / "train" / "index.json").read_bytes() == first
+    assert logging.getLogger().handlers == root_handlers and not (out / ".tmp").exists()
+    expected = []  # each unit's shards in unit order, their paths made relative to the split root
+    for unit in sorted(p for p in (out / "train").iterdir() if p.is_dir()):
+        for shard in json.loads((unit / "index.json").read_text())["shards"]:
+            for key in ("raw_data", "zip_data"):
+                if shard.get(key):
+                    shard[key]["basename"] = f"{unit.name}/{shard[key]['basename']}"
+            expected.append(shard)
+    assert len(expected) > 1 and json.loads(first) == {"shards": expected, "version": 2}
 
 
 def test_a_rerun_clears_what_a_crash_left_and_matches_a_clean_run(corpus, tokenizer, tmp_path):

@@ -44,6 +44,19 @@ def test_sizing_rule_grows_the_width_and_refuses_targets_below_its_smallest_mode
         sizing.size("mamba", 1e6, 512)
 
 
+def test_fit_of_no_more_points_than_parameters_has_no_interval():
+    x = np.array([1e5, 4e5, 1.6e6])
+    y = 1.7 + 40 * x ** -0.34 + np.array([0.01, -0.01, 0.005])
+    three = fit_power_law(x, y, bootstrap=50)
+    # Every resample with 3 distinct x is the 3 points again: a percentile interval would have width 0.
+    assert three.interval is None and "3 points" in three.interval_warning
+    assert three.to_dict()["interval_95"] is None and three.to_dict()["interval_warning"] == three.interval_warning
+    assert three(x) == pytest.approx(y, abs=0.02)  # the point fit itself is still reported
+    four = fit_power_law(np.append(x, 6.4e6), np.append(y, 1.7 + 40 * 6.4e6 ** -0.34 - 0.01), bootstrap=50)
+    lo, hi = four.interval["alpha"]
+    assert four.interval_warning is None and lo < hi
+
+
 def test_fit_recovers_a_known_law_and_its_interval_covers_it():
     x = np.geomspace(1e5, 3.2e6, 6)
     exact = fit_power_law(x, 1.7 + 40 * x ** -0.34, bootstrap=100)
@@ -152,7 +165,7 @@ def test_local_sweep_runs_every_point_and_collect_fits_and_plots(tmp_path, data)
     for family in ("gpn_m_1l", "transformer"):
         for key in ("L(N)", "L(C)"):
             fit = fits[family][key]
-            lo, hi = fit["interval_95"]["alpha"]
-            assert fit["points"] == 3 and lo <= fit["alpha"] <= hi
+            assert fit["points"] == 3 and fit["interval_95"] is None and fit["interval_warning"]
+    assert "95% n/a" in collect.stdout and "warning: 3 points" in collect.stdout
     for png in ("loss_vs_params.png", "loss_vs_compute.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -32,11 +32,13 @@ def _collect(argv: list[str]) -> int:
         for key in ("L(N)", "L(C)"):
             fit = entry[key]
             if isinstance(fit, dict):
-                lo, hi = fit["interval_95"]["alpha"]
+                interval = fit["interval_95"]
+                ci = "n/a" if interval is None else "[{:.3f}, {:.3f}]".format(*interval["alpha"])
                 print(f"  {family:12s} {key}: E {fit['E']:.3f}, A {fit['A']:.4g}, alpha {fit['alpha']:.3f} "
-                      f"(95% [{lo:.3f}, {hi:.3f}]), {fit['points']} points")
-                if fit["warning"]:
-                    print(f"    warning: {fit['warning']}")
+                      f"(95% {ci}), {fit['points']} points")
+                for warning in (fit["warning"], fit["interval_warning"]):
+                    if warning:
+                        print(f"    warning: {warning}")
             else:
                 print(f"  {family:12s} {key}: {fit}")
     print(f"fits: {out / 'fits.json'}; plots: {out / 'loss_vs_params.png'}, {out / 'loss_vs_compute.png'}")

@@ -76,8 +76,9 @@ def _plot(rows: list[dict], fitted: dict, x_name: str, key: str, xlabel: str, pa
         fit = fitted[family][key]
         label = family
         if isinstance(fit, dict):
-            lo, hi = fit["interval_95"]["alpha"]
-            label += f": {fit['E']:.2f} + {fit['A']:.3g} x^-{fit['alpha']:.3f} (alpha 95% [{lo:.2f}, {hi:.2f}])"
+            interval = fit["interval_95"]
+            ci = "n/a" if interval is None else "[{:.2f}, {:.2f}]".format(*interval["alpha"])
+            label += f": {fit['E']:.2f} + {fit['A']:.3g} x^-{fit['alpha']:.3f} (alpha 95% {ci})"
             if fit["warning"]:
                 label += " - not a power-law regime, see fits.json"
             grid = np.geomspace(x.min() / 1.5, x.max() * 1.5, 200)
