@@ -12,7 +12,6 @@ why not.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
 import sys
 from pathlib import Path
@@ -60,7 +59,7 @@ def load():
                 # The name holds the sources' hash, so a build there is of these very sources: load it.
                 # (torch's loader would rewrite the build file with this checkout's paths, and ninja
                 # would then rebuild what another checkout built.)
-                _ext = _import(name, built)
+                _ext = _import(name, build_dir)
             if _ext is None:  # a build takes a while: say why
                 print(f"[kernels] building the C++ CPU kernels in {build_dir} (about half a minute): "
                       f"{_why_build(build_dir.parent, arch, name)}", file=sys.stderr)
@@ -74,15 +73,14 @@ def load():
     return _ext
 
 
-def _import(name: str, path: Path):
+def _import(name: str, build_dir: Path):
     """The built module, or None where it does not load (a build being written: build it then)."""
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    from torch.utils import cpp_extension
+
+    try:  # torch's own loader of a built extension, as `cpp_extension.load` ends with
+        return cpp_extension._import_module_from_library(name, str(build_dir), True)
     except (ImportError, OSError):
         return None
-    return module
 
 
 def _why_build(cache: Path, arch: str, name: str) -> str:
