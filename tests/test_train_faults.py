@@ -300,11 +300,12 @@ def test_rotation_hashes_only_checkpoints_this_run_has_not_verified(tmp_path, mo
     hashed = []
     monkeypatch.setattr(writer, "verify", lambda d: hashed.append(d.name) or ckpt.verify(d))
     verified = {ckpt.tag_for(6)}  # e.g. the checkpoint this run resumed from
-    writer.commit(tmp_path, ckpt.tag_for(8), 3, verified)
+    reports = [writer.hash_own_files(tmp_path / ckpt.tag_for(8), 0, 1)]  # one rank wrote step 8
+    writer.commit(tmp_path, ckpt.tag_for(8), 3, verified, reports)
     assert hashed == [ckpt.tag_for(4)]  # not 6: verified already; not 2: three newer ones verify, so it goes
     assert verified == {ckpt.tag_for(s) for s in (4, 6, 8)}
     assert ckpt.tags(tmp_path) == [ckpt.tag_for(s) for s in (8, 6, 4)]
-    writer.commit(tmp_path, ckpt.tag_for(8), 2, verified)
+    writer.commit(tmp_path, ckpt.tag_for(8), 2, verified, reports)
     assert hashed == [ckpt.tag_for(4)] and ckpt.tags(tmp_path) == [ckpt.tag_for(8), ckpt.tag_for(6)]
     assert verified == {ckpt.tag_for(6), ckpt.tag_for(8)}
 
