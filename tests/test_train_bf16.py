@@ -26,13 +26,27 @@ def data(tmp_path_factory):
     return root
 
 
-def train(data, family, run_dir, *overrides, resume=False):
+def start(data, family, run_dir, *overrides, resume=False) -> subprocess.Popen:
+    """A one-process run (one thread); its stderr goes to a file beside the run."""
     cmd = [sys.executable, "-m", "gpn_scale", "train", str(ROOT / "configs" / "train" / f"{family}_tiny.yaml"),
            f"run.dir={run_dir}", f"data.train={data / 'train'}", "data.val=null", "zero.stage=2", *overrides]
-    proc = subprocess.run(cmd + (["--resume", "auto"] if resume else []), capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    log = Path(f"{run_dir}.{'resume' if resume else 'train'}.stderr")
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd + (["--resume", "auto"] if resume else []), stdout=subprocess.DEVNULL, stderr=err,
+                                text=True, env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
+    proc.log = log
     return proc
+
+
+def finish(proc: subprocess.Popen) -> str:
+    proc.wait(timeout=900)
+    stderr = proc.log.read_text()
+    assert proc.returncode == 0, stderr[-5000:]
+    return stderr
+
+
+def train(data, family, run_dir, *overrides, resume=False) -> str:
+    return finish(start(data, family, run_dir, *overrides, resume=resume))
 
 
 def losses(run_dir) -> dict[int, float]:
@@ -40,29 +54,40 @@ def losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+FAMILIES = ("gpn_m", "transformer", "gdn")
+RESUME_STEPS = ("train.total_steps=6", "train.save_every=3", "precision=bf16")
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(data, tmp_path_factory):
+    """An uninterrupted 6-step bf16 run per family, saving at step 3."""
+    root = tmp_path_factory.mktemp("bf16")
+    for family in FAMILIES:  # one after another: one-process runs share DeepSpeed's default port
+        assert "ZeRO-2, bf16" in train(data, family, root / family, *RESUME_STEPS), family
+    return root
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpn_m", "transformer", "gdn"])
-def test_bf16_resume_bitwise(data, tmp_path, family):
-    """An uninterrupted 6-step run saves at step 3; a copy of it without its step-6 checkpoint
-    resumes from step 3 in a new process and must repeat steps 4-6 bit for bit."""
-    steps = ["train.total_steps=6", "train.save_every=3", "precision=bf16"]
-    proc = train(data, family, tmp_path / "ref", *steps)
-    assert "ZeRO-2, bf16" in proc.stderr
-    shutil.copytree(tmp_path / "ref", tmp_path / "run")
-    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_00000006")
-    metrics = tmp_path / "run" / "metrics.jsonl"  # steps 4-6 must come from the resumed run, not the copy
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_resume_bitwise(data, bf16_runs, tmp_path, family):
+    """A copy of the uninterrupted run without its step-6 checkpoint resumes from step 3 in a new
+    process and must repeat steps 4-6 bit for bit."""
+    ref, run = bf16_runs / family, tmp_path / "run"
+    shutil.copytree(ref, run)
+    shutil.rmtree(run / "checkpoints" / "step_00000006")
+    metrics = run / "metrics.jsonl"  # steps 4-6 must come from the resumed run, not the copy
     metrics.write_text("".join(l + "\n" for l in metrics.read_text().splitlines() if json.loads(l)["step"] <= 3))
-    proc = train(data, family, tmp_path / "run", *steps, resume=True)
-    assert "resum" in proc.stderr and "step_00000003" in proc.stderr, proc.stderr[-3000:]
-    assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4, 5, 6]
-    assert losses(tmp_path / "run") == losses(tmp_path / "ref")  # bitwise
+    stderr = train(data, family, run, *RESUME_STEPS, resume=True)
+    assert "resum" in stderr and "step_00000003" in stderr, stderr[-3000:]
+    assert sorted(losses(run)) == [1, 2, 3, 4, 5, 6]
+    assert losses(run) == losses(ref)  # bitwise
 
 
 @pytest.mark.slow
 def test_bf16_loss_curve_tracks_fp32(data, tmp_path):
     steps = [f"train.total_steps={LONG}", f"train.save_every={LONG}", "train.warmup_steps=20", "train.lr=3e-3"]
-    train(data, "gpn_m", tmp_path / "fp32", *steps, "precision=fp32")
-    train(data, "gpn_m", tmp_path / "bf16", *steps, "precision=bf16")
+    for precision in ("fp32", "bf16"):
+        train(data, "gpn_m", tmp_path / precision, *steps, f"precision={precision}")
     fp32, bf16 = losses(tmp_path / "fp32"), losses(tmp_path / "bf16")
     assert sorted(bf16) == list(range(1, LONG + 1))
     assert bf16 != fp32  # bf16 is in effect
