@@ -45,10 +45,39 @@ def writer_rank(name: str, world: int) -> int:
     return int(found.group(1)) % world if found else 0
 
 
-def hash_own_files(tag_dir: Path, rank: int, world: int) -> dict[str, dict]:
+class HashingSaves:
+    """DeepSpeed's checkpoint engine (torch.save, one file per call) with each file hashed as it is
+    written (`manifest.write_hashed`), so a save's manifest needs no second pass over its tens of
+    GB. Everything but `save` is the wrapped engine's."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self._written: dict[Path, dict] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def save(self, state_dict, path: str) -> None:
+        zipfile = self._inner.zipfile_serialization
+        self._written[Path(path).resolve()] = manifest.write_hashed(
+            Path(path), lambda f: torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile))
+
+    def take(self, tag_dir: Path) -> dict[str, dict]:
+        """The entries of the files written under tag_dir, by their names there; forgotten here."""
+        root = tag_dir.resolve()
+        mine = {p: e for p, e in self._written.items() if p.is_relative_to(root)}
+        for p in mine:
+            del self._written[p]
+        return {str(p.relative_to(root)): e for p, e in mine.items()}
+
+
+def hash_own_files(tag_dir: Path, rank: int, world: int, known: dict[str, dict] | None = None) -> dict[str, dict]:
     """Every rank, once all ranks' files are written: the manifest entries of the files this rank
-    wrote (still in its page cache), so a save's hashing is spread over the ranks like its writing."""
-    return manifest.hash_files(tag_dir, [n for n in files_of(tag_dir) if writer_rank(n, world) == rank])
+    wrote, so a save's hashing is spread over the ranks like its writing. `known`: entries hashed
+    while writing (HashingSaves, save_rng); the rest are read back (still in the page cache)."""
+    known = known or {}
+    unknown = [n for n in files_of(tag_dir) if writer_rank(n, world) == rank and n not in known]
+    return {**manifest.hash_files(tag_dir, unknown), **known}
 
 
 def write_manifest(tag_dir: Path) -> None:
@@ -89,15 +118,16 @@ def write_trainer_state(tag_dir: Path, state: dict) -> None:
     atomic.write_text(tag_dir / TRAINER_STATE, json.dumps(state, indent=1))
 
 
-def save_rng(tag_dir: Path, rank: int) -> None:
-    """RNG format 2: plain tuples, lists and numbers, and one uint8 tensor, so the file names no NumPy
+def save_rng(tag_dir: Path, rank: int) -> dict[str, dict]:
+    """Write this rank's RNG states; {file name: manifest entry}.
+
+    RNG format 2: plain tuples, lists and numbers, and one uint8 tensor, so the file names no NumPy
     global (format 1 held NumPy's state tuple with its uint32 key array; it still loads)."""
     name, key, pos, has_gauss, gauss = np.random.get_state()
-    torch.save(
-        {"python": random.getstate(), "numpy": (name, key.tolist(), pos, has_gauss, gauss),
-         "torch": torch.get_rng_state()},
-        tag_dir / f"rng_rank{rank}.pt",
-    )
+    state = {"python": random.getstate(), "numpy": (name, key.tolist(), pos, has_gauss, gauss),
+             "torch": torch.get_rng_state()}
+    file = f"rng_rank{rank}.pt"
+    return {file: manifest.write_hashed(tag_dir / file, lambda f: torch.save(state, f))}
 
 
 def load_rng(tag_dir: Path, rank: int) -> bool:

@@ -171,6 +171,10 @@ class Trainer:
             model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
             config=deepspeed_config(cfg, self.grad_accum, universal),
         )
+        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+        if type(self.engine.checkpoint_engine) is TorchCheckpointEngine:  # DeepSpeed's default; others write their own way
+            self.engine.checkpoint_engine = ckpt.HashingSaves(self.engine.checkpoint_engine)
         if cfg.zero.stage == 3:
             from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
@@ -284,7 +288,7 @@ class Trainer:
         torch.distributed.barrier()
         try:
             self.engine.save_checkpoint(str(self.ckpt_root), tag=tag, save_latest=False)
-            ckpt.save_rng(tag_dir, self.rank)
+            written = ckpt.save_rng(tag_dir, self.rank)
             if self.is_main:
                 ckpt.write_trainer_state(tag_dir, {
                     "step": self.step, "tokens": self.tokens, "loader": self.data.state_dict(),
@@ -302,7 +306,9 @@ class Trainer:
                             f"bytes free); the partial save was removed; free space and resume with --resume auto"
                             + (f" (from {previous[0]})" if previous else "")) from None
         torch.distributed.barrier()  # every rank's files are on disk before any is hashed
-        reports = dist_utils.gather_objects(ckpt.hash_own_files(tag_dir, self.rank, self.world))
+        if isinstance(self.engine.checkpoint_engine, ckpt.HashingSaves):
+            written |= self.engine.checkpoint_engine.take(tag_dir)
+        reports = dist_utils.gather_objects(ckpt.hash_own_files(tag_dir, self.rank, self.world, written))
         if self.is_main:
             ckpt.commit(self.ckpt_root, tag, self.cfg.train.keep_last, self.verified, reports)
         torch.distributed.barrier()
