@@ -146,6 +146,24 @@ def test_a_stray_cast_in_the_step_gemm_breaks_the_count(tiny, monkeypatch):
     assert launches(per_step)[("forward", "cast")] == hand_count()[("forward", "cast")] + 2 * 3
 
 
+def test_indexed_and_metadata_only_ops_count_what_they_touch():
+    """A gather, an index and an index_put_ (the cross-entropy's target logits) read and write the
+    elements their indices name and the indices, not the whole tensor."""
+    rows, vocab = 6, 1000
+    logits, rows_at, targets = torch.randn(rows, vocab), torch.arange(rows), torch.randint(0, vocab, (rows,))
+    with step_cost.LaunchCounter() as counter:
+        logits.gather(1, targets[:, None])
+        logits[rows_at, targets] -= 1.0  # index, sub, index_put_
+    got = {x.name: (x.read, x.written) for x in counter.launches}
+    f32, i64 = 4, 8
+    assert got["gather"] == (rows * (f32 + i64), rows * f32)
+    assert got["index"] == (rows * (f32 + 2 * i64), rows * f32)
+    assert got["index_put_"] == (rows * (f32 + 2 * i64), rows * f32)
+    with step_cost.LaunchCounter() as counter:
+        logits.new_zeros((rows, 2))  # reads nothing of logits
+    assert [(x.name, x.read, x.written) for x in counter.launches] == [("new_zeros", 0, rows * 2 * f32)]
+
+
 def test_command_line_table_json_and_bad_config(tmp_path, capsys):
     out = tmp_path / "cost.json"
     assert step_cost.main(["--config", "gpn_m_tiny", "--kernel", "torch", "--device", "cpu", "--batch", "8",
