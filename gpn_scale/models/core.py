@@ -435,7 +435,8 @@ def _workspace(spec: Spec, layers, L, B, like):
     leave the heap fragmented, and the process's resident memory creeping up chunk by chunk."""
     new = lambda *shape, dtype=like.dtype: like.new_empty((L, B) + shape, dtype=dtype)  # noqa: E731
     io = _io_dtype(spec, like.dtype)  # the sweep's GEMM outputs and inputs (the weight gradients' too)
-    return [Workspace(Y=new(W.W.shape[1]), dY=new(W.W.shape[1], dtype=io), Z=new(W.W2o.shape[0]),
+    # Z is read by one GEMM only (W2o's weight gradient): written rounded, it is not cast there.
+    return [Workspace(Y=new(W.W.shape[1]), dY=new(W.W.shape[1], dtype=io), Z=new(W.W2o.shape[0], dtype=io),
                       dZ=new(W.W2o.shape[0], dtype=io), ffn_fac=new(2, spec.F)) for W in layers]
 
 
