@@ -102,6 +102,9 @@ _NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_st
               "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type"}
 _GEMM_OPERANDS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}
 _OVERWRITES = {"copy_", "fill_", "zero_"}  # in-place ops that do not read their self
+_INDEXED = {"gather", "index", "embedding", "index_put_"}  # ops that touch only the indexed elements of a tensor
+# ops that take a tensor for its dtype, device (and shape) only: they write their output, read nothing
+_METADATA_ONLY = {"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -110,6 +113,24 @@ def _nbytes(t: torch.Tensor) -> int:
     for size, stride in zip(t.shape, t.stride()):
         n *= size if stride != 0 else min(size, 1)
     return n * t.element_size()
+
+
+def _indexed_bytes(name, args, out) -> tuple[int, int]:
+    """(read, written) of an op that touches only the elements its integer indices name: those
+    elements and the indices, not the whole tensor (the cross-entropy's gather of one logit per
+    row reads one element of the row, not the vocabulary)."""
+    if name == "index_put_":  # self[indices] = values (or += with accumulate)
+        self, indices, values = args[:3]
+        idx = [i for i in indices if i is not None]
+        touched = math.prod(torch.broadcast_shapes(*(i.shape for i in idx))) * math.prod(self.shape[len(indices):])
+        touched *= self.element_size()
+        accumulate = len(args) > 3 and bool(args[3])
+        return sum(map(_nbytes, idx)) + _nbytes(values) + (touched if accumulate else 0), touched
+    # gather(self, dim, index), index(self, indices), embedding(weight, indices): the output's
+    # elements, read from the source, and the indices
+    indices = args[2] if name == "gather" else args[1]
+    picked = sum(_nbytes(t) for t in _tensors(out))
+    return picked + sum(map(_nbytes, _tensors(indices))), picked
 
 
 def _tensors(x):
@@ -156,6 +177,10 @@ class LaunchCounter(TorchDispatchMode):
                 if not writes or not (a.is_out or name in _OVERWRITES):
                     read += _nbytes(t)
         written += sum(_nbytes(t) for t in _tensors(out) if not any(t is m for m in mutated))
+        if name in _INDEXED:
+            read, written = _indexed_bytes(name, args, out)
+        elif name in _METADATA_ONLY:
+            read = 0
         inputs = _tensors(args)
         dtype = str(inputs[0].dtype).removeprefix("torch.") if inputs else ""
         flops, kind = 0, "other"

@@ -76,7 +76,7 @@ VARIANTS = json.loads(sys.argv[2])
 HELPERS = {"_rms_out", "_residual", "_grounded"}  # called from kernels, compiled with them (as kernels/numerics.py's)
 INTS = {"H", "DK", "DV", "N", "NF", "ND", "NHEADS", "NG", "NB"}  # runtime sizes; other lower-case names are strides
 CONSTEXPRS = {"BK": 128, "BV": 16, "BN": 1024, "BF": 1024, "BH": 16, "BHEADS": 32, "HEADS": True, "GATES": True,
-              "HAS_HAT": True, "HAS_EXTRA": True, "HAS_LOW": True, "L2EPS": 1e-12,
+              "HAS_HAT": True, "HAS_EXTRA": True, "HAS_LOW": True, "HAS_LOW_FAC": True, "L2EPS": 1e-12,
               "STEP": True}  # `_head_sums` for the step's backward: its code holds the read's as a part
 TARGET = GPUTarget("cuda", 90, 32)
 knobs.nvidia.dump_ptxas_log = True  # ptxas -v's report, printed to stdout

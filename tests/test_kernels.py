@@ -103,10 +103,16 @@ def test_backward_matches_twin(shape, dtype, monkeypatch):
     outs = dict(out_dk=torch.full((B, H, dk), float("nan"), device=DEVICE), out_dq=torch.full((B, H, dk), float("nan"), device=DEVICE),
                 out_dbeta=torch.full((B, H), float("nan"), device=DEVICE), out_ddecay=torch.full((B, H), float("nan"), device=DEVICE),
                 out_dgate=poisoned_rows(B, H * dv))
-    for kwargs in ({}, outs):
+    # dv and the gates' factored gradients into rows of the projection's gradient, in the vectors' dtype
+    gate_fac = torch.rand(B, 2, H, generator=g).to(DEVICE)
+    rows = dict(out_dv=poisoned_rows(B, H * dv, dtype=dtype).view(B, H, dv), gate_fac=gate_fac,
+                out_dgates=poisoned_rows(B, 2 * H, dtype=dtype).view(B, 2, H))
+    for kwargs in ({}, outs, rows):
         got = K.memory_step_backward(x["M"], M_t, x["k"], x["beta"], x["decay"], e, delta, x["q"], f, dM, dy, **kwargs)
         for name, a, b in zip(names, got, ref):
             check(a, b, dtype, name)
+    assert got[2] is rows["out_dv"]
+    check(rows["out_dgates"], torch.stack(ref[3:5], 1) * gate_fac, dtype, "dgates")
 
     ref = T.memory_read_backward(M_t, w["q"], f, dy.to(M_t.dtype), dM)
     got = K.memory_read_backward(M_t, x["q"], f, dy, dM, out_dq=torch.full((B, H, dk), float("nan"), device=DEVICE),
@@ -280,13 +286,16 @@ def test_backward_groups_match_twin(impl, shape, dtype, monkeypatch):
     dX = rand(B, d + 2, seed=10)
     dc, gate, extra = rand(B, d, seed=11), torch.sigmoid(rand(B, d, seed=12)), rand(B, d, seed=13)
 
-    def make_rms(poison, with_extra):
+    def make_rms(poison, with_extra, low_fac=None):
         dx = (dX.to(dtype) if poison else dX.to(dtype).float())[:, 1 : d + 1]
-        out = buf(poison, B, d)
-        return (x_hat, r, dx, dc, gate, extra if with_extra else None), dict(out=out), [out]
+        out, low = buf(poison, B, d), buf(poison, B, d + 2, dtype=dtype)[:, 1 : d + 1]
+        if low_fac is None:
+            return (x_hat, r, dx, dc, gate, extra if with_extra else None), dict(out=out), [out]
+        return (x_hat, r, dx, dc, gate, extra if with_extra else None), dict(out=out, out_low=low, low_fac=low_fac), [out, low]
 
     run_both(impl, "residual_rms_backward", lambda p: make_rms(p, True), dtype)
     run_both(impl, "residual_rms_backward", lambda p: make_rms(p, False), dtype)
+    run_both(impl, "residual_rms_backward", lambda p: make_rms(p, False, low_fac=rand(B, d + 1, seed=19)[:, 1:]), dtype)
 
     dZ, fac, pg_fac = rand(B, nf + d + 1, seed=14), rand(B, 2, nf, seed=15), rand(B, d, seed=16)
 
@@ -324,12 +333,36 @@ def test_narrow_outputs_are_rounded_to_nearest_even(impl, shape):
     out, low = buf(True, B, d), buf(True, B, d + 2, dtype=torch.bfloat16)[:, 1 : d + 1]
     IMPLS[impl].residual_rms_backward(*args, out=out, out_low=low)
     assert torch.equal(low, out.to(torch.bfloat16))
+    fac = rand(B, d, seed=36)
+    IMPLS[impl].residual_rms_backward(*args, out=out, out_low=low, low_fac=fac)  # through a factor first
+    assert torch.equal(low, (out * fac).to(torch.bfloat16))
     if impl == "triton":  # the groups that write a GEMM's bf16 input or read its output in place
         wide, narrow = (buf(True, B, d), buf(True, B, 1)), (buf(True, B, d, dtype=torch.bfloat16), buf(True, B, 1))
         y, pg = rand(B, d, seed=34).to(torch.bfloat16), rand(B, d, seed=35).to(torch.bfloat16)
         E.residual_rms(y, pg, x, None, *wide)
         E.residual_rms(y, pg, x, None, *narrow)
         assert torch.equal(narrow[0], wide[0].to(torch.bfloat16)) and torch.equal(narrow[1], wide[1])
+
+
+def test_step_backward_rounds_dv_and_gate_gradients_into_narrow_rows():
+    """dv and the gates' factored gradients written into bf16 rows (the projection GEMM's
+    gradient, `out_dv`, `out_dgates`) are the float32 results rounded to nearest even."""
+    B, H, dk, dv = 3, 3, 7, 33
+    x = inputs(B, H, dk, dv, torch.float32, seed=5)
+    M_t, e, o, _ = T.memory_step(**x)
+    f = T.read_factors(o, x["gate"])
+    g = torch.Generator().manual_seed(6)
+    dM, dy = (torch.randn(t.shape, generator=g).to(DEVICE) for t in (M_t, o))
+    gate_fac = torch.rand(B, 2, H, generator=g).to(DEVICE)
+    got = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = dict(out_dv=poisoned_rows(B, H * dv, dtype=dtype).view(B, H, dv), gate_fac=gate_fac,
+                    out_dgates=poisoned_rows(B, 2 * H, dtype=dtype).view(B, 2, H))
+        K.memory_step_backward(x["M"], M_t, x["k"], x["beta"], x["decay"], e, x["beta"][..., None] * e, x["q"], f, dM, dy,
+                               **rows)
+        got[dtype] = rows
+    for name in ("out_dv", "out_dgates"):
+        assert torch.equal(got[torch.bfloat16][name], got[torch.float32][name].to(torch.bfloat16)), name
 
 
 # ---- the whole model: kernel = triton against kernel = torch ----------------------------------

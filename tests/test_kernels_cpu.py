@@ -94,15 +94,23 @@ def test_backward_matches_twin(shape, dtype):
     names = ("dM_prev", "dk", "dv", "dbeta", "ddecay", "dq", "dgate")
     args = (x["M"], M_t, x["k"], x["beta"], x["decay"], e, delta, x["q"], f)
     ref = T.memory_step_backward(*args, dM.clone(), dy)
+    gate_fac = torch.rand(B, 2, H, generator=g, dtype=dtype)
     outs = dict(out_dk=nan_rows(B, H * dk, dtype)[0].view(B, H, dk), out_dq=nan(B, H, dk, dtype=dtype),
                 out_dbeta=nan(B, H, dtype=dtype), out_ddecay=nan_rows(B, H, dtype)[0], out_dgate=nan_rows(B, H * dv, dtype)[0],
-                out_dM=nan(B, H, dk, dv, dtype=dtype))
-    for kwargs in ({}, outs):
+                out_dM=nan(B, H, dk, dv, dtype=dtype), out_dv=nan_rows(B, H * dv, dtype)[0].view(B, H, dv), gate_fac=gate_fac,
+                out_dgates=nan_rows(B, 2 * H, dtype)[0].view(B, 2, H))
+    # into another dtype (the GEMM rows of a bf16 step): rounded copies
+    narrow = dict(out_dv=nan_rows(B, H * dv, torch.bfloat16)[0].view(B, H, dv), gate_fac=gate_fac,
+                  out_dgates=nan_rows(B, 2 * H, torch.bfloat16)[0].view(B, 2, H))
+    for kwargs in ({}, outs, narrow):
         dM_in = dM.clone()
         got = K.memory_step_backward(*args, dM_in, dy, **kwargs)
         for name, a, b in zip(names, got, ref):
-            check(a, b, dtype, name)
+            check(a, b, dtype, name, tol=2e-2 if kwargs is narrow and name == "dv" else None)
         assert torch.equal(dM_in, dM)  # the incoming gradient is read, not overwritten
+    assert torch.equal(narrow["out_dv"], outs["out_dv"].to(torch.bfloat16))
+    check(outs["out_dgates"], torch.stack(ref[3:5], 1) * gate_fac, dtype, "dgates")
+    assert torch.equal(narrow["out_dgates"], outs["out_dgates"].to(torch.bfloat16))
 
     ref = T.memory_read_backward(M_t, x["q"], f, dy, dM.clone())
     got = K.memory_read_backward(M_t, x["q"], f, dy, dM, out_dq=nan(B, H, dk, dtype=dtype),
@@ -193,8 +201,9 @@ def entry_point_calls():
          dict(M=M_t, q=x["q"], f=f, dy=r(B, n), dM=r(B, H, dk, dv), **outs(out_dq=(B, H, dk), out_dgate=(B, n), out_dM=(B, H, dk, dv)))),
         ("memory_step_backward", K.memory_step_backward,
          dict(M_prev=x["M"], M=M_t, k=x["k"], beta=x["beta"], decay=x["decay"], e=e, delta=x["beta"][..., None] * e, q=x["q"], f=f,
-              dM=r(B, H, dk, dv), dy=r(B, n), **outs(out_dk=(B, H, dk), out_dq=(B, H, dk), out_dbeta=(B, H), out_ddecay=(B, H),
-                                                      out_dgate=(B, n), out_dM=(B, H, dk, dv)))),
+              dM=r(B, H, dk, dv), dy=r(B, n), gate_fac=r(B, 2, H),
+              **outs(out_dk=(B, H, dk), out_dq=(B, H, dk), out_dbeta=(B, H), out_ddecay=(B, H), out_dgate=(B, n),
+                     out_dM=(B, H, dk, dv), out_dv=(B, H, dv), out_dgates=(B, 2, H)))),
         ("post_projection", elementwise_cpu.post_projection,
          dict(h1=r(B, nf), h2=r(B, nf), out_ffn=nan(B, nf, dtype=torch.float32), heads=r(B, nb, H, dk), beta=r(B, H), a=r(B, H), A=-r(H).exp(),
               **outs(out_heads=(B, nb, H, dk), out_norms=(B, nb, H, 1), out_beta=(B, H), out_gamma=(B, H), out_decay=(B, H)))),

@@ -115,6 +115,23 @@ def test_chunked_cross_entropy_matches_full_logits(chunk):
     torch.testing.assert_close(dw2, dw)
 
 
+def test_chunked_cross_entropy_under_bf16_rounds_the_float32_softmax_gradient_once():
+    """Under bf16 autocast the logits' gradient is computed in float32 from the bf16 GEMM's
+    logits and rounded to bf16 once, before the two gradient GEMMs (one chunk here)."""
+    gen = torch.Generator().manual_seed(3)
+    h, w = torch.randn(37, 12, generator=gen, requires_grad=True), torch.randn(50, 12, generator=gen, requires_grad=True)
+    y, g = torch.randint(0, 50, (37,), generator=gen), torch.rand(37, generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_cross_entropy(h, w, y, 64)
+    dh, dw = torch.autograd.grad((out * g).sum(), (h, w))
+    hb, wb = h.detach().bfloat16(), w.detach().bfloat16()
+    logits = (hb @ wb.T).float()
+    p = (logits - torch.logsumexp(logits, -1, keepdim=True)).exp()
+    p[torch.arange(37), y] -= 1.0
+    d = (p * g[:, None]).bfloat16()
+    assert torch.equal(dh, (d @ wb).float()) and torch.equal(dw, (d.T @ hb).float())
+
+
 def test_logits_only_when_asked_and_consistent_with_loss():
     model = make()
     tokens = torch.randint(0, SMALL.vocab_size, (2, 10))

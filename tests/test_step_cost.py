@@ -21,26 +21,27 @@ _spec.loader.exec_module(step_cost)
 STEPS = (2, 3)
 
 
-def hand_count(dtype: str) -> dict[tuple[str, str], int]:
+def hand_count() -> dict[tuple[str, str], int]:
     """Launches per time step of GPN+M with one layer, read off the fused core's loop.
 
     Forward: the projection GEMM, post_projection, the memory step (_step_fwd, _gated_rms_fwd),
     the second GEMM, residual_rms, the fuse-gate GEMM, ground. Backward: the memory step again
-    (M rebuilt inside the chunk), the fuse gate's GEMM and its factor (a mul), residual_rms
-    backward, the second GEMM, gate_grads, the memory backward (_gated_rms_bwd, _step_bwd and the
-    per-head sums of its column blocks, _head_sums), dv copied into the chunk's rows, the write
-    gates' factor (a mul), the heads' l2n backward, the projection GEMM, residual_rms backward
-    again, which writes the step's input gradient into its row of du (no copy).
+    (M rebuilt inside the chunk), the fuse gate's GEMM (its input, dL/dg times the gate's factor,
+    written by the step after's last residual_rms backward: no mul inside a chunk), residual_rms
+    backward, the second GEMM, gate_grads, the memory backward (_gated_rms_bwd, _step_bwd, which
+    writes dv into the chunk's projection-gradient rows, and the per-head sums of its column
+    blocks, _head_sums, which write the write gates' gradients times their factors there too),
+    the heads' l2n backward, the projection GEMM, residual_rms backward again, which writes the
+    step's input gradient into its row of du (no copy) and the next step's fuse-gate input.
 
-    Under bf16 the Triton groups and the memory kernels' output norm read the GEMMs' outputs and
-    write their inputs in bf16, so the step GEMMs cast nothing forward. Backward, dv is copied
-    into the bf16 projection-gradient rows: that copy is a cast.
+    Under bf16 the Triton groups and the memory kernels read the GEMMs' outputs and write their
+    inputs in bf16, so the step GEMMs cast nothing, forward or backward; in any dtype nothing
+    is copied and no torch elementwise op runs per step.
     """
-    bf16 = dtype == "bf16"
     return {("forward", "gemm"): 3, ("forward", "triton"): 5, ("forward", "cast"): 0, ("forward", "copy"): 0,
             ("forward", "other"): 0,
-            ("backward", "gemm"): 3, ("backward", "triton"): 9, ("backward", "cast"): int(bf16),
-            ("backward", "copy"): 1 - int(bf16), ("backward", "other"): 2}
+            ("backward", "gemm"): 3, ("backward", "triton"): 9, ("backward", "cast"): 0,
+            ("backward", "copy"): 0, ("backward", "other"): 0}
 
 
 TRITON_KERNELS = {
@@ -57,8 +58,8 @@ def launches(per_step) -> dict[tuple[str, str], float]:
     return out
 
 
-def check_hand_count(per_step, dtype):
-    assert launches(per_step) == hand_count(dtype)
+def check_hand_count(per_step):
+    assert launches(per_step) == hand_count()
     for phase, names in TRITON_KERNELS.items():
         assert {k[2]: t.count for k, t in per_step.items() if k[0] == phase and k[1] == "triton"} == names
 
@@ -78,7 +79,7 @@ def tiny():
 def test_launches_per_step_match_the_hand_count(tiny):
     _, _, costs = tiny
     for batch in (2, 3, 4):
-        check_hand_count(costs[batch][0], "bf16")
+        check_hand_count(costs[batch][0])
 
 
 def test_gemm_flops_and_memory_traffic_per_step_match_the_model(tiny):
@@ -141,8 +142,26 @@ def test_a_stray_cast_in_the_step_gemm_breaks_the_count(tiny, monkeypatch):
     monkeypatch.setattr(model, "backend", lambda device_type: stray)
     per_step, _ = step_cost.step_costs(model, [2], STEPS, "bf16", torch.device(DEVICE), warm=False)[2]
     with pytest.raises(AssertionError):
-        check_hand_count(per_step, "bf16")
-    assert launches(per_step)[("forward", "cast")] == hand_count("bf16")[("forward", "cast")] + 2 * 3
+        check_hand_count(per_step)
+    assert launches(per_step)[("forward", "cast")] == hand_count()[("forward", "cast")] + 2 * 3
+
+
+def test_indexed_and_metadata_only_ops_count_what_they_touch():
+    """A gather, an index and an index_put_ (the cross-entropy's target logits) read and write the
+    elements their indices name and the indices, not the whole tensor."""
+    rows, vocab = 6, 1000
+    logits, rows_at, targets = torch.randn(rows, vocab), torch.arange(rows), torch.randint(0, vocab, (rows,))
+    with step_cost.LaunchCounter() as counter:
+        logits.gather(1, targets[:, None])
+        logits[rows_at, targets] -= 1.0  # index, sub, index_put_
+    got = {x.name: (x.read, x.written) for x in counter.launches}
+    f32, i64 = 4, 8
+    assert got["gather"] == (rows * (f32 + i64), rows * f32)
+    assert got["index"] == (rows * (f32 + 2 * i64), rows * f32)
+    assert got["index_put_"] == (rows * (f32 + 2 * i64), rows * f32)
+    with step_cost.LaunchCounter() as counter:
+        logits.new_zeros((rows, 2))  # reads nothing of logits
+    assert [(x.name, x.read, x.written) for x in counter.launches] == [("new_zeros", 0, rows * 2 * f32)]
 
 
 def test_command_line_table_json_and_bad_config(tmp_path, capsys):

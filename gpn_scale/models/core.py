@@ -435,7 +435,8 @@ def _workspace(spec: Spec, layers, L, B, like):
     leave the heap fragmented, and the process's resident memory creeping up chunk by chunk."""
     new = lambda *shape, dtype=like.dtype: like.new_empty((L, B) + shape, dtype=dtype)  # noqa: E731
     io = _io_dtype(spec, like.dtype)  # the sweep's GEMM outputs and inputs (the weight gradients' too)
-    return [Workspace(Y=new(W.W.shape[1]), dY=new(W.W.shape[1], dtype=io), Z=new(W.W2o.shape[0]),
+    # Z is read by one GEMM only (W2o's weight gradient): written rounded, it is not cast there.
+    return [Workspace(Y=new(W.W.shape[1]), dY=new(W.W.shape[1], dtype=io), Z=new(W.W2o.shape[0], dtype=io),
                       dZ=new(W.W2o.shape[0], dtype=io), ffn_fac=new(2, spec.F)) for W in layers]
 
 
@@ -580,11 +581,15 @@ def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, c0: i
     # dL/d(a layer's output) goes on in the state's dtype (the carry); its copy in the GEMMs'
     # dtype, the layer's dU row, is the second GEMM's input and the weight gradient's.
     narrow = C[0].dU_full.dtype != dg.dtype
+    folded = False  # whether the step after wrote this step's fuse-gate GEMM input (dg times the gate's factor)
     for t in reversed(range(c0, c1)):
         j = t - c0
+        cut = spec.bptt and t > 0 and t % spec.bptt == 0  # where the naive core detaches the state
         if t == T - 1:  # later steps' dL/dg (= dL/du_t) is their last group's output, written into du
             dus[t].copy_(dg)
-        dxp = ew.mm(torch.mul(dg, G.fg_fac[j], out=G.dYfg[j]), fg_WT, dX)
+        if not folded:  # the chunk's last step, or after a truncated-BPTT cut
+            torch.mul(dg, G.fg_fac[j], out=G.dYfg[j])
+        dxp = ew.mm(G.dYfg[j], fg_WT, dX)
         dc = ew.residual_rms_backward(G.xp[j], G.rp[j], dxp, dg, G.fg[j], None if dPs is None else dPs[t],
                                       **_dc_out(C[-1].dU[j], narrow))
         for i in reversed(range(nl)):
@@ -593,13 +598,14 @@ def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, c0: i
             ew.gate_grads(c.dz_ffn[j], c.ffn_fac[j], c.dffn[j], dc, c.pg_fac[j], c.dpg[j])
             if spec.memory:
                 if i == 0:
-                    dM, _, dv, *_ = mem.memory_step_backward(
+                    # dv and the gates' pre-activation gradients go straight into the projection's
+                    # gradient row, which the GEMM below reads.
+                    dM, *_ = mem.memory_step_backward(
                         Ms[j], Ms[j + 1], c.keys[j], BETA[t], DECAY[t], G.e[j], G.delta[j], c.q[j], c.rf[j], dM,
                         c.dz_read[j], out_dk=G.dk_out[j - 1] if j > 0 else dk_next, out_dq=G.dq_out[j],
                         out_dbeta=G.dbeta[j], out_ddecay=G.ddecay[j], out_dgate=c.dgate[j],
-                        out_dM=dMring[1] if dM is dMring[0] else dMring[0])
-                    G.dv[j].copy_(dv)
-                    torch.mul(G.dBD[j], G.gate_fac[j], out=G.dgates[j])
+                        out_dM=dMring[1] if dM is dMring[0] else dMring[0], out_dv=G.dv[j], gate_fac=G.gate_fac[j],
+                        out_dgates=G.dgates[j])
                     dq = G.dKQ[j]
                 else:
                     dq, _, dM = mem.memory_read_backward(Ms[j + 1], c.q[j], c.rf[j], c.dz_read[j], dM,
@@ -610,11 +616,18 @@ def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, c0: i
             dx = ew.mm(c.dY[j], WT[i], dX)
             if i == 0 and spec.memory and not kn_flows:  # the next key's gradient reaches the weights only
                 dx = dx.to(dg.dtype) - ew.mm(G.dkn[j], W_kT)
-            # dL/dg_t (layer 0's) is dL/du_{t-1}: written into du's row, the next step reads it there
-            out = _dc_out(C[i - 1].dU[j], narrow) if i > 0 else dict(out=dus[t - 1] if t > 0 else None)
+            if i > 0:
+                out = _dc_out(C[i - 1].dU[j], narrow)
+            else:
+                # dL/dg_t (layer 0's) is dL/du_{t-1}: written into du's row, the next step reads it
+                # there; dL/dg_prev, the last step's input, adds in; and the next step's fuse-gate
+                # GEMM input, dL/dg_t times the gate's factor, is written here too (within the chunk).
+                folded = j > 0 and not cut
+                out = dict(out=dus[t - 1] if t > 0 else None, extra=dg_prev if t == T - 1 else None,
+                           out_low=G.dYfg[j - 1] if folded else None, low_fac=G.fg_fac[j - 1] if folded else None)
             dc = ew.residual_rms_backward(c.x[j], c.r[j], dx, dc, c.pg_gate[j], **out)
-        dg = dc if (t < T - 1 or dg_prev is None) else dc.add_(dg_prev)
-        if spec.bptt and t > 0 and t % spec.bptt == 0:  # where the naive core detaches the state
+        dg = dc
+        if cut:
             dg.zero_()
             if spec.memory:
                 dM = torch.zeros_like(dM)

@@ -80,11 +80,15 @@ class LinearCrossEntropy(torch.autograd.Function):
             w = weight.to(dtype)
             for s in range(0, h.shape[0], chunk):
                 hc = h[s : s + chunk].to(dtype)
-                # In place: one (chunk x vocab) buffer at a time, the largest transient of a step.
-                probs = at_least_f32(hc @ w.T).sub_(lse[s : s + chunk, None]).exp_()
+                # One (chunk x vocab) float32 buffer at a time, the largest transient of a step, and
+                # as few passes over it as torch allows: the logits widened and shifted by one op (a
+                # bf16 minus a float32 is computed in float32), exp in place, and the gradient's
+                # factor multiplied straight into the compute dtype (rounded as .to() would).
+                probs = torch.sub(hc @ w.T, lse[s : s + chunk, None]).exp_()
                 rows = torch.arange(probs.shape[0], device=probs.device)
                 probs[rows, targets[s : s + chunk]] -= 1.0
-                dlogits = probs.mul_(grad_losses[s : s + chunk, None]).to(dtype)
+                g = grad_losses[s : s + chunk, None]
+                dlogits = probs.mul_(g) if probs.dtype == dtype else torch.mul(probs, g, out=torch.empty_like(probs, dtype=dtype))
                 dh[s : s + chunk] = (dlogits @ w).to(h.dtype)
                 dweight += dlogits.T @ hc
         return dh, dweight.to(weight.dtype), None, None

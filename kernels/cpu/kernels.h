@@ -49,7 +49,8 @@ std::vector<at::Tensor> memory_step_backward(
     const at::Tensor& decay, const at::Tensor& e, const at::Tensor& delta, const at::Tensor& q,
     const at::Tensor& rms, const at::Tensor& o_hat, const at::Tensor& silu_gate, const at::Tensor& to_gate,
     const at::Tensor& dM, const at::Tensor& dy, OptTensor out_dk, OptTensor out_dq, OptTensor out_dbeta,
-    OptTensor out_ddecay, OptTensor out_dgate, OptTensor out_dM);
+    OptTensor out_ddecay, OptTensor out_dgate, OptTensor out_dM, OptTensor out_dv, OptTensor gate_fac,
+    OptTensor out_dgates);
 
 // ---- elementwise.cpp -----------------------------------------------------------------------
 

@@ -444,18 +444,21 @@ std::vector<at::Tensor> memory_read_backward(const at::Tensor& M, const at::Tens
   return {dq.done(), dgate.done(), dM_out};
 }
 
-// Returns (dM_prev, dk, dv, dbeta, ddecay, dq, dgate).
+// Returns (dM_prev, dk, dv, dbeta, ddecay, dq, dgate) and, with gate_fac (B, 2, H), dgates =
+// (dbeta, ddecay) * gate_fac (into out_dgates when given).
 std::vector<at::Tensor> memory_step_backward(
     const at::Tensor& M_prev, const at::Tensor& M, const at::Tensor& k_, const at::Tensor& beta_,
     const at::Tensor& decay_, const at::Tensor& e_, const at::Tensor& delta_, const at::Tensor& q_,
     const at::Tensor& rms_, const at::Tensor& o_hat_, const at::Tensor& silu_gate_, const at::Tensor& to_gate_,
     const at::Tensor& dM_, const at::Tensor& dy_, OptTensor out_dk, OptTensor out_dq, OptTensor out_dbeta,
-    OptTensor out_ddecay, OptTensor out_dgate, OptTensor out_dM) {
+    OptTensor out_ddecay, OptTensor out_dgate, OptTensor out_dM, OptTensor out_dv, OptTensor gate_fac_,
+    OptTensor out_dgates) {
   check_cpu("memory_step_backward",
             {{"M_prev", M_prev}, {"M", M}, {"k", k_}, {"beta", beta_}, {"decay", decay_}, {"e", e_}, {"delta", delta_},
              {"q", q_}, {"rms", rms_}, {"o_hat", o_hat_}, {"silu_gate", silu_gate_}, {"to_gate", to_gate_}, {"dM", dM_},
              {"dy", dy_}, {"out_dk", out_dk}, {"out_dq", out_dq}, {"out_dbeta", out_dbeta}, {"out_ddecay", out_ddecay},
-             {"out_dgate", out_dgate}, {"out_dM", out_dM}});
+             {"out_dgate", out_dgate}, {"out_dM", out_dM}, {"out_dv", out_dv}, {"gate_fac", gate_fac_},
+             {"out_dgates", out_dgates}});
   check_m(M_prev, "M_prev");
   check_m(M, "M");
   const int64_t B = M_prev.size(0), H = M_prev.size(1), dk = M_prev.size(2), dv = M_prev.size(3), n = H * dv;
@@ -466,14 +469,18 @@ std::vector<at::Tensor> memory_step_backward(
   const Factors f = factor_rows(rms_, o_hat_, silu_gate_, to_gate_, B, n, dt);
   const at::Tensor dM = dM_.to(dt).contiguous(), dM_prev = block(out_dM, M_prev, "out_dM");
   TORCH_CHECK_VALUE(!dM_prev.is_same(dM), "memory kernels: out_dM must be a buffer other than dM");
-  const at::Tensor dv_t = at::empty({B, H, dv}, M_prev.options());
   const Out dk_o = out_rows(out_dk, B, H * dk, M_prev, {B, H, dk}), dq = out_rows(out_dq, B, H * dk, M_prev, {B, H, dk}),
             dbeta = out_rows(out_dbeta, B, H, M_prev, {B, H}), ddecay = out_rows(out_ddecay, B, H, M_prev, {B, H}),
-            dgate = out_rows(out_dgate, B, n, M_prev, {B, n});
+            dgate = out_rows(out_dgate, B, n, M_prev, {B, n}), dv_o = out_rows(out_dv, B, n, M_prev, {B, H, dv});
+  const bool gates = gate_fac_.has_value();
+  TORCH_CHECK_VALUE(gates || !out_dgates.has_value(), "memory_step_backward: out_dgates needs gate_fac");
+  // Empty without gate_fac, and then never read.
+  const In gate_fac = gates ? in_rows(*gate_fac_, B, 2 * H, dt) : In{};
+  const Out dgates = gates ? out_rows(out_dgates, B, 2 * H, M_prev, {B, 2, H}) : Out{};
   AT_DISPATCH_FLOATING_TYPES(dt, "memory_step_backward", [&] {
     using T = scalar_t;
     const T *const mp0 = M_prev.data_ptr<T>(), *const m0 = M.data_ptr<T>(), *const dm0 = dM.data_ptr<T>();
-    T *const dm_prev0 = dM_prev.data_ptr<T>(), *const dv0 = dv_t.data_ptr<T>();
+    T* const dm_prev0 = dM_prev.data_ptr<T>();
     at::parallel_for(0, B, grain(H * dk * dv), [&](int64_t b0, int64_t b1) {
       std::vector<T> d_o(n);
       std::vector<Vec<T>> part(2 * dk);
@@ -482,17 +489,28 @@ std::vector<at::Tensor> memory_step_backward(
                                f.to_gate.at<T>(b), d_o.data(), dgate.at<T>(b), n);
         const T *kb = k.at<T>(b), *qb = q.at<T>(b), *betab = beta.at<T>(b), *decayb = decay.at<T>(b),
                 *eb = e.at<T>(b), *deltab = delta.at<T>(b);
-        T *dkb = dk_o.at<T>(b), *dqb = dq.at<T>(b), *dbetab = dbeta.at<T>(b), *ddecayb = ddecay.at<T>(b);
+        T *dkb = dk_o.at<T>(b), *dqb = dq.at<T>(b), *dbetab = dbeta.at<T>(b), *ddecayb = ddecay.at<T>(b),
+          *dvb = dv_o.at<T>(b);
         for (int64_t h = 0; h < H; ++h) {
           const int64_t blk = (b * H + h) * dk * dv;
           step_backward_block(mp0 + blk, m0 + blk, kb + h * dk, qb + h * dk, betab[h], decayb[h], eb + h * dv,
                               deltab + h * dv, d_o.data() + h * dv, dm0 + blk, dm_prev0 + blk, dkb + h * dk,
-                              dv0 + (b * H + h) * dv, dbetab + h, ddecayb + h, dqb + h * dk, part.data(), dk, dv);
+                              dvb + h * dv, dbetab + h, ddecayb + h, dqb + h * dk, part.data(), dk, dv);
+        }
+        if (gates) {  // [beta's | decay's] factors, H each
+          const T* gf = gate_fac.at<T>(b);
+          T* dg = dgates.at<T>(b);
+          for (int64_t h = 0; h < H; ++h) {
+            dg[h] = dbetab[h] * gf[h];
+            dg[H + h] = ddecayb[h] * gf[H + h];
+          }
         }
       }
     });
   });
-  return {dM_prev, dk_o.done(), dv_t, dbeta.done(), ddecay.done(), dq.done(), dgate.done()};
+  std::vector<at::Tensor> out{dM_prev, dk_o.done(), dv_o.done(), dbeta.done(), ddecay.done(), dq.done(), dgate.done()};
+  if (gates) out.push_back(dgates.done());
+  return out;
 }
 
 }  // namespace gpn_cpu

@@ -39,14 +39,26 @@ def memory_read_backward(M, q, f: ReadFactors, dy, dM, *, out_dq=None, out_dgate
 
 
 def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors, dM, dy, *,
-                         out_dk=None, out_dq=None, out_dbeta=None, out_ddecay=None, out_dgate=None, out_dM=None):
+                         out_dk=None, out_dq=None, out_dbeta=None, out_ddecay=None, out_dgate=None, out_dM=None,
+                         out_dv=None, gate_fac=None, out_dgates=None):
     """Gradients of `memory_step` given dM (w.r.t. M_t, from later steps) and dy.
 
     Returns (dM_prev, dk, dv, dbeta, ddecay, dq, dgate), dM_prev in `out_dM` when given
-    (contiguous, a buffer other than dM).
+    (contiguous, a buffer other than dM); dv into `out_dv` and, with `gate_fac`,
+    (dbeta, ddecay) * gate_fac into `out_dgates`. The kernel writes M's dtype: an `out_dv` or
+    `out_dgates` of another dtype is filled by a copy after it.
     """
-    return tuple(_load().memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, *f, dM, dy, out_dk, out_dq,
-                                              out_dbeta, out_ddecay, out_dgate, out_dM))
+    dt = M_prev.dtype
+    dv_in = out_dv if out_dv is not None and out_dv.dtype == dt else None
+    dg_in = out_dgates if out_dgates is not None and out_dgates.dtype == dt else None
+    dM_prev, dk, dv, dbeta, ddecay, dq, dgate, *dgates = _load().memory_step_backward(
+        M_prev, M, k, beta, decay, e, delta, q, *f, dM, dy, out_dk, out_dq, out_dbeta, out_ddecay, out_dgate, out_dM, dv_in,
+        gate_fac, dg_in)
+    if out_dv is not None and dv_in is None:
+        dv = out_dv.copy_(dv)
+    if out_dgates is not None and dg_in is None:
+        out_dgates.copy_(dgates[0])
+    return dM_prev, dk, dv, dbeta, ddecay, dq, dgate
 
 
 OPS = MemoryOps(memory_step, memory_read, decay_and_write, memory_read_backward, memory_step_backward)

@@ -76,12 +76,16 @@ def memory_read_backward(M, q, f: ReadFactors, dy, dM, *, out_dq=None, out_dgate
 
 
 def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors, dM, dy, *,
-                         out_dk=None, out_dq=None, out_dbeta=None, out_ddecay=None, out_dgate=None, out_dM=None):
+                         out_dk=None, out_dq=None, out_dbeta=None, out_ddecay=None, out_dgate=None, out_dM=None,
+                         out_dv=None, gate_fac=None, out_dgates=None):
     """Gradients of `memory_step` given dM (w.r.t. M_t, from later steps) and dy.
 
     M_prev and M are the memory before and after the write, delta = beta e. Returns
     (dM_prev, dk, dv, dbeta, ddecay, dq, dgate); dM_prev goes to `out_dM` when given (a buffer
-    other than dM).
+    other than dM). `out_dv` may have another dtype than M (dv is rounded into it: the core's
+    projection-gradient rows, which its GEMM reads). With `gate_fac` (B, 2, H), the derivatives
+    of (beta, decay) w.r.t. their pre-activations, (dbeta, ddecay) * gate_fac goes to
+    `out_dgates` (B, 2, H), rounded to its dtype likewise.
     """
     dq, dgate, dM = memory_read_backward(M, q, f, dy, dM, out_dq=out_dq, out_dgate=out_dgate, out_dM=out_dM)
     # M = decay M_prev + k delta^T, delta = beta (v - M_prev^T k)
@@ -93,7 +97,10 @@ def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors,
     ddecay = torch.linalg.vecdot(dM.view(B, H, -1), M_prev.view(B, H, -1), out=out_ddecay)
     # dM_prev = decay dM - k dv^T, in dM's buffer: dM is not needed after this
     dM.mul_(decay.view(B, H, 1, 1)).addcmul_(k.unsqueeze(-1), dv, value=-1.0)
-    return dM, dk, dv.view(B, H, n_v), dbeta, ddecay, dq, dgate
+    dv = dv.view(B, H, n_v) if out_dv is None else out_dv.copy_(dv.view(B, H, n_v))
+    if gate_fac is not None:
+        torch.mul(torch.stack([dbeta, ddecay], -2), gate_fac, out=out_dgates)
+    return dM, dk, dv, dbeta, ddecay, dq, dgate
 
 
 OPS = MemoryOps(memory_step, memory_read, decay_and_write, memory_read_backward, memory_step_backward)

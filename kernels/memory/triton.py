@@ -180,8 +180,9 @@ def _step_bwd(M_PREV, K, Q, BETA, DECAY, E, DELTA, DO, DM, DM_PREV, DV_OUT, PART
     With dM' = dM + q do^T (the read's share) and M = decay M_prev + k delta^T:
     dq = M do, d_delta = dM'^T k, dbeta = d_delta . e, dv = beta d_delta,
     dk = dM' delta - M_prev dv, ddecay = <dM', M_prev>, dM_prev = decay dM' - k dv^T.
-    dv and dM_prev are per column, written here; dq, dk, dbeta and ddecay sum over all columns:
-    this block's shares go to its row of PART, [dq | dk | dbeta, ddecay], for `_head_sums`.
+    dv and dM_prev are per column, written here (dv rounded to DV_OUT's dtype; the rest of the
+    block uses it unrounded); dq, dk, dbeta and ddecay sum over all columns: this block's shares
+    go to its row of PART, [dq | dk | dbeta, ddecay], for `_head_sums`.
     """
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // H, bh % H
@@ -203,7 +204,7 @@ def _step_bwd(M_PREV, K, Q, BETA, DECAY, E, DELTA, DO, DM, DM_PREV, DV_OUT, PART
     g = tl.load(DM + tile, mask=mask, other=0.0).to(dt) + q[:, None] * do[None, :]
     d_delta = tl.sum(k[:, None] * g, 0)
     dv = beta * d_delta
-    tl.store(DV_OUT + b * sdv + h * DV + cols, dv, mask=cmask)
+    tl.store(DV_OUT + b * sdv + h * DV + cols, _rounded(dv, DV_OUT.dtype.element_ty), mask=cmask)  # may be a GEMM's bf16 row
     tl.store(DM_PREV + tile, g * decay - k[:, None] * dv[None, :], mask=mask)
     part = PART + (bh * tl.num_programs(1) + tl.program_id(1)) * (2 * DK + 2)
     tl.store(part + rows, tl.sum((p * decay + k[:, None] * delta[None, :]) * do[None, :], 1), mask=rmask)
@@ -213,11 +214,13 @@ def _step_bwd(M_PREV, K, Q, BETA, DECAY, E, DELTA, DO, DM, DM_PREV, DV_OUT, PART
 
 
 @triton.jit
-def _head_sums(PART, DQ, DK_OUT, DBETA, DDECAY, sdq, sdk, sdbeta, sddecay, H, DK, NB,
-               BK: tl.constexpr, STEP: tl.constexpr):
+def _head_sums(PART, DQ, DK_OUT, DBETA, DDECAY, GF, DG, sdq, sdk, sdbeta, sddecay, sgf, sdg, H, DK, NB,
+               BK: tl.constexpr, STEP: tl.constexpr, GATES: tl.constexpr):
     """The column sums of a backward run by column blocks, per (sequence, head): the NB blocks'
     partials added in block order, so the result does not depend on which program ran first.
-    STEP: `_step_bwd`'s rows [dq | dk | dbeta, ddecay]; else `_read_bwd`'s [dq]."""
+    STEP: `_step_bwd`'s rows [dq | dk | dbeta, ddecay]; else `_read_bwd`'s [dq]. GATES: also
+    (dbeta, ddecay) times their factors GF (rows [beta's | decay's], H each) into DG, rounded
+    to its dtype (the projection GEMM's gradient row)."""
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // H, bh % H
     rows = tl.arange(0, BK)
@@ -241,6 +244,10 @@ def _head_sums(PART, DQ, DK_OUT, DBETA, DDECAY, sdq, sdk, sdbeta, sddecay, H, DK
         tl.store(DK_OUT + b * sdk + h * DK + rows, dk, mask=rmask)
         tl.store(DBETA + b * sdbeta + h, dbeta)
         tl.store(DDECAY + b * sddecay + h, ddecay)
+        if GATES:
+            dt = PART.dtype.element_ty
+            tl.store(DG + b * sdg + h, _rounded(dbeta * tl.load(GF + b * sgf + h).to(dt), DG.dtype.element_ty))
+            tl.store(DG + b * sdg + H + h, _rounded(ddecay * tl.load(GF + b * sgf + H + h).to(dt), DG.dtype.element_ty))
 
 
 # ---- launchers: the twin's signatures --------------------------------------------------------
@@ -339,19 +346,21 @@ def memory_read_backward(M, q, f: ReadFactors, dy, dM, *, out_dq=None, out_dgate
     _read_bwd[(B * H, nb)](M, q, do, dM.contiguous(), dM_out, part, sq, do.stride(0), H, n_k, n_v, BK=bk, BV=bv,
                            num_warps=layout.warps(bk * bv))
     # STEP=False writes dq alone: the other outputs' arguments are never touched.
-    _head_sums[(B * H,)](part, dq_w, dq_w, dq_w, dq_w, sdq, sdq, sdq, sdq, H, n_k, nb, BK=bk, STEP=False,
-                         num_warps=layout.warps(bk))
+    _head_sums[(B * H,)](part, dq_w, dq_w, dq_w, dq_w, dq_w, dq_w, sdq, sdq, sdq, sdq, sdq, sdq, H, n_k, nb, BK=bk, STEP=False,
+                         GATES=False, num_warps=layout.warps(bk))
     return layout.finish(dq_w, dq), dgate, dM_out
 
 
 def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors, dM, dy, *,
-                         out_dk=None, out_dq=None, out_dbeta=None, out_ddecay=None, out_dgate=None, out_dM=None):
+                         out_dk=None, out_dq=None, out_dbeta=None, out_ddecay=None, out_dgate=None, out_dM=None,
+                         out_dv=None, gate_fac=None, out_dgates=None):
     """Gradients of `memory_step` given dM (w.r.t. M_t, from later steps) and dy.
 
     Returns (dM_prev, dk, dv, dbeta, ddecay, dq, dgate), dM_prev in `out_dM` when given
-    (contiguous, a buffer other than dM). M, the memory after the write, is
-    rebuilt in registers from M_prev, k and delta rather than read: one M-sized read fewer. It
-    stays in the signature of the twin, which reads it.
+    (contiguous, a buffer other than dM); dv rounded into `out_dv` and, with `gate_fac`,
+    (dbeta, ddecay) * gate_fac into `out_dgates`, in their dtypes (the twin's contract). M, the
+    memory after the write, is rebuilt in registers from M_prev, k and delta rather than read:
+    one M-sized read fewer. It stays in the signature of the twin, which reads it.
     """
     M_prev = _check_m(M_prev)
     B, H, n_k, n_v = M_prev.shape
@@ -364,19 +373,22 @@ def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors,
     delta, sdelta = layout.rows(delta, H * n_v)
     do, dgate = _read_grad(f, dy, out_dgate)
     dM_prev = layout.empty(M_prev, M_prev.shape) if out_dM is None else _check_m(out_dM)
-    dv = layout.empty(M_prev, (B, H, n_v))
+    dv_w, dv, sdv = layout.out(out_dv, H * n_v, M_prev, (B, H, n_v))
     dk_w, dk, sdk = layout.out(out_dk, H * n_k, M_prev, (B, H, n_k))
     dq_w, dq, sdq = layout.out(out_dq, H * n_k, M_prev, (B, H, n_k))
     db_w, dbeta, sdb = layout.out(out_dbeta, H, M_prev, (B, H))
     dd_w, ddecay, sdd = layout.out(out_ddecay, H, M_prev, (B, H))
     nb = triton.cdiv(n_v, bv)
+    gates = gate_fac is not None  # without it, dq_w stands in for GF and DG, which GATES=False never touches
+    gate_fac, sgf = layout.rows(gate_fac, 2 * H) if gates else (dq_w, 0)
+    dg_w, dgates, sdg = layout.out(out_dgates, 2 * H, M_prev, (B, 2, H)) if gates else (dq_w, None, 0)
     part = layout.empty(M_prev, (B * H, nb, 2 * n_k + 2))
-    _step_bwd[(B * H, nb)](M_prev, k, q, beta, decay, e, delta, do, dM.contiguous(), dM_prev, dv, part,
-                           sk, sq, sbeta, sdecay, se, sdelta, do.stride(0), dv.stride(0), H, n_k, n_v, BK=bk, BV=bv,
+    _step_bwd[(B * H, nb)](M_prev, k, q, beta, decay, e, delta, do, dM.contiguous(), dM_prev, dv_w, part,
+                           sk, sq, sbeta, sdecay, se, sdelta, do.stride(0), sdv, H, n_k, n_v, BK=bk, BV=bv,
                            num_warps=layout.warps(bk * bv))
-    _head_sums[(B * H,)](part, dq_w, dk_w, db_w, dd_w, sdq, sdk, sdb, sdd, H, n_k, nb, BK=bk, STEP=True,
-                         num_warps=layout.warps(bk))
-    for w, o in ((dk_w, dk), (dq_w, dq), (db_w, dbeta), (dd_w, ddecay)):
+    _head_sums[(B * H,)](part, dq_w, dk_w, db_w, dd_w, gate_fac, dg_w, sdq, sdk, sdb, sdd, sgf, sdg, H, n_k, nb, BK=bk,
+                         STEP=True, GATES=gates, num_warps=layout.warps(bk))
+    for w, o in ((dk_w, dk), (dq_w, dq), (db_w, dbeta), (dd_w, ddecay), (dv_w, dv)) + (((dg_w, dgates),) if gates else ()):
         layout.finish(w, o)
     return dM_prev, dk, dv, dbeta, ddecay, dq, dgate
 

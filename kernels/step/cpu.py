@@ -68,11 +68,14 @@ def ground(y_fg, c, u, out_fg, out_hat=None, out_rms=None):
     return _load().ground(y_fg, c, u, out_fg, out_hat, out_rms, RMS_EPS)
 
 
-def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None, out_low=None):
-    """rms-norm backward of dx_hat + dc * gate [+ extra]; also into out_low when given (the core
-    asks for it only of kernels with `narrow_io`; here it is a copy)."""
+def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None, out_low=None, low_fac=None):
+    """rms-norm backward of dx_hat + dc * gate [+ extra]; also into out_low when given, times
+    low_fac when that is given: here a copy or a product after the kernel, one op on a row
+    (on CPU a call costs its dispatch, not a launch in a chain)."""
     dc = _load().residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra, out)
-    if out_low is not None:
+    if low_fac is not None:
+        torch.mul(dc, low_fac, out=out_low)
+    elif out_low is not None:
         out_low.copy_(dc)
     return dc
 

@@ -101,14 +101,17 @@ def ground(y_fg, c, u, out_fg, out_hat=None, out_rms=None):
 # ---- backward groups -------------------------------------------------------------------------
 
 
-def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None, out_low=None):
+def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None, out_low=None, low_fac=None):
     """dL/dc of c -> (c / rms(c) fed to a GEMM, gate * c): the rms-norm backward of dx_hat plus
-    dc * gate [+ extra]; also into out_low (the next GEMM's dtype) when given."""
+    dc * gate [+ extra]; also into out_low (the next GEMM's dtype) when given, times low_fac
+    when that is given (the next GEMM's input is the gradient through an elementwise factor)."""
     dx = rms_hat_backward(x_hat, r, dx_hat)
     if extra is not None:
         dx += extra
     dc = torch.addcmul(dx, dc, gate, out=out)
-    if out_low is not None:
+    if low_fac is not None:
+        torch.mul(dc, low_fac, out=out_low)
+    elif out_low is not None:
         out_low.copy_(dc)
     return dc
 

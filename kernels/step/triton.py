@@ -130,8 +130,9 @@ def _ground(YFG, C, U, FG, G, HAT, R, s_y, s_c, s_u, s_fg, s_g, s_hat, s_r, N, e
 
 
 @triton.jit
-def _residual_rms_bwd(XH, R, DX, DC, GATE, EXTRA, OUT, LOW, s_xh, s_r, s_dx, s_dc, s_gate, s_ex, s_out, s_low, N,
-                      HAS_EXTRA: tl.constexpr, HAS_LOW: tl.constexpr, BN: tl.constexpr):
+def _residual_rms_bwd(XH, R, DX, DC, GATE, EXTRA, OUT, LOW, LOW_FAC, s_xh, s_r, s_dx, s_dc, s_gate, s_ex, s_out, s_low,
+                      s_lf, N, HAS_EXTRA: tl.constexpr, HAS_LOW: tl.constexpr, HAS_LOW_FAC: tl.constexpr,
+                      BN: tl.constexpr):
     b, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
     dt = OUT.dtype.element_ty
     dot = tl.zeros([BN], dtype=dt)  # dx . x_hat over the row, as _residual_rms sums its squares
@@ -149,7 +150,10 @@ def _residual_rms_bwd(XH, R, DX, DC, GATE, EXTRA, OUT, LOW, s_xh, s_r, s_dx, s_d
     out += tl.load(DC + b * s_dc + c, mask=m, other=0.0).to(dt) * tl.load(GATE + b * s_gate + c, mask=m, other=0.0).to(dt)
     tl.store(OUT + b * s_out + c, out, mask=m)
     if HAS_LOW:  # the same gradient rounded for the next GEMM, which reads its compute dtype
-        tl.store(LOW + b * s_low + c, _rounded(out, LOW.dtype.element_ty), mask=m)
+        low = out
+        if HAS_LOW_FAC:  # through an elementwise factor first (the fuse gate's, for the next step's GEMM)
+            low = out * tl.load(LOW_FAC + b * s_lf + c, mask=m, other=0.0).to(dt)
+        tl.store(LOW + b * s_low + c, _rounded(low, LOW.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -281,8 +285,9 @@ def ground(y_fg, c, u, out_fg, out_hat=None, out_rms=None):
     return g
 
 
-def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None, out_low=None):
-    """rms-norm backward of dx_hat + dc * gate [+ extra]; also into out_low (another dtype) when given."""
+def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None, out_low=None, low_fac=None):
+    """rms-norm backward of dx_hat + dc * gate [+ extra]; also into out_low (another dtype) when
+    given, times low_fac when that is given."""
     B, n = x_hat.shape
     x_hat, s_xh = layout.rows(x_hat, n)
     r, s_r = layout.rows(r, 1)
@@ -293,9 +298,12 @@ def residual_rms_backward(x_hat, r, dx_hat, dc, gate, extra=None, out=None, out_
     extra, s_ex = layout.rows(extra, n) if has_extra else (x_hat, 0)  # a placeholder when there is none
     o_w, o, s_o = _row_out(out, x_hat)
     low_w, low, s_low = (o_w, None, 0) if out_low is None else _row_out(out_low, out_low)  # a placeholder when there is none
+    has_fac = low_fac is not None
+    low_fac, s_lf = layout.rows(low_fac, n) if has_fac else (x_hat, 0)
     bn = layout.split(n, BLOCK)
-    _residual_rms_bwd[(B, triton.cdiv(n, bn))](x_hat, r, dx_hat, dc, gate, extra, o_w, low_w, s_xh, s_r, s_dx, s_dc, s_gate,
-                                               s_ex, s_o, s_low, n, HAS_EXTRA=has_extra, HAS_LOW=out_low is not None, BN=bn,
+    _residual_rms_bwd[(B, triton.cdiv(n, bn))](x_hat, r, dx_hat, dc, gate, extra, o_w, low_w, low_fac, s_xh, s_r, s_dx, s_dc,
+                                               s_gate, s_ex, s_o, s_low, s_lf, n, HAS_EXTRA=has_extra,
+                                               HAS_LOW=out_low is not None, HAS_LOW_FAC=has_fac, BN=bn,
                                                num_warps=layout.warps(bn))
     if out_low is not None:
         layout.finish(low_w, low)
