@@ -627,6 +627,34 @@ def install_wheels(wheels: Path, site: Path) -> list[str]:
     return [f.name for f in files]
 
 
+def engine_problems(codes: dict[str, int], logs: dict[str, str], graphs: dict[str, dict | None],
+                    first: dict[int, float], a: dict[int, float], b: dict[int, float], total: int, stop: int) -> list[str]:
+    """What is wrong with the engine stage's three runs (exit codes, logs, graph counts, and the
+    losses by step of the stopped run's first half, the uninterrupted run and the resumed run)."""
+    problems = []
+    for n, c in codes.items():
+        if c != 0:
+            tail = logs[n].strip().splitlines()
+            problems.append(f"{n} run exited with {c}: {tail[-1] if tail else ''}")
+    if "resumed" not in codes:
+        problems.append("the resumed run did not start")
+    elif codes["resumed"] == 0 and "resumed from" not in logs["resumed"]:
+        problems.append("the second run did not resume from a checkpoint")
+    if sorted(first) != list(range(1, stop + 1)):
+        problems.append(f"the stopped run logged steps {sorted(first)}, expected 1..{stop}")
+    if sorted(a) != list(range(1, total + 1)):
+        problems.append(f"the uninterrupted run logged {len(a)} of {total} steps")
+    elif sorted(b) != sorted(a):
+        problems.append(f"the stopped and resumed runs logged steps {sorted(b)}, expected 1..{total}")
+    elif a != b:
+        diff = max(abs(a[s] - b[s]) for s in a)
+        problems.append(f"losses differ from the uninterrupted run (max |diff| {diff:.3g})")
+    for n, stats in graphs.items():  # a run whose loops silently ran eagerly proves less than it seems to
+        if codes[n] == 0 and not (stats and stats.get("forward", {}).get("replayed") and stats.get("backward", {}).get("replayed")):
+            problems.append(f"the {n} run replayed no fused core graphs ({stats})")
+    return problems
+
+
 def _train(cmd, env, log_path: Path):
     log = open(log_path, "w")
     return subprocess.Popen(list(map(str, cmd)), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), log
@@ -711,7 +739,14 @@ def stage_engine(part: Part, mode: Mode, out: Path, wheels: Path) -> None:
     codes, seconds, logs = {}, {}, {}
 
     def launch(names):
-        t0, jobs = time.monotonic(), {n: _train(runs[n], env, work / f"{n}.log") for n in names}
+        t0, jobs = time.monotonic(), {}
+        for n in names:
+            # One at a time past building its dataset: Streaming's shared-memory names are claimed
+            # by scanning for a free one, and two processes scanning at once can pick the same.
+            prev = next(reversed(jobs), None)
+            while prev and jobs[prev][0].poll() is None and "training " not in (work / f"{prev}.log").read_text():
+                time.sleep(0.1)
+            jobs[n] = _train(runs[n], env, work / f"{n}.log")
         while jobs:
             for n, (p, f) in list(jobs.items()):
                 if p.poll() is None:
@@ -734,24 +769,7 @@ def stage_engine(part: Part, mode: Mode, out: Path, wheels: Path) -> None:
     part.update(returncodes=codes, run_s=seconds, graph_stats=graphs, losses_equal=bool(a) and a == b,
                 max_abs_loss_diff=max(diffs) if diffs else None,
                 losses_uninterrupted=[a[s] for s in sorted(a)], losses_resumed=[b[s] for s in sorted(b)])
-    problems = []
-    for n, c in codes.items():
-        if c != 0:
-            tail = logs[n].strip().splitlines()
-            problems.append(f"{n} run exited with {c}: {tail[-1] if tail else ''}")
-    if "resumed" not in codes:
-        problems.append("the resumed run did not start")
-    elif codes["resumed"] == 0 and "resumed from" not in logs["resumed"]:
-        problems.append("the second run did not resume from a checkpoint")
-    if sorted(first) != list(range(1, stop + 1)):
-        problems.append(f"the stopped run logged steps {sorted(first)}, expected 1..{stop}")
-    if sorted(a) != list(range(1, total + 1)):
-        problems.append(f"the uninterrupted run logged {len(a)} of {total} steps")
-    elif a != b:
-        problems.append(f"losses differ from the uninterrupted run (max |diff| {part.data['max_abs_loss_diff']:.3g})")
-    for n, stats in graphs.items():  # a run whose loops silently ran eagerly proves less than it seems to
-        if codes[n] == 0 and not (stats and stats.get("forward", {}).get("replayed") and stats.get("backward", {}).get("replayed")):
-            problems.append(f"the {n} run replayed no fused core graphs ({stats})")
+    problems = engine_problems(codes, logs, graphs, first, a, b, total, stop)
     how = f"ZeRO-2 {part.data['backend']} bf16, {total} steps stopped at {stop} and resumed"
     extra = f"; stand-ins for {', '.join(stand_ins)}" if stand_ins else ""
     replays = (graphs.get("uninterrupted") or {}).get("forward", {}).get("replayed")

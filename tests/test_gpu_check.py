@@ -165,3 +165,27 @@ def test_bad_arguments_are_one_line_errors(tmp_path, args, message):
     assert proc.returncode == 2 and proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
     assert report is None
+
+
+def test_engine_stage_names_what_went_wrong_when_a_run_logged_nothing():
+    """The engine stage's verdict on its three runs, in-process: a resumed run that crashed before
+    its first step is reported as such (it once raised formatting a missing loss difference)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(gpu_check)
+    replayed = {"forward": {"replayed": 3}, "backward": {"replayed": 3}}
+    losses = {1: 6.1, 2: 6.0, 3: 5.9, 4: 5.8}
+    first = {s: losses[s] for s in (1, 2)}
+    ok = dict(codes={"uninterrupted": 0, "stopped": 0, "resumed": 0},
+              logs={"uninterrupted": "", "stopped": "", "resumed": "resumed from step_00000002"},
+              graphs={n: replayed for n in ("uninterrupted", "stopped", "resumed")}, first=first, a=losses, total=4, stop=2)
+    assert gpu_check.engine_problems(**ok, b=dict(losses)) == []
+    assert gpu_check.engine_problems(**ok, b={**losses, 3: 5.95}) == [
+        "losses differ from the uninterrupted run (max |diff| 0.05)"]
+    crashed = dict(ok, codes={**ok["codes"], "resumed": 1}, logs={**ok["logs"], "resumed": "FileExistsError: /001405_locals"},
+                   graphs={**ok["graphs"], "resumed": None})
+    assert gpu_check.engine_problems(**crashed, b=dict(first)) == [
+        "resumed run exited with 1: FileExistsError: /001405_locals",
+        "the stopped and resumed runs logged steps [1, 2], expected 1..4"]

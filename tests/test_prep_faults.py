@@ -1,4 +1,4 @@
-"""Prep under faults and bad input, each reproduced through the CLI in a real process.
+"""Prep under faults and bad input, each reproduced through the CLI (the disk-full case in a real process).
 
 A run never loses work and never mixes data; bad input ends it with one line (`error: ...`,
 exit 2) naming the file or setting and what was expected, never a library's traceback.
@@ -6,6 +6,8 @@ exit 2) naming the file or setting and what was expected, never a library's trac
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -17,6 +19,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from gpn_scale.cli import main as gpn_main
 from test_prep import corpus, fineweb_table, prep, tokenizer, tree_bytes, write_corpus  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,11 +27,21 @@ SEQ_LEN = 16
 
 
 def prep_cli(*args, env: dict | None = None) -> tuple[int, str]:
-    """`python -m gpn_scale prep ARGS` in its own process: (exit status, stderr and stdout)."""
-    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "prep", *map(str, args)], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-                          capture_output=True, text=True, timeout=300)
-    return proc.returncode, proc.stderr + proc.stdout
+    """`gpn-scale prep ARGS` as the command line runs it: (exit status, stderr and stdout). In this
+    process (a library exception escapes and fails the test), or, with `env`, in a process of its
+    own with those variables."""
+    if env is not None:
+        proc = subprocess.run([sys.executable, "-m", "gpn_scale", "prep", *map(str, args)], cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), **env}, capture_output=True, text=True,
+                              timeout=300)
+        return proc.returncode, proc.stderr + proc.stdout
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = gpn_main(["prep", *map(str, args)])
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+    return code, err.getvalue() + out.getvalue()
 
 
 def one_error(code: int, output: str) -> str:
