@@ -7,6 +7,8 @@ import math
 import torch
 
 from kernels.common import L2_EPS, RMS_EPS  # one number each, for the models and the kernels
+from kernels.step import StepOps
+from kernels.step import reference as twin
 
 
 def at_least_f32(x: torch.Tensor) -> torch.Tensor:
@@ -50,11 +52,13 @@ class LinearCrossEntropy(torch.autograd.Function):
     Logits for `chunk` rows exist at a time, in the forward and again (recomputed) in the
     backward, so the (rows x vocab) matrix is never materialised. Only the log-sum-exp of each
     row is saved. Under autocast the matmuls run in the autocast dtype; the softmax statistics
-    are float32.
+    are float32. `ops` computes the log-sum-exp and the logits' gradient from a chunk's logits
+    (`kernels.step`: the twin in torch, or one Triton kernel each, which read the logits once
+    in their compute dtype and never write a float32 copy of them).
     """
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk):
+    def forward(ctx, h, weight, targets, chunk, ops):
         dtype = _compute_dtype(h)
         device = h.device.type
         losses = torch.empty(h.shape[0], dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
@@ -62,12 +66,12 @@ class LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(device, enabled=False):
             w = weight.to(dtype)
             for s in range(0, h.shape[0], chunk):
-                logits = at_least_f32(h[s : s + chunk].to(dtype) @ w.T)
-                lse[s : s + chunk] = torch.logsumexp(logits, -1)
-                target_logit = logits.gather(1, targets[s : s + chunk, None]).squeeze(1)
-                losses[s : s + chunk] = lse[s : s + chunk] - target_logit
+                logits = h[s : s + chunk].to(dtype) @ w.T
+                lse[s : s + chunk] = ops.ce_lse(logits)
+                target_logit = logits.gather(1, targets[s : s + chunk, None]).squeeze(1)  # widened exactly
+                torch.sub(lse[s : s + chunk], target_logit, out=losses[s : s + chunk])
         ctx.save_for_backward(h, weight, targets, lse)
-        ctx.chunk, ctx.dtype = chunk, dtype
+        ctx.chunk, ctx.dtype, ctx.ops = chunk, dtype, ops
         return losses
 
     @staticmethod
@@ -80,20 +84,15 @@ class LinearCrossEntropy(torch.autograd.Function):
             w = weight.to(dtype)
             for s in range(0, h.shape[0], chunk):
                 hc = h[s : s + chunk].to(dtype)
-                # One (chunk x vocab) float32 buffer at a time, the largest transient of a step, and
-                # as few passes over it as torch allows: the logits widened and shifted by one op (a
-                # bf16 minus a float32 is computed in float32), exp in place, and the gradient's
-                # factor multiplied straight into the compute dtype (rounded as .to() would).
-                probs = torch.sub(hc @ w.T, lse[s : s + chunk, None]).exp_()
-                rows = torch.arange(probs.shape[0], device=probs.device)
-                probs[rows, targets[s : s + chunk]] -= 1.0
-                g = grad_losses[s : s + chunk, None]
-                dlogits = probs.mul_(g) if probs.dtype == dtype else torch.mul(probs, g, out=torch.empty_like(probs, dtype=dtype))
+                # The chunk's (chunk x vocab) logit gradients, the largest transient of a step,
+                # computed in float32 and rounded once into the compute dtype.
+                dlogits = ctx.ops.ce_grad(hc @ w.T, lse[s : s + chunk], targets[s : s + chunk], grad_losses[s : s + chunk], dtype)
                 dh[s : s + chunk] = (dlogits @ w).to(h.dtype)
                 dweight += dlogits.T @ hc
-        return dh, dweight.to(weight.dtype), None, None
+        return dh, dweight.to(weight.dtype), None, None, None
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                         ops: StepOps = twin.OPS) -> torch.Tensor:
     """Per-row losses (float32) of a tied-decoder CE, never materialising all logits at once."""
-    return LinearCrossEntropy.apply(h, weight, targets, max(1, chunk))
+    return LinearCrossEntropy.apply(h, weight, targets, max(1, chunk), ops)
