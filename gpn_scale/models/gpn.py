@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from gpn_scale.models.core import fused_recurrence
-from gpn_scale.models.ops import at_least_f32, l2_normalize, lecun_normal_, linear_cross_entropy, rms_norm
+from gpn_scale.models.ops import at_least_f32, l2_normalize, lecun_normal_, linear_cross_entropy, rms_norm, rms_norm_rows
 from gpn_scale.models.spec import ModelSpec, matrices_decay
 import kernels
 from kernels import KERNELS, Backend
@@ -337,7 +337,7 @@ class GPN(nn.Module):
 
     def decode_hidden(self, predictions: torch.Tensor) -> torch.Tensor:
         """rms(s^p) @ decode_proj_k [+ decode_bias]: the E-dim vector whose dot with emb gives logits."""
-        h = rms_norm(predictions, self.decode_norm_w) @ self.decode_proj_k
+        h = rms_norm_rows(predictions, self.decode_norm_w) @ self.decode_proj_k
         return h if self.decode_bias is None else h + self.decode_bias
 
     def forward(
@@ -357,7 +357,7 @@ class GPN(nn.Module):
             raise ValueError(f"tokens: expected a (batch, time) tensor, got shape {tuple(tokens.shape)}")
         B, T = tokens.shape
         state = self.initial_state(B, tokens.device) if state is None else GPNState(*state)
-        u = rms_norm(self.embedding[tokens], self.fuse_norm_w) @ self.fuse_proj_k
+        u = rms_norm_rows(self.embedding[tokens], self.fuse_norm_w) @ self.fuse_proj_k
         predictions, state = self._recurrence(u, state, core, hooks)
         h = self.decode_hidden(predictions).reshape(B * T, -1)
         # the fused core's kernels compute the cross-entropy too; the naive core, the reference, the twin's
