@@ -52,6 +52,8 @@ ARITH = {
     "_residual_rms_bwd": {"OUT"},
     "_gate_grads": {"FAC", "PGF"},  # the outputs may be bf16, the next GEMM's input
     "_l2n_relu_bwd": {"Y", "MASK"},
+    "_ce_lse": {"LSE"},
+    "_ce_grad": {"LSE"},  # the logits' gradient may be bf16, the next GEMMs' input
 }
 # (state dtype, input dtype) of the two variants
 VARIANTS = {"float64 inputs": ("fp32", "fp64"), "bfloat16 inputs, float64 state": ("fp64", "bf16")}
@@ -75,6 +77,7 @@ ARITH = {k: set(v) for k, v in json.loads(sys.argv[1]).items()}
 VARIANTS = json.loads(sys.argv[2])
 HELPERS = {"_rms_out", "_residual", "_grounded"}  # called from kernels, compiled with them (as kernels/numerics.py's)
 INTS = {"H", "DK", "DV", "N", "NF", "ND", "NHEADS", "NG", "NB"}  # runtime sizes; other lower-case names are strides
+INDICES = {"TGT"}  # pointers to integer indices (the cross-entropy's targets)
 CONSTEXPRS = {"BK": 128, "BV": 16, "BN": 1024, "BF": 1024, "BH": 16, "BHEADS": 32, "HEADS": True, "GATES": True,
               "HAS_HAT": True, "HAS_EXTRA": True, "HAS_LOW": True, "HAS_LOW_FAC": True, "L2EPS": 1e-12,
               "STEP": True}  # `_head_sums` for the step's backward: its code holds the read's as a part
@@ -97,6 +100,8 @@ def signature(name, fn, state, inputs):
             sig[arg] = "fp32"
         elif arg in INTS or arg[0].islower():
             sig[arg] = "i32"
+        elif arg in INDICES:
+            sig[arg] = "*i64"
         else:
             sig[arg] = "*" + (state if arg in ARITH.get(name, ()) else inputs)
     return sig, constexprs

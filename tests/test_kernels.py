@@ -365,6 +365,51 @@ def test_step_backward_rounds_dv_and_gate_gradients_into_narrow_rows():
         assert torch.equal(got[torch.bfloat16][name], got[torch.float32][name].to(torch.bfloat16)), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_cross_entropy_kernels_match_twin(dtype):
+    """The log-sum-exp of rows of logits (in their GEMM's dtype) and their gradients
+    (softmax - onehot) g rounded once into the compute dtype, against the twin: rows wider than
+    two blocks and not a multiple of one, row-strided logits, a broadcast g (a mean's gradient),
+    every output element written (fresh buffers filled with NaN), and a NaN logit kept."""
+    rows, n = 5, 2 * E.CE_BLOCK + 37
+    g = torch.Generator().manual_seed(40)
+    wide = (torch.randn(rows, n + 3, generator=g, dtype=torch.float64) * 4).to(dtype).to(DEVICE)
+    logits = wide[:, 1 : n + 1]
+    targets = torch.randint(0, n, (rows,), generator=g).to(DEVICE)
+    targets[0] = n - 1  # the last block's last column
+    grads = (torch.full((1,), 0.3, dtype=torch.promote_types(dtype, torch.float32)).expand(rows)).to(DEVICE)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    with _nan_filled_empties():
+        lse = E.ce_lse(logits)
+        assert lse.dtype == torch.promote_types(dtype, torch.float32)
+        assert_close(lse, S.ce_lse(logits), tol, "lse")
+        d = E.ce_grad(logits, lse, targets, grads, dtype)
+    want = S.ce_grad(logits, lse, targets, grads, torch.promote_types(dtype, torch.float32))
+    assert d.dtype == dtype
+    assert_close(d, want, 2 ** -8 if dtype == torch.bfloat16 else tol, "dlogits")
+    if dtype == torch.bfloat16:  # rounded once, to nearest: within half a bf16 ulp of the twin's float32
+        assert ((d.double() - want.double()).abs() <= want.double().abs() * 2 ** -8 + 1e-30).all()
+    logits = logits.clone()
+    logits[2, 7] = float("nan")
+    lse = E.ce_lse(logits)
+    assert lse[2].isnan() and not lse[[0, 1, 3, 4]].isnan().any()
+    assert E.ce_grad(logits, lse, targets, grads, dtype)[2].isnan().all()
+
+
+class _nan_filled_empties:
+    """torch.empty's memory filled with NaN (torch's deterministic mode): an output element a
+    kernel never writes stays NaN."""
+
+    def __enter__(self):
+        self.saved = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+        torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+
+    def __exit__(self, *exc):
+        torch.use_deterministic_algorithms(self.saved[0])
+        torch.utils.deterministic.fill_uninitialized_memory = self.saved[1]
+
+
 # ---- the whole model: kernel = triton against kernel = torch ----------------------------------
 
 ODD = GPNConfig(vocab_size=29, d_state=14, d_emb=6, d_ffn=9, n_heads=3, d_key=5, d_val=4, core_chunk=3)
@@ -379,7 +424,7 @@ def test_model_with_triton_kernels_matches_torch(case, mode, monkeypatch):
     count_calls(monkeypatch, K, ("memory_step", "memory_read", "decay_and_write", "memory_step_backward", "memory_read_backward"),
                 calls)
     count_calls(monkeypatch, E, ("post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads",
-                                 "l2n_relu_backward"), calls)
+                                 "l2n_relu_backward", "ce_lse", "ce_grad"), calls)
     dtype = torch.float64 if mode == "float64" else torch.float32
     torch.manual_seed(0)
     model = GPN(dataclasses.replace(ODD, **case)).to(DEVICE, dtype)
@@ -409,7 +454,7 @@ def test_model_with_triton_kernels_matches_torch(case, mode, monkeypatch):
     assert ga.keys() == gb.keys() and "state.s" in gb and ("state.M" in gb) == model.config.memory
     for name in gb:
         check(ga[name], gb[name], dtype, name, tol)
-    assert {"post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads"} <= set(calls)
+    assert {"post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads", "ce_lse", "ce_grad"} <= set(calls)
     if model.config.memory:  # the kernels ran, in the forward and the reverse sweep
         assert {"memory_step", "memory_step_backward", "l2n_relu_backward"} <= set(calls)
         assert calls.count("memory_step") > tokens.shape[1]  # the forward's steps and the rebuild's

@@ -10,7 +10,7 @@ from gpn_scale.cli import main as cli
 from gpn_scale.config import model_config
 from gpn_scale.errors import UserError
 from gpn_scale.models import GPN, GPNConfig
-from gpn_scale.models.ops import linear_cross_entropy
+from gpn_scale.models.ops import linear_cross_entropy, rms_norm, rms_norm_rows
 
 SMALL = GPNConfig(vocab_size=97, d_state=32, d_emb=16, d_ffn=40, n_heads=2, d_key=8, d_val=6, n_layers=2)
 
@@ -98,6 +98,23 @@ def test_bf16_autocast_is_close_and_keeps_state_in_float32():
     assert bf16.state.s.dtype == bf16.state.prev_s.dtype == bf16.state.M.dtype == torch.float32
     bf16.loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_rms_norm_rows_is_rms_norm_with_its_own_backward():
+    """The same forward numbers as `rms_norm` (float32, and bf16 rows under autocast), and the
+    gradients of autograd through `rms_norm` (float64), by finite differences too."""
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(3, 5, 9, generator=gen, dtype=torch.float64), torch.randn(9, generator=gen, dtype=torch.float64)
+    assert torch.equal(rms_norm_rows(x.float(), w.float()), rms_norm(x.float(), w.float()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(rms_norm_rows(x.bfloat16(), w.float()), rms_norm(x.bfloat16(), w.float()))
+    x.requires_grad_(), w.requires_grad_()
+    g = torch.randn(3, 5, 9, generator=gen, dtype=torch.float64)
+    want = torch.autograd.grad((rms_norm(x, w) * g).sum(), (x, w))
+    got = torch.autograd.grad((rms_norm_rows(x, w) * g).sum(), (x, w))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(rms_norm_rows, (x, w))
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 64, 10_000])

@@ -22,10 +22,11 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from gpn_scale.models.core import fused_recurrence
-from gpn_scale.models.ops import at_least_f32, l2_normalize, lecun_normal_, linear_cross_entropy, rms_norm
+from gpn_scale.models.ops import at_least_f32, l2_normalize, lecun_normal_, linear_cross_entropy, rms_norm, rms_norm_rows
 from gpn_scale.models.spec import ModelSpec, matrices_decay
 import kernels
 from kernels import KERNELS, Backend
+from kernels.step.reference import OPS as ce_twin
 
 FAMILIES = ("gpn", "gpn_m")
 CORES = ("fused", "naive")
@@ -49,7 +50,7 @@ class GPNConfig:
     checkpoint_every: int = 0  # naive core: recompute activations in time segments of this length (0: off)
     bptt: int = 0  # truncate backprop through time every this many steps (0: full window)
     ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once
-    kernel: str = "auto"  # fused core's memory step and step groups: "triton", "cpp" (CPU), "torch", or "auto" (triton on CUDA, cpp on CPU)
+    kernel: str = "auto"  # fused core's memory step, step groups and the decoder's cross-entropy: "triton", "cpp" (CPU), "torch", or "auto" (triton on CUDA, cpp on CPU)
     cuda_graphs: bool = True  # fused core on CUDA: capture its time loops once per shape, then replay
     # May change when a run resumes: how the same math is executed (bptt is not: it cuts gradients).
     EXECUTION_KEYS: ClassVar[tuple[str, ...]] = ("core", "core_chunk", "checkpoint_every", "ce_chunk", "kernel", "cuda_graphs")
@@ -336,7 +337,7 @@ class GPN(nn.Module):
 
     def decode_hidden(self, predictions: torch.Tensor) -> torch.Tensor:
         """rms(s^p) @ decode_proj_k [+ decode_bias]: the E-dim vector whose dot with emb gives logits."""
-        h = rms_norm(predictions, self.decode_norm_w) @ self.decode_proj_k
+        h = rms_norm_rows(predictions, self.decode_norm_w) @ self.decode_proj_k
         return h if self.decode_bias is None else h + self.decode_bias
 
     def forward(
@@ -356,10 +357,12 @@ class GPN(nn.Module):
             raise ValueError(f"tokens: expected a (batch, time) tensor, got shape {tuple(tokens.shape)}")
         B, T = tokens.shape
         state = self.initial_state(B, tokens.device) if state is None else GPNState(*state)
-        u = rms_norm(self.embedding[tokens], self.fuse_norm_w) @ self.fuse_proj_k
+        u = rms_norm_rows(self.embedding[tokens], self.fuse_norm_w) @ self.fuse_proj_k
         predictions, state = self._recurrence(u, state, core, hooks)
         h = self.decode_hidden(predictions).reshape(B * T, -1)
-        token_losses = linear_cross_entropy(h, self.embedding, tokens.reshape(-1), self.config.ce_chunk)
+        # the fused core's kernels compute the cross-entropy too; the naive core, the reference, the twin's
+        ce_ops = self.backend(h.device.type).step if core == "fused" else ce_twin
+        token_losses = linear_cross_entropy(h, self.embedding, tokens.reshape(-1), self.config.ce_chunk, ce_ops)
         logits = at_least_f32(h @ self.embedding.T).view(B, T, -1) if return_logits else None
         token_losses = token_losses.view(B, T)
         return ModelOutput(token_losses.mean(), token_losses, state, logits)

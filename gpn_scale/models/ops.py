@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from kernels.common import L2_EPS, RMS_EPS  # one number each, for the models and the kernels
+from kernels.step import StepOps
+from kernels.step import reference as twin
 
 
 def at_least_f32(x: torch.Tensor) -> torch.Tensor:
@@ -19,6 +22,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     xf = at_least_f32(x)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + RMS_EPS) * weight.to(xf.dtype)
     return y.to(x.dtype)
+
+
+class _RMSNormRows(torch.autograd.Function):
+    """`rms_norm` with its backward written out: autograd's, through the mean, the power, the
+    rsqrt and both products, makes about a dozen passes over the rows; this makes five
+    (dy w, dy x_hat for dw and its sum, the dot, and dx = (dy w - x_hat dot / n) / rms)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        xf = at_least_f32(x)
+        rs = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + RMS_EPS)
+        x_hat = xf * rs
+        ctx.save_for_backward(x_hat, rs, weight)
+        ctx.x_dtype = x.dtype
+        return (x_hat * weight.to(xf.dtype)).to(x.dtype)  # as rms_norm, rounded once
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x_hat, rs, weight = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[1]:
+            dw = torch.mul(dy, x_hat).reshape(-1, x_hat.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            g = dy * weight.to(x_hat.dtype)
+            dot = torch.linalg.vecdot(g, x_hat).unsqueeze(-1)
+            dx = torch.addcmul(g, x_hat, dot, value=-1.0 / x_hat.shape[-1]).mul_(rs).to(ctx.x_dtype)
+        return dx, dw
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`rms_norm` of many rows at once (the window's inputs and predictions, outside the time
+    loop), with a backward of fewer passes than autograd's; the same forward numbers."""
+    return _RMSNormRows.apply(x, weight)
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -50,11 +87,13 @@ class LinearCrossEntropy(torch.autograd.Function):
     Logits for `chunk` rows exist at a time, in the forward and again (recomputed) in the
     backward, so the (rows x vocab) matrix is never materialised. Only the log-sum-exp of each
     row is saved. Under autocast the matmuls run in the autocast dtype; the softmax statistics
-    are float32.
+    are float32. `ops` computes the log-sum-exp and the logits' gradient from a chunk's logits
+    (`kernels.step`: the twin in torch, or one Triton kernel each, which read the logits once
+    in their compute dtype and never write a float32 copy of them).
     """
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk):
+    def forward(ctx, h, weight, targets, chunk, ops):
         dtype = _compute_dtype(h)
         device = h.device.type
         losses = torch.empty(h.shape[0], dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
@@ -62,12 +101,12 @@ class LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(device, enabled=False):
             w = weight.to(dtype)
             for s in range(0, h.shape[0], chunk):
-                logits = at_least_f32(h[s : s + chunk].to(dtype) @ w.T)
-                lse[s : s + chunk] = torch.logsumexp(logits, -1)
-                target_logit = logits.gather(1, targets[s : s + chunk, None]).squeeze(1)
-                losses[s : s + chunk] = lse[s : s + chunk] - target_logit
+                logits = h[s : s + chunk].to(dtype) @ w.T
+                lse[s : s + chunk] = ops.ce_lse(logits)
+                target_logit = logits.gather(1, targets[s : s + chunk, None]).squeeze(1)  # widened exactly
+                torch.sub(lse[s : s + chunk], target_logit, out=losses[s : s + chunk])
         ctx.save_for_backward(h, weight, targets, lse)
-        ctx.chunk, ctx.dtype = chunk, dtype
+        ctx.chunk, ctx.dtype, ctx.ops = chunk, dtype, ops
         return losses
 
     @staticmethod
@@ -80,20 +119,15 @@ class LinearCrossEntropy(torch.autograd.Function):
             w = weight.to(dtype)
             for s in range(0, h.shape[0], chunk):
                 hc = h[s : s + chunk].to(dtype)
-                # One (chunk x vocab) float32 buffer at a time, the largest transient of a step, and
-                # as few passes over it as torch allows: the logits widened and shifted by one op (a
-                # bf16 minus a float32 is computed in float32), exp in place, and the gradient's
-                # factor multiplied straight into the compute dtype (rounded as .to() would).
-                probs = torch.sub(hc @ w.T, lse[s : s + chunk, None]).exp_()
-                rows = torch.arange(probs.shape[0], device=probs.device)
-                probs[rows, targets[s : s + chunk]] -= 1.0
-                g = grad_losses[s : s + chunk, None]
-                dlogits = probs.mul_(g) if probs.dtype == dtype else torch.mul(probs, g, out=torch.empty_like(probs, dtype=dtype))
+                # The chunk's (chunk x vocab) logit gradients, the largest transient of a step,
+                # computed in float32 and rounded once into the compute dtype.
+                dlogits = ctx.ops.ce_grad(hc @ w.T, lse[s : s + chunk], targets[s : s + chunk], grad_losses[s : s + chunk], dtype)
                 dh[s : s + chunk] = (dlogits @ w).to(h.dtype)
                 dweight += dlogits.T @ hc
-        return dh, dweight.to(weight.dtype), None, None
+        return dh, dweight.to(weight.dtype), None, None, None
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                         ops: StepOps = twin.OPS) -> torch.Tensor:
     """Per-row losses (float32) of a tied-decoder CE, never materialising all logits at once."""
-    return LinearCrossEntropy.apply(h, weight, targets, max(1, chunk))
+    return LinearCrossEntropy.apply(h, weight, targets, max(1, chunk), ops)

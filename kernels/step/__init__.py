@@ -26,6 +26,8 @@ class StepOps:
     ground: Callable
     residual_rms_backward: Callable
     gate_grads: Callable
+    ce_lse: Callable  # the decoder's cross-entropy, once per window (chunks of rows)
+    ce_grad: Callable
     # True: the groups read the step GEMMs' outputs and write their inputs in the GEMMs' compute
     # dtype (widening on load, rounding on store), so the core keeps those per-step buffers in it
     # and the GEMMs cast nothing. False (the twins, which compute in their inputs' dtype, and the

@@ -123,5 +123,20 @@ def gate_grads(dz_ffn, ffn_fac, out_dffn, dc, pg_fac, out_dpg):
     torch.mul(dc, pg_fac, out=out_dpg)
 
 
+def ce_lse(logits):
+    """The cross-entropy's forward: each row's log-sum-exp, in float32 at least (the rows are a
+    chunk of the decoder GEMM's logits, in its compute dtype)."""
+    return torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+
+
+def ce_grad(logits, lse, targets, g, dtype):
+    """The cross-entropy's logit gradients (softmax - onehot(targets)) * g per row, computed from
+    the logits and their log-sum-exp in float32 at least and rounded once into `dtype`."""
+    p = torch.sub(logits, lse[:, None]).exp_()  # a bf16 minus a float32 is computed in float32
+    p[torch.arange(p.shape[0], device=p.device), targets] -= 1.0
+    g = g[:, None]
+    return p.mul_(g) if p.dtype == dtype else torch.mul(p, g, out=torch.empty_like(p, dtype=dtype))
+
+
 OPS = StepOps(pack, mm, rms_hat, rms_hat_backward, l2n_relu, l2n_relu_backward, post_projection, residual_rms, ground,
-              residual_rms_backward, gate_grads)
+              residual_rms_backward, gate_grads, ce_lse, ce_grad)

@@ -355,7 +355,66 @@ def l2n_relu_backward(y, mask_over_norm, dy, out=None):
     return layout.finish(o_w, out)
 
 
+@triton.jit
+def _ce_lse(X, LSE, s_x, N, BN: tl.constexpr):
+    """Program b: row b's log-sum-exp in one pass over its N logits, a running maximum and sum
+    per lane (the twin widens the row to float32 first, a pass and a row's float32 more)."""
+    b = tl.program_id(0).to(tl.int64)
+    dt = LSE.dtype.element_ty
+    m = tl.full([BN], float("-inf"), dt)
+    s = tl.zeros([BN], dt)
+    for c0 in range(0, N, BN):
+        c = c0 + tl.arange(0, BN)
+        x = tl.load(X + b * s_x + c, mask=c < N, other=float("-inf")).to(dt)
+        m_new = tl.where(x > m, x, m)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane with no logit yet adds e^-inf = 0 (a NaN adds NaN)
+        s = s * _exp(m - shift) + _exp(x - shift)
+        m = m_new
+    top = tl.max(m, 0)
+    tl.store(LSE + b, top + tl.log(tl.sum(s * _exp(m - top), 0)))
+
+
+@triton.jit
+def _ce_grad(X, LSE, TGT, GL, OUT, s_x, s_t, s_g, s_o, N, BN: tl.constexpr):
+    """Program (b, p): block p of row b's logit gradients (e^(x - lse) - [column = target]) g,
+    computed in the log-sum-exp's dtype and rounded once on store."""
+    b, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    dt = LSE.dtype.element_ty
+    c = p * BN + tl.arange(0, BN)
+    m = c < N
+    x = tl.load(X + b * s_x + c, mask=m, other=0.0).to(dt)
+    d = _exp(x - tl.load(LSE + b))
+    d = tl.where(c == tl.load(TGT + b * s_t), d - 1.0, d)
+    tl.store(OUT + b * s_o + c, _rounded(d * tl.load(GL + b * s_g).to(dt), OUT.dtype.element_ty), mask=m)
+
+
+CE_BLOCK = 2048  # logits per program and loop iteration: rows are the vocabulary wide
+
+
+def _rows(logits):
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits: expected rows with contiguous columns, got shape {tuple(logits.shape)}, "
+                         f"strides {logits.stride()}")
+    return logits.shape
+
+
+def ce_lse(logits):
+    rows, n = _rows(logits)
+    lse = torch.empty(rows, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
+    _ce_lse[(rows,)](logits, lse, logits.stride(0), n, BN=CE_BLOCK)
+    return lse
+
+
+def ce_grad(logits, lse, targets, g, dtype):
+    rows, n = _rows(logits)
+    out = torch.empty((rows, n), dtype=dtype, device=logits.device)
+    g = g.to(lse.dtype)
+    _ce_grad[(rows, triton.cdiv(n, CE_BLOCK))](logits, lse, targets, g, out, logits.stride(0), targets.stride(0),
+                                               g.stride(0), out.stride(0), n, BN=CE_BLOCK)
+    return out
+
+
 # The GEMMs are BLAS's, and l2n_relu, rms_hat and its backward run once per window, outside the
 # time loop: the twin's are as good as a kernel there.
 OPS = StepOps(twin.pack, twin.mm, twin.rms_hat, twin.rms_hat_backward, twin.l2n_relu, l2n_relu_backward, post_projection,
-              residual_rms, ground, residual_rms_backward, gate_grads, narrow_io=True)
+              residual_rms, ground, residual_rms_backward, gate_grads, ce_lse, ce_grad, narrow_io=True)
