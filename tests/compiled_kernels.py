@@ -51,6 +51,7 @@ ARITH = {
     "_ground": {"FG", "G", "HAT", "R"},
     "_residual_rms_bwd": {"OUT"},
     "_gate_grads": {"FAC", "PGF"},  # the outputs may be bf16, the next GEMM's input
+    "_gate_factors": {"FAC", "PGO", "PGF"},  # the SwiGLU's output may be bf16, the next GEMM's input
     "_l2n_relu_bwd": {"Y", "MASK"},
     "_ce_lse": {"LSE"},
     "_ce_grad": {"LSE"},  # the logits' gradient may be bf16, the next GEMMs' input

@@ -320,6 +320,38 @@ def test_backward_groups_match_twin(impl, shape, dtype, monkeypatch):
     run_both(impl, "l2n_relu_backward", lambda p: ((y[:, 0], mask[:, 0], dQ[:, : H * dk].view(B, H, dk)), {}, []), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", EW_SHAPES, ids=lambda s: "x".join(map(str, s[:6])))
+def test_gate_factors_match_twin(shape, dtype, monkeypatch):
+    """The chunk's SwiGLU and predict-gate factors from the recomputed projection's rows (in its
+    GEMM's dtype, read in place: [h1 | h2 | pg | pad]), with the SwiGLU's output into a column
+    slice of the second GEMM's input rows (in its dtype) and every other output a fresh
+    NaN-filled buffer: rows of F and of d in blocks that leave partial ones, F above and below d."""
+    B, d, nf, *_, block = shape
+    monkeypatch.setattr(E, "BLOCK", block)
+    rows = 2 * B + 1  # a chunk's steps times its sequences
+    Y = rand(rows, 2 * nf + d + 3, seed=50) * 3
+    x = rand(rows, d, seed=51)
+    r = x.square().mean(-1, keepdim=True).add(1e-6).sqrt()
+
+    def make(poison):
+        y = Y.to(dtype)
+        fac, z = buf(poison, rows, 2, nf), buf(poison, rows, nf + d + 2, dtype=dtype)
+        pg, pg_fac = buf(poison, rows, d), buf(poison, rows, d)
+        args = (y[:, :nf], y[:, nf : 2 * nf], y[:, 2 * nf : 2 * nf + d], x / r, r, fac, z[:, 1 : nf + 1], pg, pg_fac)
+        return args, {}, [fac, z[:, 1 : nf + 1], pg, pg_fac]
+
+    run_both("triton", "gate_factors", make, dtype)
+    args = make(True)[0]
+    wide = buf(True, rows, nf + d + 2, dtype=dtype)
+    fac, z = args[5], wide[:, 1 : nf + 1]
+    E.gate_factors(*args[:6], z, *args[7:])
+    assert wide[:, 0].isnan().all() and wide[:, nf + 1 :].isnan().all()  # nothing written outside the slice
+    if dtype == torch.bfloat16:  # the SwiGLU's output rounded to nearest, once, from the float32 factors
+        silu_h2 = (fac[:, 1] * Y[:, nf : 2 * nf].to(dtype).float()).double()
+        assert ((z.double() - silu_h2).abs() <= silu_h2.abs() * 2 ** -8 + 1e-30).all()
+
+
 @pytest.mark.parametrize("shape", EW_SHAPES[1:], ids=lambda s: "x".join(map(str, s[:6])))
 @impls
 def test_narrow_outputs_are_rounded_to_nearest_even(impl, shape):
@@ -424,7 +456,7 @@ def test_model_with_triton_kernels_matches_torch(case, mode, monkeypatch):
     count_calls(monkeypatch, K, ("memory_step", "memory_read", "decay_and_write", "memory_step_backward", "memory_read_backward"),
                 calls)
     count_calls(monkeypatch, E, ("post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads",
-                                 "l2n_relu_backward", "ce_lse", "ce_grad"), calls)
+                                 "gate_factors", "l2n_relu_backward", "ce_lse", "ce_grad"), calls)
     dtype = torch.float64 if mode == "float64" else torch.float32
     torch.manual_seed(0)
     model = GPN(dataclasses.replace(ODD, **case)).to(DEVICE, dtype)
@@ -454,7 +486,8 @@ def test_model_with_triton_kernels_matches_torch(case, mode, monkeypatch):
     assert ga.keys() == gb.keys() and "state.s" in gb and ("state.M" in gb) == model.config.memory
     for name in gb:
         check(ga[name], gb[name], dtype, name, tol)
-    assert {"post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads", "ce_lse", "ce_grad"} <= set(calls)
+    assert {"post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads", "gate_factors", "ce_lse",
+            "ce_grad"} <= set(calls)
     if model.config.memory:  # the kernels ran, in the forward and the reverse sweep
         assert {"memory_step", "memory_step_backward", "l2n_relu_backward"} <= set(calls)
         assert calls.count("memory_step") > tokens.shape[1]  # the forward's steps and the rebuild's

@@ -113,6 +113,7 @@ EXPECTED = {
     "_gated_rms_fwd": SIGMOID | NORM,  # silu(gate) o / rms(o)
     "_gated_rms_bwd": {"div.full.f32"},  # / N, / rms
     "_residual_rms_bwd": {"div.full.f32"},
+    "_gate_factors": SIGMOID,  # the SwiGLU's and the predict gate's sigmoid
     "_post_projection": SIGMOID | NORM,  # SwiGLU's and beta's sigmoid, softplus's exp and divide, the decay's exp, the heads' l2 norm
     "_residual_rms": SIGMOID | NORM,
     "_ground": SIGMOID | NORM,

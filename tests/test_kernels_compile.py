@@ -9,7 +9,7 @@ the ptxas Triton ships, in a fresh process (tests/compiled_kernels.py).
 from compiled_kernels import ARITH, compiled
 
 KERNELS = sorted([
-    "_ce_grad", "_ce_lse", "_gate_grads", "_gated_rms_bwd", "_gated_rms_fwd", "_ground", "_head_sums", "_l2n_relu_bwd", "_post_projection",
+    "_ce_grad", "_ce_lse", "_gate_factors", "_gate_grads", "_gated_rms_bwd", "_gated_rms_fwd", "_ground", "_head_sums", "_l2n_relu_bwd", "_post_projection",
     "_read_bwd", "_read_fwd", "_residual_rms", "_residual_rms_bwd", "_step_bwd", "_step_fwd", "_write"])
 
 # Registers per thread at 8 warps (sm_90 has 64K per SM, 255 at most per thread). The kernels

@@ -58,9 +58,10 @@ def launches(per_step) -> dict[tuple[str, str], float]:
     return out
 
 
-# Triton kernels launched once per window (per chunk of rows), outside the loop: no launch per
-# step, their per-token bytes stay in the step's rows.
-ONCE_PER_WINDOW = {"forward": {"_ce_lse"}, "backward": {"_ce_grad"}}
+# Triton kernels launched once per window (the cross-entropy, per chunk of rows) or once per
+# chunk of the reverse sweep (the SwiGLU's and predict gate's factors), outside the loop: no
+# launch per step, their per-token bytes stay in the step's rows.
+ONCE_PER_WINDOW = {"forward": {"_ce_lse"}, "backward": {"_ce_grad", "_gate_factors"}}
 
 
 def check_hand_count(per_step):

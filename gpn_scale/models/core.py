@@ -436,7 +436,9 @@ def _workspace(spec: Spec, layers, L, B, like):
     new = lambda *shape, dtype=like.dtype: like.new_empty((L, B) + shape, dtype=dtype)  # noqa: E731
     io = _io_dtype(spec, like.dtype)  # the sweep's GEMM outputs and inputs (the weight gradients' too)
     # Z is read by one GEMM only (W2o's weight gradient): written rounded, it is not cast there.
-    return [Workspace(Y=new(W.W.shape[1]), dY=new(W.W.shape[1], dtype=io), Z=new(W.W2o.shape[0], dtype=io),
+    # Y is the recomputed projection as its GEMM writes it: `gate_factors` and the memory kernels
+    # widen it on load, torch's ops take widened copies of the blocks they read.
+    return [Workspace(Y=new(W.W.shape[1], dtype=io), dY=new(W.W.shape[1], dtype=io), Z=new(W.W2o.shape[0], dtype=io),
                       dZ=new(W.W2o.shape[0], dtype=io), ffn_fac=new(2, spec.F)) for W in layers]
 
 
@@ -453,21 +455,20 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
     per-layer buffers of `_workspace`, of which the chunk uses its first L rows.
     """
     L, B, d = XP.shape
-    H, dk, Fd = spec.H, spec.dk, spec.F
+    H, dk, Fd, sd, ew = spec.H, spec.dk, spec.F, XP.dtype, spec.backend.step
     empty = lambda *shape: XP.new_empty(shape)  # noqa: E731
-    io = _io_dtype(spec, XP.dtype)
+    io = _io_dtype(spec, sd)
     C = []
     for i, (W, col, ws) in enumerate(zip(layers, cols, work)):
         x_hat, r = (X0, R0) if i == 0 else (S.X[i][sl], S.R[i][sl])
         Y, Z, dY, dZ, ffn_fac = (x[:L] for x in (ws.Y, ws.Z, ws.dY, ws.dZ, ws.ffn_fac))  # every row is written
-        _mm(x_hat.reshape(L * B, d), W.W, Y.view(L * B, -1), W.b)  # as the forward's, one GEMM
-        pg = torch.sigmoid(Y[..., col["pg"]])
-        pg_fac = (x_hat * r).mul_(pg).mul_(1 - pg)
-        h1, h2 = Y[..., col["ffn"]].chunk(2, -1)
-        s1 = torch.sigmoid(h1)  # (dL/dh1, dL/dh2) = dL/d(silu(h1) h2) * ffn_fac
-        silu = torch.mul(h1, s1, out=ffn_fac[:, :, 1])
-        torch.mul(torch.addcmul(s1 + silu, silu, s1, value=-1.0), h2, out=ffn_fac[:, :, 0])  # silu'(h1) h2
-        torch.mul(silu, h2, out=Z[..., :Fd])
+        rows = Y.view(L * B, -1)
+        _mm(x_hat.reshape(L * B, d), W.W, rows, W.b)  # as the forward's, one GEMM, in the GEMMs' dtype (io)
+        # (dL/dh1, dL/dh2) = dL/d(silu(h1) h2) * ffn_fac, dL/d(pg pre-activation) = dL/dc * pg_fac
+        pg, pg_fac = empty(L, B, d), empty(L, B, d)
+        ffn = rows[:, col["ffn"]]
+        ew.gate_factors(ffn[:, :Fd], ffn[:, Fd:], rows[:, col["pg"]], x_hat.reshape(L * B, d), r.reshape(L * B, 1),
+                        ffn_fac.view(L * B, 2, Fd), Z.view(L * B, -1)[:, :Fd], pg.view(L * B, d), pg_fac.view(L * B, d))
         dU = XP.new_empty((L, B, d), dtype=io)  # the second GEMM's input (rounded), as the weight gradient's
         c = dict(X_full=x_hat, x=_steps(x_hat), r=_steps(r), Y=Y, Z_full=Z, dY_full=dY, dZ_full=dZ, dU_full=dU, dU=_steps(dU),
                  pg_gate=_steps(pg), pg_fac=_steps(pg_fac),
@@ -475,10 +476,12 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
                  dpg=_steps(dY[..., col["pg"]]), dz_ffn=_steps(dZ[..., None, :Fd]), dz_read=_steps(dZ[..., Fd:]))
         if spec.memory:
             nh = S.NQ[i].shape[2]
-            nq, norms = l2n_relu(Y[..., col["heads"]].view(L, B, nh, H, dk))
+            # The heads and the read's gate feed torch's elementwise ops: widened to the state's dtype.
+            nq, norms = l2n_relu(Y[..., col["heads"]].to(sd).view(L, B, nh, H, dk))
+            gate = Y[..., col["gate"]].to(sd)
             O = empty(L, B, H * spec.dv)
-            c.update(nq=_steps(nq), q=_steps(nq[:, :, -1]), nq_mask=_steps((nq > 0) / norms), gate_full=Y[..., col["gate"]],
-                     gate=_steps(Y[..., col["gate"]]), O_full=O, o=_steps(O), z_read=_steps(Z[..., Fd:]),
+            c.update(nq=_steps(nq), q=_steps(nq[:, :, -1]), nq_mask=_steps((nq > 0) / norms), gate_full=gate,
+                     gate=_steps(gate), O_full=O, o=_steps(O), z_read=_steps(Z[..., Fd:]),
                      dgate=_steps(dY[..., col["gate"]]), dheads=_steps(dY[..., col["heads"]], nh, H, dk))
             if i == 0:
                 c.update(keys=[k_first] + list(_steps(nq[:-1, :, 0])), v=_steps(Y[..., col["v"]], H, spec.dv))
@@ -489,7 +492,7 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
     if spec.memory:
         col0, dY0 = cols[0], C[0].dY_full
         # dL/d(beta, a pre-activations) = (dL/dbeta, dL/ddecay) * gate_fac
-        da_fac = A * torch.sigmoid(C[0].Y[..., col0["a"]]) * S.DECAY[sl]
+        da_fac = A * torch.sigmoid(C[0].Y[..., col0["a"]].to(sd)) * S.DECAY[sl]
         dBD = empty(L, 2, B, H)  # (dL/dbeta, dL/ddecay)
         dKQ = empty(L, 2, B, H, dk)  # dL/d(normalised [next key | query]) of layer 0
         E = empty(L, B, H, spec.dv)  # the write's errors, from the rebuild

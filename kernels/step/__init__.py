@@ -26,6 +26,7 @@ class StepOps:
     ground: Callable
     residual_rms_backward: Callable
     gate_grads: Callable
+    gate_factors: Callable  # once per chunk of the reverse sweep: the factors gate_grads multiplies by
     ce_lse: Callable  # the decoder's cross-entropy, once per window (chunks of rows)
     ce_grad: Callable
     # True: the groups read the step GEMMs' outputs and write their inputs in the GEMMs' compute

@@ -90,6 +90,7 @@ def l2n_relu_backward(y, mask_over_norm, dy, out=None):
     return _load().l2n_relu_backward(y, mask_over_norm, dy, out)
 
 
-# l2n_relu, rms_hat and its backward and the cross-entropy run once per window: the twin's.
+# l2n_relu, rms_hat and its backward, the chunk's gate factors and the cross-entropy run once per
+# window or chunk, over many rows, where torch's own kernels are as good: the twin's.
 OPS = StepOps(pack, mm, twin.rms_hat, twin.rms_hat_backward, twin.l2n_relu, l2n_relu_backward, post_projection, residual_rms,
-              ground, residual_rms_backward, gate_grads, twin.ce_lse, twin.ce_grad)
+              ground, residual_rms_backward, gate_grads, twin.gate_factors, twin.ce_lse, twin.ce_grad)

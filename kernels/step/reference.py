@@ -123,6 +123,24 @@ def gate_grads(dz_ffn, ffn_fac, out_dffn, dc, pg_fac, out_dpg):
     torch.mul(dc, pg_fac, out=out_dpg)
 
 
+def gate_factors(h1, h2, pg, x_hat, r, out_fac, out_ffn, out_pg, out_pg_fac):
+    """Once per chunk of the reverse sweep, over its rows: the factors of the SwiGLU's and the
+    predict gate's derivatives that do not depend on the incoming gradient (`gate_grads` takes
+    the products), and the SwiGLU's output again. h1, h2 (R, F), pg (R, d): the recomputed
+    projection's blocks, in any dtype (widened to out_fac's); x_hat (R, d), r (R, 1): the
+    layer's normalised input and its rms. Writes out_fac (R, 2, F) = (silu'(h1) h2, silu(h1)),
+    out_ffn (R, F) = silu(h1) h2 (the second GEMM's input, in its dtype), out_pg = sigmoid(pg)
+    and out_pg_fac = x_hat r out_pg (1 - out_pg)."""
+    dt = out_fac.dtype
+    h1, h2 = h1.to(dt), h2.to(dt)
+    pg = torch.sigmoid(pg.to(dt), out=out_pg)
+    torch.mul(x_hat, r, out=out_pg_fac).mul_(pg).mul_(1 - pg)
+    s1 = torch.sigmoid(h1)
+    silu = torch.mul(h1, s1, out=out_fac[:, 1])
+    torch.mul(torch.addcmul(s1 + silu, silu, s1, value=-1.0), h2, out=out_fac[:, 0])  # silu'(h1) h2
+    torch.mul(silu, h2, out=out_ffn)
+
+
 def ce_lse(logits):
     """The cross-entropy's forward: each row's log-sum-exp, in float32 at least (the rows are a
     chunk of the decoder GEMM's logits, in its compute dtype)."""
@@ -139,4 +157,4 @@ def ce_grad(logits, lse, targets, g, dtype):
 
 
 OPS = StepOps(pack, mm, rms_hat, rms_hat_backward, l2n_relu, l2n_relu_backward, post_projection, residual_rms, ground,
-              residual_rms_backward, gate_grads, ce_lse, ce_grad)
+              residual_rms_backward, gate_grads, gate_factors, ce_lse, ce_grad)

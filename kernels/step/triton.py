@@ -8,7 +8,8 @@ l2-normalisation and the write's gates (`post_projection`); after the second GEM
 residual and the next input's RMS statistics (`residual_rms`); after the fuse-gate GEMM the
 grounding and the next step's RMS statistics (`ground`); in the reverse sweep the rms-norm
 backward with the gated residual (`residual_rms_backward`), the FFN and predict-gate factors
-(`gate_grads`) and the heads' normalisation backward (`l2n_relu_backward`).
+(`gate_grads`) and the heads' normalisation backward (`l2n_relu_backward`); once per chunk of the
+sweep, the factors `gate_grads` multiplies by (`gate_factors`).
 
 Arithmetic is in the dtype of the state (float32, or float64 for gradient checks): every input is
 converted to it on load. Outputs that feed a GEMM may be narrower (bf16, the GEMM's compute
@@ -176,6 +177,28 @@ def _gate_grads(DZ, FAC, DFFN, s_dz, s_fb, s_f2, s_db, s_d2, NF, DC, PGF, DPG, s
 
 
 @triton.jit
+def _gate_factors(H1, H2, FAC, FFN, s_h1, s_h2, s_fb, s_f2, s_ffn, NF, PG, XH, R, PGO, PGF, s_pg, s_xh, s_r, s_pgo, s_pgf,
+                  ND, BF: tl.constexpr):
+    """Program (row, p): block p of the SwiGLU's columns and block p of the predict gate's."""
+    b, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    dt = FAC.dtype.element_ty  # the state's; the projection's blocks may be its GEMM's bf16, the SwiGLU's output too
+    c = p * BF + tl.arange(0, BF)
+    m = c < NF
+    h1 = tl.load(H1 + b * s_h1 + c, mask=m, other=0.0).to(dt)
+    h2 = tl.load(H2 + b * s_h2 + c, mask=m, other=0.0).to(dt)
+    s1 = _sigmoid(h1)
+    silu = h1 * s1
+    tl.store(FAC + b * s_fb + c, (s1 + silu - silu * s1) * h2, mask=m)  # silu'(h1) h2
+    tl.store(FAC + b * s_fb + s_f2 + c, silu, mask=m)
+    tl.store(FFN + b * s_ffn + c, _rounded(silu * h2, FFN.dtype.element_ty), mask=m)
+    m = c < ND
+    g = _sigmoid(tl.load(PG + b * s_pg + c, mask=m, other=0.0).to(dt))
+    tl.store(PGO + b * s_pgo + c, g, mask=m)
+    xr = tl.load(XH + b * s_xh + c, mask=m, other=0.0).to(dt) * tl.load(R + b * s_r).to(dt)
+    tl.store(PGF + b * s_pgf + c, xr * g * (1.0 - g), mask=m)
+
+
+@triton.jit
 def _l2n_relu_bwd(Y, MASK, DY, OUT, s_yb, s_yk, s_mb, s_mk, s_db, s_dk, s_ob, s_ok, NHEADS, H, DK,
                   BHEADS: tl.constexpr, BK: tl.constexpr):
     """Program (b, p): heads p BHEADS to (p + 1) BHEADS - 1 of sequence b."""
@@ -327,6 +350,27 @@ def gate_grads(dz_ffn, ffn_fac, out_dffn, dc, pg_fac, out_dpg):
     layout.finish(dpg_w, dpg)
 
 
+def gate_factors(h1, h2, pg, x_hat, r, out_fac, out_ffn, out_pg, out_pg_fac):
+    """(silu'(h1) h2, silu(h1)) into out_fac (R, 2, F), silu(h1) h2 into out_ffn, sigmoid(pg) into
+    out_pg and x_hat r sigmoid(pg) (1 - sigmoid(pg)) into out_pg_fac; the rows of a chunk."""
+    R, nf = h1.shape
+    n = pg.shape[1]
+    h1, s_h1 = layout.rows(h1, nf)
+    h2, s_h2 = layout.rows(h2, nf)
+    pg, s_pg = layout.rows(pg, n)
+    x_hat, s_xh = layout.rows(x_hat, n)
+    r, s_r = layout.rows(r, 1)
+    fac_w, s_fb, s_f2 = _pair(out_fac, out=True)
+    ffn_w, ffn, s_ffn = layout.out(out_ffn, nf, out_ffn, out_ffn.shape)
+    pgo_w, pgo, s_pgo = layout.out(out_pg, n, out_pg, out_pg.shape)
+    pgf_w, pgf, s_pgf = layout.out(out_pg_fac, n, out_pg_fac, out_pg_fac.shape)
+    bf = layout.split(max(nf, n), BLOCK)
+    _gate_factors[(R, triton.cdiv(max(nf, n), bf))](h1, h2, fac_w, ffn_w, s_h1, s_h2, s_fb, s_f2, s_ffn, nf, pg, x_hat, r, pgo_w,
+                                                    pgf_w, s_pg, s_xh, s_r, s_pgo, s_pgf, n, BF=bf, num_warps=layout.warps(bf))
+    for written, buf in ((fac_w, out_fac), (ffn_w, ffn), (pgo_w, pgo), (pgf_w, pgf)):
+        layout.finish(written, buf)
+
+
 def _pair(x, out=False):
     """A (B, 2, F) tensor with a contiguous last axis as (tensor, batch stride, pair stride)."""
     if x.stride(2) == 1 or x.shape[2] == 1:
@@ -417,4 +461,4 @@ def ce_grad(logits, lse, targets, g, dtype):
 # The GEMMs are BLAS's, and l2n_relu, rms_hat and its backward run once per window, outside the
 # time loop: the twin's are as good as a kernel there.
 OPS = StepOps(twin.pack, twin.mm, twin.rms_hat, twin.rms_hat_backward, twin.l2n_relu, l2n_relu_backward, post_projection,
-              residual_rms, ground, residual_rms_backward, gate_grads, ce_lse, ce_grad, narrow_io=True)
+              residual_rms, ground, residual_rms_backward, gate_grads, gate_factors, ce_lse, ce_grad, narrow_io=True)
