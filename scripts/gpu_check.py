@@ -741,11 +741,6 @@ def stage_engine(part: Part, mode: Mode, out: Path, wheels: Path) -> None:
     def launch(names):
         t0, jobs = time.monotonic(), {}
         for n in names:
-            # One at a time past building its dataset: Streaming's shared-memory names are claimed
-            # by scanning for a free one, and two processes scanning at once can pick the same.
-            prev = next(reversed(jobs), None)
-            while prev and jobs[prev][0].poll() is None and "training " not in (work / f"{prev}.log").read_text():
-                time.sleep(0.1)
             jobs[n] = _train(runs[n], env, work / f"{n}.log")
         while jobs:
             for n, (p, f) in list(jobs.items()):

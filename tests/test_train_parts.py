@@ -322,3 +322,61 @@ def test_checkpoint_bench_prints_its_ratio(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"^ratio \(hashed save \+ manifest \+ verify\) / save: \d+\.\d{3} ", proc.stdout, re.M), proc.stdout
     assert list(tmp_path.iterdir()) == []  # cleans up after itself
+
+
+# Started together, each opens the same MDS split once both are ready; Streaming's scan for a
+# free shared-memory prefix is slowed (the real scan, then a pause), so that two scans overlap
+# whenever nothing orders them; each stays registered until both have opened. Also what the
+# process imported, and (one of them) the package in full afterwards.
+_OPEN_TOGETHER = """
+import json, sys, time
+from pathlib import Path
+from gpn_scale.streams import dataset_class, open_dataset
+cls = dataset_class()
+heavy = sorted(m for m in ("transformers", "torchvision", "sklearn", "streaming.text") if m in sys.modules)
+import streaming.base.shared.prefix as prefix
+scan = prefix._check_and_find
+prefix._check_and_find = lambda *a, **k: (scan(*a, **k), time.sleep(0.1))[0]
+def together(step, deadline=time.time() + 60):
+    (Path(sys.argv[2]) / f"{step}_{sys.argv[3]}").touch()
+    while len(list(Path(sys.argv[2]).glob(f"{step}_*"))) < 2:
+        if time.time() > deadline:
+            sys.exit(f"the other process did not get to {step}")
+        time.sleep(0.005)
+together("ready")
+dataset = open_dataset(local=sys.argv[1], shuffle=False, batch_size=1)
+together("opened")
+report = dict(prefix=dataset._shm_prefix_int, heavy=heavy)
+if sys.argv[3] == "a":
+    from streaming import MDSWriter, StreamingDataset
+    import streaming
+    report.update(same=StreamingDataset is cls is type(dataset),
+                  full=callable(MDSWriter) and streaming.base.StreamingDataLoader.__name__ == "StreamingDataLoader")
+print(json.dumps(report))
+"""
+
+
+def test_datasets_opened_at_once_on_a_node_get_their_own_shared_memory(tmp_path):
+    """Two jobs opening a Streaming dataset at the same moment (sweep points, a training and an
+    evaluation) register different shared-memory prefixes; unordered, both scans find the same
+    free one and the second to create it fails with FileExistsError. Opening one imports none
+    of Streaming's other datasets (and transformers, scikit-learn, torchvision with them), and
+    the whole package is still there, with the same class, when asked for."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from mds_fixture import write_windows
+
+    write_windows(tmp_path / "split", 8, 4, 16)
+    (tmp_path / "sync").mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env["PYTHONPATH"] = str(ROOT)
+    procs = [subprocess.Popen([sys.executable, "-c", _OPEN_TOGETHER, str(tmp_path / "split"), str(tmp_path / "sync"), name],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for name in ("a", "b")]
+    results = [p.communicate(timeout=120) + (p.returncode,) for p in procs]
+    failed = [err[-1500:] for _, err, code in results if code != 0]
+    assert not failed, "\n".join(failed)
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _, _ in results]
+    assert reports[0]["prefix"] != reports[1]["prefix"]
+    assert reports[0]["heavy"] == reports[1]["heavy"] == [] and reports[0]["same"] and reports[0]["full"], reports

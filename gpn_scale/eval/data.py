@@ -15,6 +15,7 @@ import torch
 
 from gpn_scale import checkpoints
 from gpn_scale.errors import UserError
+from gpn_scale.streams import open_dataset
 
 
 @dataclass
@@ -59,9 +60,7 @@ def open_data(path: str | Path) -> PrepData:
 
 def read_windows(data: PrepData, limit: int | None = None) -> torch.Tensor:
     """The first `limit` windows (all when None) of the split, in order, as int64 (N, T)."""
-    from streaming import StreamingDataset
-
-    dataset = StreamingDataset(local=str(data.split_dir), shuffle=False, batch_size=1)
+    dataset = open_dataset(local=str(data.split_dir), shuffle=False, batch_size=1)
     n = len(dataset) if limit is None else min(limit, len(dataset))
     if n == 0:
         raise UserError(f"{data.split_dir}: no windows")

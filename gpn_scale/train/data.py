@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from gpn_scale.errors import UserError
+from gpn_scale.streams import dataset_class, open_dataset
 
 TOKENS = "tokens"  # the MDS column written by the prep
 
@@ -38,9 +39,7 @@ def resolve_location(location: str, cache: str | None, split_name: str) -> tuple
 
 
 def _streaming_dataset_class():
-    from streaming import StreamingDataset
-
-    class IndexedStream(StreamingDataset):
+    class IndexedStream(dataset_class()):
         """Yields the sample's global index with its tokens, for the data-order audit log."""
 
         def get_item(self, idx: int):
@@ -58,8 +57,8 @@ class TrainStream:
     def __init__(self, location: str, cache: str | None, micro_batch: int, world_size: int, *,
                  shuffle: bool, seed: int, num_canonical_nodes: int, split_name: str = "train"):
         local, remote = resolve_location(location, cache, split_name)
-        self.dataset = _streaming_dataset_class()(
-            local=local, remote=remote, shuffle=shuffle, shuffle_seed=seed,
+        self.dataset = open_dataset(
+            _streaming_dataset_class(), local=local, remote=remote, shuffle=shuffle, shuffle_seed=seed,
             num_canonical_nodes=num_canonical_nodes, batch_size=micro_batch,
         )
         self.micro_batch, self.world_size = micro_batch, world_size
@@ -106,5 +105,5 @@ class TrainStream:
 def val_batches(location: str, cache: str | None, micro_batch: int):
     """A deterministic, unshuffled stream over the val split, restartable for each evaluation."""
     local, remote = resolve_location(location, cache, "val")
-    dataset = _streaming_dataset_class()(local=local, remote=remote, shuffle=False, batch_size=micro_batch)
+    dataset = open_dataset(_streaming_dataset_class(), local=local, remote=remote, shuffle=False, batch_size=micro_batch)
     return lambda: DataLoader(dataset, batch_size=micro_batch, num_workers=0, drop_last=False)
