@@ -114,13 +114,13 @@ def test_dry_kernel_bench_and_engine_stages_report_what_they_ran(dry):
 # autograd as views of the graph's own memory (detached, so autograd takes them as they are), so
 # the first micro-batch's gradient, kept as .grad, is overwritten by the second micro-batch's replay.
 DEFECT = """
-import dataclasses, importlib.util, sys
+import importlib.util, sys
 from pathlib import Path
 spec = importlib.util.spec_from_file_location("gpu_check", sys.argv[1])
 gc = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec); spec.loader.exec_module(gc)
 import gpn_scale.models.core as core
 core._copied = lambda x: [core._copied(y) for y in x] if isinstance(x, (list, tuple)) else None if x is None else x.detach()
-gc.stage_graphs(gc.Part(Path(sys.argv[2]), "graphs"), dataclasses.replace(gc.DRY, graph_steps=2))
+gc.stage_graphs(gc.Part(Path(sys.argv[2]), "graphs"), gc.DRY)
 """
 
 
