@@ -12,9 +12,11 @@ MDSWriter` elsewhere in the process works as ever, and finds the same `Streaming
 the node: it scans /dev/shm for the first prefix nobody holds, then creates that prefix's
 blocks. Two processes that scan at the same moment pick the same prefix, and the second to
 create it fails with `FileExistsError` (two sweep points, or a training and an evaluation,
-started together). Here the scan and the creation are one step: the process that registers (a
-job's local rank 0; the other ranks attach to what it registered) holds a node-wide file lock
-while it constructs the dataset, so the next one scans only after the prefix is taken.
+started together). Here the scan and the creation are one step for a job's rank 0, which holds a
+node-wide file lock while it constructs the dataset, so the next job scans only after the prefix
+is taken. A single-node job's other ranks attach to what rank 0 registered; the leaders of a
+multi-node job's other nodes register on their own nodes without the lock (they meet rank 0 at
+Streaming's barriers inside the construction, so waiting for a lock rank 0 holds would never end).
 """
 
 from __future__ import annotations
@@ -37,15 +39,21 @@ def lock_path() -> Path:
 
 @contextmanager
 def registering():
-    """Held by a job's local rank 0 while it constructs a dataset. Not by the other ranks: they
-    wait at Streaming's barrier for their leader, which may be waiting here."""
-    if int(os.environ.get("LOCAL_RANK", 0)) != 0:
+    """Held by a job's rank 0 while it constructs a dataset. Not by its other ranks: they wait at
+    Streaming's barriers for rank 0, which may be waiting here (a deadlock if another node's
+    leader of the same job, on the same host as an elastic test runs them, waited here too)."""
+    if int(os.environ.get("RANK", 0)) != 0:
         yield
         return
     # Read-only is enough for flock, and lets every user of the node open the one file.
     fd = os.open(lock_path(), os.O_RDONLY | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another job on this node is opening a dataset: a second or two, normally
+            print(f"waiting for {lock_path()}: another process on this node is opening a Streaming dataset",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # releases the lock (so does the process's end)
