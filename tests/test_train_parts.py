@@ -11,7 +11,7 @@ import torch
 
 from gpn_scale import manifest
 from gpn_scale.config import model_config
-from gpn_scale.models import build_model
+from gpn_scale.models import MODEL_FAMILIES, build_model
 from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import loop, optim
 from gpn_scale.train.config import load_train_config
@@ -50,7 +50,7 @@ def tiny_engine(device, *overrides, grad_accum=1, universal=False):
     cfg = train_config(*overrides)
     torch.manual_seed(0)
     model = build_model(model_config(cfg.model)).to(device)
-    optimizer, scheduler = optim.build(model, cfg.train)
+    optimizer, scheduler = optim.build(MODEL_FAMILIES[model.config.family].param_groups(model), cfg.train)
     seen = []
 
     def record(opt, args, kwargs):
@@ -158,7 +158,7 @@ DECAY = {
 @pytest.mark.parametrize("family", sorted(TINY))
 def test_weight_decay_goes_to_exactly_the_matrices(family):
     model = build_model(model_config(TINY[family]))
-    optimizer, _ = optim.build(model, train_config("train.weight_decay=0.1").train)
+    optimizer, _ = optim.build(MODEL_FAMILIES[family].param_groups(model), train_config("train.weight_decay=0.1").train)
     name_of = {id(p): n for n, p in model.named_parameters()}
     by_decay = {}
     for group in optimizer.param_groups:

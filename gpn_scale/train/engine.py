@@ -161,11 +161,12 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.model = build_model(model_config(cfg.model, where="config: model")).to(self.device)
+        spec = MODEL_FAMILIES[self.model.config.family]
 
         saved = checkpoints.read_trainer_state(self.ckpt_root / self.resume_tag) if self.resume_tag else None
         universal = saved is not None and saved["world_size"] != self.world and saved["zero_stage"] > 0
 
-        optimizer, scheduler = optim.build(self.model, cfg.train)
+        optimizer, scheduler = optim.build(spec.param_groups(self.model), cfg.train)
         t = cfg.train
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
@@ -178,7 +179,7 @@ class Trainer:
         if cfg.zero.stage == 3:
             from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
-            for p in MODEL_FAMILIES[self.model.config.family].zero3_external_params(self.model):
+            for p in spec.zero3_external_params(self.model):
                 register_external_parameter(self.model, p)
         self.data = TrainStream(
             cfg.data.train, cfg.data.cache, t.micro_batch, self.world, shuffle=cfg.data.shuffle,

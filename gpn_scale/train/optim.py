@@ -5,10 +5,14 @@ config), applied to the global norm before every update."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from gpn_scale.train.config import TrainSection
+
+if TYPE_CHECKING:
+    from gpn_scale.models.spec import ParamGroups
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -19,19 +23,13 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """[decayed, not decayed], in that order (resuming re-applies the settings by position), as the
-    model's family declares them (`ModelSpec.param_groups`: the paper's recipe, every tensor of two
-    or more dimensions decays, the embedding too; vectors and scalars do not)."""
-    from gpn_scale.models import MODEL_FAMILIES
-
-    groups = MODEL_FAMILIES[model.config.family].param_groups(model)
-    return [{"params": groups.decay, "weight_decay": weight_decay}, {"params": groups.no_decay, "weight_decay": 0.0}]
-
-
-def build(model: torch.nn.Module, t: TrainSection) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW and its per-optimiser-step schedule (DeepSpeed steps it once per update, not per micro-batch)."""
-    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+def build(groups: ParamGroups, t: TrainSection) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over the model family's groups (`ModelSpec.param_groups`: the paper's recipe, every
+    tensor of two or more dimensions decays, the embedding too; vectors and scalars do not), in the
+    order [decayed, not decayed] (resuming re-applies the settings by position), and its
+    per-optimiser-step schedule (DeepSpeed steps it once per update, not per micro-batch)."""
+    settings = [{"params": groups.decay, "weight_decay": t.weight_decay}, {"params": groups.no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(settings, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, t.warmup_steps, t.total_steps, t.min_lr_ratio))
     return optimizer, scheduler
