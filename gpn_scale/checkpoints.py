@@ -33,7 +33,6 @@ from gpn_scale.models import build_model
 from gpn_scale.native import CONFIG, WEIGHTS
 
 MANIFEST, TRAINER_STATE = manifest.MANIFEST, "trainer_state.json"
-NATIVE_TOKENIZERS = ("tokenizer.json", "tokenizer.model")  # the names `export --to native` gives its tokenizer
 
 
 def tag_for(step: int) -> str:
@@ -154,12 +153,6 @@ def load_native(path: str | Path, device: str | torch.device = "cpu") -> torch.n
         first = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
         raise UserError(f"{path / WEIGHTS}: weights do not match {CONFIG}: {first}") from None
     return model
-
-
-def native_tokenizer(path: str | Path) -> Path | None:
-    """The tokenizer a native export keeps beside its weights (listed in its manifest), if any."""
-    found = [Path(path) / name for name in NATIVE_TOKENIZERS if (Path(path) / name).is_file()]
-    return found[0] if found else None
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:

@@ -48,8 +48,9 @@ def make_tokenizer(out: Path, vocab: int = 300) -> Path:
     return out
 
 
-def make_prep(root: Path, tokenizer: Path, seq_len: int = 32) -> Path:
-    """A real `gpn-scale prep` output (train and val splits, stats.json, unigram.npy, tokenizer copy)."""
+def make_prep(root: Path, tokenizer: Path, seq_len: int = 32, bos: bool = False) -> Path:
+    """A real `gpn-scale prep` output (train and val splits, stats.json, unigram.npy, tokenizer copy);
+    `bos`: each document begins with BOS."""
     import json
 
     from gpn_scale.cli import main
@@ -60,5 +61,6 @@ def make_prep(root: Path, tokenizer: Path, seq_len: int = 32) -> Path:
         (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
     out = root / "prep"
     assert main(["prep", str(root / "train.jsonl"), str(root / "val.jsonl"), "--val-files", str(root / "val.jsonl"),
-                 "--out", str(out), "--tokenizer", str(tokenizer), "--seq-len", str(seq_len), "--workers", "1"]) == 0
+                 "--out", str(out), "--tokenizer", str(tokenizer), "--seq-len", str(seq_len), "--workers", "1",
+                 *(["--bos"] if bos else [])]) == 0
     return out

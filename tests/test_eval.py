@@ -171,7 +171,7 @@ def test_a_run_records_its_tokenizer_and_refuses_another(setup, tmp_path):
     assert trained.root == prep and trained.tokenizer_sha256 == Codec(tok_path).sha256
 
     codec, found = resolve_tokenizer("run", trained, None, None, model)
-    assert codec.sha256 == trained.tokenizer_sha256 and found is trained
+    assert codec.sha256 == trained.tokenizer_sha256 and found == trained.tokenizer_source()
     other = make_tokenizer(tmp_path / "other.json", vocab=280)
     with pytest.raises(UserError, match="other.json: not the tokenizer the model was trained with"):
         resolve_tokenizer("run", trained, str(other), None, model)

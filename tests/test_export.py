@@ -8,6 +8,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a hub
@@ -18,6 +19,7 @@ from eval_fixtures import SENTENCES, corpus_texts, make_prep, make_tokenizer, ti
 
 from gpn_scale.checkpoints import load_native, load_trained_model
 from gpn_scale.cli import main
+from gpn_scale.errors import UserError
 from gpn_scale.eval.codec import Codec
 from gpn_scale.eval.data import open_data, read_windows
 from gpn_scale.eval.generate import generate_tokens
@@ -140,7 +142,7 @@ def test_hf_left_padded_batch_generates_as_each_prompt_alone(setup, capsys):
 def test_hf_tokenizer_adds_bos_when_the_training_data_did(tmp_path):
     from transformers import AutoTokenizer
 
-    from gpn_scale.export import TokenizerSource
+    from gpn_scale.native import TokenizerSource
     from gpn_scale.export.hf import write_tokenizer
 
     tok = make_tokenizer(tmp_path / "tok.json")
@@ -159,7 +161,7 @@ def test_hf_sentencepiece_tokenizer(tmp_path):
     import sentencepiece as spm
     from transformers import AutoTokenizer
 
-    from gpn_scale.export import TokenizerSource
+    from gpn_scale.native import TokenizerSource
     from gpn_scale.export.hf import write_tokenizer
 
     (tmp_path / "corpus.txt").write_text("\n".join(corpus_texts()))
@@ -242,6 +244,65 @@ def test_a_native_export_serves_generate_with_its_own_tokenizer(setup, capsys, t
     assert code == 2 and "no tokenizer recorded with it" in err
 
 
+def test_a_native_export_frames_prompts_as_the_training_data_did(setup, capsys, tmp_path):
+    """A model trained on documents that began with BOS: its native export records that (and the
+    EOS), so eval, generate, a native re-export and an hf export of it frame text as `--data PREP`
+    does for the plain checkpoint."""
+    from gpn_scale.export import Source, write_native
+    from gpn_scale.native import read_tokenizer
+
+    root, tok, _, models = setup
+    prep = make_prep(tmp_path / "data", tok, bos=True)
+    framing = open_data(prep).tokenizer_source()
+    stats = json.loads((prep / "stats.json").read_text())
+    assert (framing.add_bos, framing.bos_id, framing.eos_id) == (True, stats["bos_id"], stats["eos_id"])
+    out = tmp_path / "native"
+    out.mkdir()
+    write_native(Source(models["gpn_m_1l"], root / "gpn_m_1l", None), framing, out)  # what a run trained on prep exports
+    assert read_tokenizer(out) == replace(framing, path=out / "tokenizer.json")
+    code, _, err = run(capsys, "export", out, "--to", "native", "--out", tmp_path / "again")
+    assert code == 0, err
+    assert read_tokenizer(tmp_path / "again") == replace(framing, path=tmp_path / "again" / "tokenizer.json")
+
+    lambada = tmp_path / "lambada.jsonl"
+    lambada.write_text("".join(json.dumps({"text": t}) + "\n" for t in SENTENCES))
+    scores = {}
+    for name, checkpoint, data in (("export", out, []), ("plain", root / "gpn_m_1l", ["--data", prep])):
+        code, _, err = run(capsys, "eval", checkpoint, "--lambada", lambada, *data, "--out", tmp_path / name)
+        assert code == 0, err
+        scores[name] = (tmp_path / name / "lambada_examples.jsonl").read_text()
+    assert scores["export"] == scores["plain"]
+    prompt = ["--prompt", "the cat", "--max-new-tokens", "8", "--temperature", "0"]
+    assert run(capsys, "generate", out, *prompt) == run(capsys, "generate", root / "gpn_m_1l", *prompt, "--data", prep)
+
+    code, _, err = run(capsys, "export", out, "--to", "hf", "--out", tmp_path / "hf")
+    assert code == 0, err
+    _, hf_tok = load_hf(tmp_path / "hf")
+    assert hf_tok(SENTENCES[0]).input_ids == [framing.bos_id] + Codec(tok).encode(SENTENCES[0])
+    assert hf_tok.eos_token_id == framing.eos_id
+
+
+@pytest.mark.parametrize("info, message", [
+    ("file: vocab.txt\nadd_bos: false\n", "file: expected one of tokenizer.json, tokenizer.model, got 'vocab.txt'"),
+    ("file: tokenizer.json\nadd_bos: 'yes'\n", "add_bos: expected true or false, got 'yes'"),
+    ("file: tokenizer.json\nadd_bos: false\neos_id: -1\n", "eos_id: expected a token id"),
+    ("file: tokenizer.json\nadd_bos: true\nbos_id: null\n", "add_bos is true but bos_id is null"),
+    ("file: tokenizer.json\nadd_bos: false\nbos: 1\n", "bos: unknown key"),
+    ("[1, 2]\n", "expected a mapping"),
+    ("file: [\n", "not valid YAML"),
+])
+def test_a_bad_tokenizer_record_is_one_line_naming_the_field(setup, tmp_path, info, message):
+    from gpn_scale.native import TOKENIZER_INFO, read_tokenizer
+
+    _, tok, _, _ = setup
+    shutil.copyfile(tok, tmp_path / "tokenizer.json")
+    (tmp_path / TOKENIZER_INFO).write_text(info)
+    with pytest.raises(UserError) as e:
+        read_tokenizer(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / TOKENIZER_INFO}: ") and message in str(e.value)
+    assert len(str(e.value).splitlines()) == 1
+
+
 def test_bad_inputs_are_one_line_errors_and_write_nothing(setup, capsys, tmp_path):
     root, tok, _, _ = setup
     taken = tmp_path / "taken"
@@ -292,6 +353,8 @@ def trained_run(setup, tmp_path_factory):
 
 @pytest.mark.slow
 def test_native_export_of_a_run_takes_its_newest_complete_checkpoint(setup, trained_run, capsys, tmp_path):
+    from gpn_scale.native import read_tokenizer
+
     _, tok, prep, _ = setup
     ckpts = trained_run / "checkpoints"
     assert (ckpts / "step_00000004").is_dir() and (ckpts / "step_00000002").is_dir()
@@ -301,7 +364,10 @@ def test_native_export_of_a_run_takes_its_newest_complete_checkpoint(setup, trai
     for key, value in newest.state_dict().items():
         assert torch.equal(exported.state_dict()[key], value), key
     assert (tmp_path / "native" / "tokenizer.json").read_bytes() == (prep / "tokenizer.json").read_bytes()
-    assert "tokenizer.json" in json.loads((tmp_path / "native" / "manifest.json").read_text())["files"]
+    assert {"tokenizer.json", "tokenizer.yaml"} <= json.loads((tmp_path / "native" / "manifest.json").read_text())["files"].keys()
+    stats = json.loads((prep / "stats.json").read_text())  # prep without BOS: the record says so, with its EOS
+    recorded = read_tokenizer(tmp_path / "native")
+    assert (recorded.add_bos, recorded.bos_id, recorded.eos_id) == (False, stats["bos_id"], stats["eos_id"])
 
     # The newest checkpoint corrupted: skipped with a warning, the one before it exported.
     broken = tmp_path / "broken"

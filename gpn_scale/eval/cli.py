@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
 from gpn_scale.eval.codec import Codec
 from gpn_scale.eval.data import PrepData, check_model_fits, open_data, read_windows, training_prep
+from gpn_scale.native import TokenizerSource
 
 STATES_TARGET = 16384  # analyze: enough windows for this many states by default (the paper used 16k)
 
@@ -44,35 +46,30 @@ def _check_positive(args, *names: str) -> None:
             raise UserError(f"--{name}: expected a positive integer, got {value}")
 
 
-def bos_of(prep: PrepData | None) -> int | None:
-    stats = prep.stats if prep is not None else None
-    return stats["bos_id"] if stats and stats.get("add_bos") else None
-
-
 def resolve_tokenizer(checkpoint: str, trained: PrepData | None, tokenizer: str | None, data: PrepData | None,
-                      model) -> tuple[Codec, PrepData | None]:
+                      model) -> tuple[Codec, TokenizerSource]:
     """The codec for text in and out: --tokenizer, else the one recorded with --data, else the one of the
     data the checkpoint was trained on (`trained`), else the one a native export keeps beside its
-    weights. Returns it with the prep output it came from (for BOS), if any."""
-    from gpn_scale.checkpoints import native_tokenizer
+    weights. Returns it with the framing of the first of those records (BOS before a prompt or
+    not; the EOS, else the tokenizer's own)."""
+    from gpn_scale.native import read_tokenizer
 
+    prepped = (p.tokenizer_source() for p in (data, trained) if p is not None)
+    recorded = next((s for s in prepped if s is not None), None) or read_tokenizer(checkpoint)
     if tokenizer:
-        codec, prep = Codec(tokenizer), data or trained
-    elif data is not None and data.tokenizer_path is not None:
-        codec, prep = Codec(data.tokenizer_path), data
-    elif trained is not None:
-        codec, prep = Codec(trained.tokenizer_path), trained
-    elif native_tokenizer(checkpoint) is not None:
-        codec, prep = Codec(native_tokenizer(checkpoint)), None
+        source = TokenizerSource(Path(tokenizer)) if recorded is None else replace(recorded, path=Path(tokenizer))
+    elif recorded is not None:
+        source = recorded
     else:
         raise UserError(f"{checkpoint}: no tokenizer recorded with it; pass --tokenizer FILE or --data PREP_DIR")
+    codec = Codec(source.path)
     if codec.vocab_size > model.config.vocab_size:
         raise UserError(f"{codec.path}: tokenizer vocabulary {codec.vocab_size} exceeds the model's vocab_size "
                         f"{model.config.vocab_size}")
     if trained is not None and trained.tokenizer_sha256 != codec.sha256:
         raise UserError(f"{codec.path}: not the tokenizer the model was trained with (sha256 differs from "
                         f"{trained.root / 'stats.json'})")
-    return codec, prep
+    return codec, source if source.eos_id is not None else replace(source, eos_id=codec.eos_id)
 
 
 def _open_checked(args, model, trained: PrepData | None):
@@ -115,8 +112,8 @@ def eval_main(argv: list[str]) -> int:
         metrics["loss_by_position"] = str(out / "loss_by_position.csv")
     if args.lambada:
         texts = read_lambada(args.lambada)
-        codec, prep = resolve_tokenizer(args.checkpoint, trained, args.tokenizer, data, model)
-        lam = score_lambada(model, make_examples(texts, codec.encode, bos_of(prep), args.lambada), args.batch)
+        codec, framing = resolve_tokenizer(args.checkpoint, trained, args.tokenizer, data, model)
+        lam = score_lambada(model, make_examples(texts, codec.encode, framing.prompt_bos, args.lambada), args.batch)
         metrics.update({k: v for k, v in lam.items() if k != "per_example"})
         out.mkdir(parents=True, exist_ok=True)
         per = lam["per_example"]
@@ -201,13 +198,12 @@ def generate_main(argv: list[str]) -> int:
 
     model = load_checkpoint(args.checkpoint, args.device)
     data = open_data(args.data) if args.data else None
-    codec, prep = resolve_tokenizer(args.checkpoint, training_prep(args.checkpoint), args.tokenizer, data, model)
-    bos = bos_of(prep)
+    codec, framing = resolve_tokenizer(args.checkpoint, training_prep(args.checkpoint), args.tokenizer, data, model)
+    bos = framing.prompt_bos
     prompt = ([] if bos is None else [bos]) + codec.encode(args.prompt)
     stream = TextStream(codec)
     sys.stdout.write(args.prompt)
-    # The data's EOS (what prep appended to every document), else the tokenizer's own
-    eos = None if args.ignore_eos else (prep.stats["eos_id"] if prep is not None and prep.stats else codec.eos_id)
+    eos = None if args.ignore_eos else framing.eos_id  # what ended every training document
     for token, _ in generate_tokens(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
                                     args.top_k):
         if token == eos:

@@ -15,6 +15,7 @@ import torch
 
 from gpn_scale import checkpoints
 from gpn_scale.errors import UserError
+from gpn_scale.native import TokenizerSource
 from gpn_scale.streams import open_dataset
 
 
@@ -33,6 +34,13 @@ class PrepData:
     @property
     def tokenizer_sha256(self) -> str | None:
         return None if self.stats is None else self.stats["tokenizer"]["sha256"]
+
+    def tokenizer_source(self) -> TokenizerSource | None:
+        """The recorded tokenizer, framed as prep framed each document (BOS or not, its EOS)."""
+        if self.stats is None:
+            return None
+        s = self.stats
+        return TokenizerSource(self.tokenizer_path, bool(s.get("add_bos")), s.get("bos_id"), s.get("eos_id"))
 
     def unigram(self) -> np.ndarray | None:
         path = None if self.root is None else self.root / "unigram.npy"

@@ -19,18 +19,13 @@ import argparse
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpn_scale.errors import UserError
+from gpn_scale.native import TokenizerSource
 
 FORMATS = ("hf", "reference", "native")
-
-
-@dataclass(frozen=True)
-class TokenizerSource:
-    path: Path  # a Hugging Face tokenizer.json or a sentencepiece .model
-    add_bos: bool  # the training data began each document with BOS: so must a prompt
 
 
 @dataclass(frozen=True)
@@ -63,22 +58,22 @@ def load_source(path: str | Path) -> Source:
 
 def find_tokenizer(source: Source, given: str | None) -> TokenizerSource:
     """--tokenizer, else the tokenizer of the data the run was trained on, else the one a native
-    export put beside its weights. A tokenizer other than the training data's is refused."""
+    export put beside its weights; framed (BOS, EOS) as the training data was, as far as that is
+    recorded. A tokenizer other than the training data's is refused."""
     from gpn_scale.eval.codec import Codec
     from gpn_scale.eval.data import training_prep
+    from gpn_scale.native import read_tokenizer
 
     trained = training_prep(source.path)
+    recorded = trained.tokenizer_source() if trained is not None else read_tokenizer(source.path)
     if given:
-        path, add_bos = Path(given), bool(trained and trained.stats.get("add_bos"))
-    elif trained is not None:
-        path, add_bos = trained.tokenizer_path, bool(trained.stats.get("add_bos"))
+        tokenizer = TokenizerSource(Path(given)) if recorded is None else replace(recorded, path=Path(given))
+    elif recorded is not None:
+        tokenizer = recorded
     else:
-        from gpn_scale.checkpoints import native_tokenizer
-
-        path, add_bos = native_tokenizer(source.path), False
-        if path is None:
-            raise UserError(f"{source.path}: no tokenizer recorded with it; pass --tokenizer FILE "
-                            "(a tokenizer.json or sentencepiece .model)")
+        raise UserError(f"{source.path}: no tokenizer recorded with it; pass --tokenizer FILE "
+                        "(a tokenizer.json or sentencepiece .model)")
+    path = tokenizer.path
     codec = Codec(path)
     if trained is not None and trained.tokenizer_sha256 != codec.sha256:
         raise UserError(f"{path}: not the tokenizer the model was trained with (sha256 differs from "
@@ -86,21 +81,16 @@ def find_tokenizer(source: Source, given: str | None) -> TokenizerSource:
     if codec.vocab_size > source.model.config.vocab_size:
         raise UserError(f"{path}: tokenizer vocabulary {codec.vocab_size} exceeds the model's vocab_size "
                         f"{source.model.config.vocab_size}")
-    return TokenizerSource(path, add_bos)
-
-
-def native_tokenizer_name(tokenizer: Path) -> str:
-    return "tokenizer.model" if tokenizer.suffix == ".model" else "tokenizer.json"
+    return tokenizer
 
 
 def write_native(source: Source, tokenizer: TokenizerSource, out: Path) -> None:
     from gpn_scale.manifest import write_manifest
-    from gpn_scale.native import CONFIG, WEIGHTS, save_native
+    from gpn_scale.native import CONFIG, WEIGHTS, save_native, write_tokenizer
 
     save_native(source.model, out)
-    name = native_tokenizer_name(tokenizer.path)
-    shutil.copyfile(tokenizer.path, out / name)
-    write_manifest(out, [WEIGHTS, CONFIG, name])  # the tokenizer is verified with the weights
+    names = write_tokenizer(tokenizer, out)
+    write_manifest(out, [WEIGHTS, CONFIG, *names])  # the tokenizer is verified with the weights
 
 
 def _staging_dir(out: Path) -> Path:

@@ -58,6 +58,9 @@ def write_tokenizer(tokenizer, out: Path) -> dict:
     from data_prep.tokenizer import Tokenizer
 
     info = Tokenizer(str(tokenizer.path)).info  # EOS (required) and BOS, found as prep finds them
+    # The ids the training data used, where recorded (prep's --eos-token / --bos-token may name others)
+    eos_id = info.eos_id if tokenizer.eos_id is None else tokenizer.eos_id
+    bos_id = info.bos_id if tokenizer.bos_id is None else tokenizer.bos_id
     config = {"clean_up_tokenization_spaces": False,
               "model_max_length": 1 << 30,  # a recurrent model: no context limit
               "model_input_names": ["input_ids", "attention_mask"]}  # no token_type_ids: `generate(**tok(text))` works
@@ -83,9 +86,9 @@ def write_tokenizer(tokenizer, out: Path) -> dict:
         adds = tok.encode(probe).ids != tok.encode(probe, add_special_tokens=False).ids
         template = None
         if tokenizer.add_bos:
-            bos = token(info.bos_id)
+            bos = token(bos_id)
             template = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                     special_tokens=[(bos, info.bos_id)])
+                                                     special_tokens=[(bos, bos_id)])
         elif adds:
             template = processors.TemplateProcessing(single="$A", pair="$A $B")
         if template is None:
@@ -95,10 +98,10 @@ def write_tokenizer(tokenizer, out: Path) -> dict:
             tok.post_processor = template if keep is None else processors.Sequence([keep, template])
             tok.save(str(out / "tokenizer.json"))
         config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    specials = {"eos_token": token(info.eos_id)}
-    if info.bos_id is not None:
-        specials["bos_token"] = token(info.bos_id)
+    specials = {"eos_token": token(eos_id)}
+    if bos_id is not None:
+        specials["bos_token"] = token(bos_id)
     config.update(specials)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=1) + "\n")
-    return {"eos_id": info.eos_id, "bos_id": info.bos_id}
+    return {"eos_id": eos_id, "bos_id": bos_id}
