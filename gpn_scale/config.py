@@ -16,8 +16,10 @@ import yaml
 
 from gpn_scale.errors import UserError
 
-INSTALL_ROOT = Path(__file__).resolve().parent.parent  # holds configs/ and launchers/ beside the package
-CONFIG_ROOT = INSTALL_ROOT / "configs"
+# The bundled configs/ and launchers/: in a checkout the package's symlinks to the repository's
+# own, in a wheel their copies, so a name like `gpn_m_tiny` resolves either way.
+BUNDLE_ROOT = Path(__file__).resolve().parent
+CONFIG_ROOT = (BUNDLE_ROOT / "configs").resolve()  # in a checkout: the repository's configs/, not the link
 
 
 def read_yaml(path: str | Path) -> dict:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpn_scale.config import INSTALL_ROOT
+from gpn_scale.config import BUNDLE_ROOT
 from gpn_scale.errors import UserError
 from gpn_scale.jsonl import read_jsonl
 from gpn_scale.launch import torchrun_command
@@ -77,9 +77,9 @@ def submit_slurm(spec: SweepSpec, points: list[Point], out: Path, dry_run: bool)
     """One `sbatch` of the training template per unfinished point; job ids go to each point's slurm_job."""
     script = Path(spec.slurm.script)
     if not script.is_absolute() and not script.is_file():  # a relative path: here, else the bundled launchers/
-        script = INSTALL_ROOT / script
+        script = (BUNDLE_ROOT / script).resolve()  # in a checkout: the repository's launchers/, not the link
     if not script.is_file():
-        raise UserError(f"slurm.script: {spec.slurm.script}: no such file here nor in {INSTALL_ROOT}")
+        raise UserError(f"slurm.script: {spec.slurm.script}: no such file here nor in {BUNDLE_ROOT}")
     previous = None
     for point in points:
         run_dir = out / point.name
