@@ -59,7 +59,7 @@ def add_manifest(path: str | Path) -> Path:
 
 def write_tokenizer(tokenizer: TokenizerSource, out: Path) -> list[str]:
     """The tokenizer file and its framing into a native checkpoint; returns the names written."""
-    name = TOKENIZER_FILES[1] if tokenizer.path.suffix == ".model" else TOKENIZER_FILES[0]
+    name = "tokenizer.model" if tokenizer.path.suffix == ".model" else "tokenizer.json"  # one of TOKENIZER_FILES
     (out / name).write_bytes(tokenizer.path.read_bytes())
     info = {"file": name, "add_bos": tokenizer.add_bos, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id}
     (out / TOKENIZER_INFO).write_text(yaml.safe_dump(info, sort_keys=False))
@@ -75,12 +75,16 @@ def read_tokenizer(path: str | Path) -> TokenizerSource | None:
         found = [path / name for name in TOKENIZER_FILES if (path / name).is_file()]
         return TokenizerSource(found[0]) if found else None
     try:
-        info = yaml.safe_load(info_path.read_text())
+        info = yaml.safe_load(info_path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"{info_path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{info_path}: not UTF-8 text") from None
     except yaml.YAMLError as e:
         raise UserError(f"{info_path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(info, dict):
         raise UserError(f"{info_path}: expected a mapping with file, add_bos, bos_id, eos_id")
-    unknown = sorted(set(info) - {"file", "add_bos", "bos_id", "eos_id"})
+    unknown = sorted(set(map(str, info)) - {"file", "add_bos", "bos_id", "eos_id"})
     if unknown:
         raise UserError(f"{info_path}: {unknown[0]}: unknown key (expected file, add_bos, bos_id, eos_id)")
     if info.get("file") not in TOKENIZER_FILES:

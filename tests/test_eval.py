@@ -156,9 +156,8 @@ def test_token_ids_beyond_the_model_and_another_tokenizer_are_refused(setup, tmp
 def test_a_run_records_its_tokenizer_and_refuses_another(setup, tmp_path):
     """A run directory's training record (trainer_state.json under a committed checkpoint) names its
     training data; its prep's tokenizer is found from it, and any other tokenizer is refused."""
-    from gpn_scale.eval.cli import resolve_tokenizer
     from gpn_scale.eval.codec import Codec
-    from gpn_scale.eval.data import training_prep
+    from gpn_scale.eval.data import choose_tokenizer, training_prep
     from gpn_scale.checkpoints import TRAINER_STATE, tag_for
     from gpn_scale.train import checkpoint as ckpt
 
@@ -170,11 +169,11 @@ def test_a_run_records_its_tokenizer_and_refuses_another(setup, tmp_path):
     trained = training_prep(tmp_path / "run")
     assert trained.root == prep and trained.tokenizer_sha256 == Codec(tok_path).sha256
 
-    codec, found = resolve_tokenizer("run", trained, None, None, model)
+    codec, found = choose_tokenizer("run", None, None, trained, model)
     assert codec.sha256 == trained.tokenizer_sha256 and found == trained.tokenizer_source()
     other = make_tokenizer(tmp_path / "other.json", vocab=280)
     with pytest.raises(UserError, match="other.json: not the tokenizer the model was trained with"):
-        resolve_tokenizer("run", trained, str(other), None, model)
+        choose_tokenizer("run", str(other), None, trained, model)
     assert training_prep(root / "ckpt") is None  # a native checkpoint records no training data
 
 

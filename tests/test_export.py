@@ -23,7 +23,7 @@ from gpn_scale.errors import UserError
 from gpn_scale.eval.codec import Codec
 from gpn_scale.eval.data import open_data, read_windows
 from gpn_scale.eval.generate import generate_tokens
-from gpn_scale.native import save_native
+from gpn_scale.native import TokenizerSource, save_native
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = {"gpn_m_1l": ("gpn_m", 1), "gpn_m_2l": ("gpn_m", 2), "gpn_1l": ("gpn", 1)}
@@ -142,7 +142,6 @@ def test_hf_left_padded_batch_generates_as_each_prompt_alone(setup, capsys):
 def test_hf_tokenizer_adds_bos_when_the_training_data_did(tmp_path):
     from transformers import AutoTokenizer
 
-    from gpn_scale.native import TokenizerSource
     from gpn_scale.export.hf import write_tokenizer
 
     tok = make_tokenizer(tmp_path / "tok.json")
@@ -161,7 +160,6 @@ def test_hf_sentencepiece_tokenizer(tmp_path):
     import sentencepiece as spm
     from transformers import AutoTokenizer
 
-    from gpn_scale.native import TokenizerSource
     from gpn_scale.export.hf import write_tokenizer
 
     (tmp_path / "corpus.txt").write_text("\n".join(corpus_texts()))
@@ -273,13 +271,51 @@ def test_a_native_export_frames_prompts_as_the_training_data_did(setup, capsys, 
         scores[name] = (tmp_path / name / "lambada_examples.jsonl").read_text()
     assert scores["export"] == scores["plain"]
     prompt = ["--prompt", "the cat", "--max-new-tokens", "8", "--temperature", "0"]
-    assert run(capsys, "generate", out, *prompt) == run(capsys, "generate", root / "gpn_m_1l", *prompt, "--data", prep)
+    code, text, err = run(capsys, "generate", out, *prompt)
+    assert code == 0 and text.strip(), err
+    assert (code, text, err) == run(capsys, "generate", root / "gpn_m_1l", *prompt, "--data", prep)
+
+    # --tokenizer: the record's framing holds for that very tokenizer file (a copy of it), not for another
+    from gpn_scale.eval.data import choose_tokenizer
+
+    shutil.copyfile(tok, tmp_path / "copy.json")
+    model = models["gpn_m_1l"]
+    assert choose_tokenizer(out, str(tmp_path / "copy.json"), None, None, model)[1] == replace(
+        framing, path=tmp_path / "copy.json")
+    other = make_tokenizer(tmp_path / "other.json", vocab=280)
+    assert choose_tokenizer(out, str(other), None, None, model)[1] == TokenizerSource(other)
 
     code, _, err = run(capsys, "export", out, "--to", "hf", "--out", tmp_path / "hf")
     assert code == 0, err
     _, hf_tok = load_hf(tmp_path / "hf")
     assert hf_tok(SENTENCES[0]).input_ids == [framing.bos_id] + Codec(tok).encode(SENTENCES[0])
     assert hf_tok.eos_token_id == framing.eos_id
+
+    # An export written before tokenizer.yaml existed: its tokenizer file alone, no BOS
+    from gpn_scale.manifest import write_manifest
+    from gpn_scale.native import CONFIG, WEIGHTS
+
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    (old / "tokenizer.yaml").unlink()
+    write_manifest(old, [WEIGHTS, CONFIG, "tokenizer.json"])
+    assert read_tokenizer(old) == TokenizerSource(old / "tokenizer.json")
+    code, text, err = run(capsys, "generate", old, *prompt)
+    assert code == 0 and err == ""
+    assert (code, text, err) == run(capsys, "generate", root / "gpn_m_1l", *prompt, "--tokenizer", tok)
+
+
+def test_hf_tokenizer_takes_the_recorded_eos_over_the_usual_names(tmp_path):
+    """prep --eos-token X: the export's EOS is X, not the tokenizer's <|endoftext|>; BOS as recorded (none)."""
+    from transformers import AutoTokenizer
+
+    from gpn_scale.export.hf import write_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok.json")
+    (start,) = Codec(tok).encode("<|startoftext|>")
+    assert write_tokenizer(TokenizerSource(tok, eos_id=start), tmp_path) == {"eos_id": start, "bos_id": None}
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert hf_tok.eos_token == "<|startoftext|>" and hf_tok.bos_token is None
 
 
 @pytest.mark.parametrize("info, message", [
@@ -288,6 +324,8 @@ def test_a_native_export_frames_prompts_as_the_training_data_did(setup, capsys, 
     ("file: tokenizer.json\nadd_bos: false\neos_id: -1\n", "eos_id: expected a token id"),
     ("file: tokenizer.json\nadd_bos: true\nbos_id: null\n", "add_bos is true but bos_id is null"),
     ("file: tokenizer.json\nadd_bos: false\nbos: 1\n", "bos: unknown key"),
+    ("file: tokenizer.json\nadd_bos: false\n1: x\n", "1: unknown key"),
+    ("file: tokenizer.json\nadd_bos: f\xe9\n".encode("latin-1"), "not UTF-8 text"),
     ("[1, 2]\n", "expected a mapping"),
     ("file: [\n", "not valid YAML"),
 ])
@@ -296,7 +334,7 @@ def test_a_bad_tokenizer_record_is_one_line_naming_the_field(setup, tmp_path, in
 
     _, tok, _, _ = setup
     shutil.copyfile(tok, tmp_path / "tokenizer.json")
-    (tmp_path / TOKENIZER_INFO).write_text(info)
+    (tmp_path / TOKENIZER_INFO).write_bytes(info if isinstance(info, bytes) else info.encode())
     with pytest.raises(UserError) as e:
         read_tokenizer(tmp_path)
     assert str(e.value).startswith(f"{tmp_path / TOKENIZER_INFO}: ") and message in str(e.value)

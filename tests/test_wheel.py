@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 import gpn_scale
 from gpn_scale.config import BUNDLE_ROOT, model_config
-from gpn_scale.sweep.spec import SlurmSection
+from gpn_scale.sweep.run import slurm_script
+from gpn_scale.sweep.spec import load_spec
 from gpn_scale.train.config import load_train_config
 
 site = Path(sys.argv[1]).resolve()
@@ -24,7 +25,8 @@ assert Path(gpn_scale.__file__).resolve().is_relative_to(site), gpn_scale.__file
 assert BUNDLE_ROOT.is_relative_to(site), BUNDLE_ROOT
 assert model_config("gpn_m_130m_1l").d_state == int(sys.argv[2])
 assert load_train_config("gpn_m_tiny", ["run.dir=r", "data.train=d"]).model["family"] == "gpn_m"
-assert (BUNDLE_ROOT / SlurmSection().script).is_file()
+script = slurm_script(load_spec("cpu_tiny")[0])  # the default template, launchers/slurm/train.sbatch
+assert script.is_relative_to(site) and script.read_text().startswith("#!"), script
 print("ok")
 """
 
@@ -32,7 +34,7 @@ print("ok")
 def test_a_wheel_carries_the_configs_and_launchers(tmp_path):
     src = tmp_path / "src"  # a copy: building writes build/ and egg-info beside the sources
     shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "runs", "build", "__pycache__", "*.egg-info", ".pytest_cache"))
+        ".git", ".venv", "runs", "build", "__pycache__", "*.egg-info", ".pytest_cache", ".whl", ".gpu_wheels"))
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                            "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

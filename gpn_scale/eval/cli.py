@@ -7,7 +7,6 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +14,9 @@ import numpy as np
 from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
 from gpn_scale.eval.codec import Codec
-from gpn_scale.eval.data import PrepData, check_model_fits, open_data, read_windows, training_prep
-from gpn_scale.native import TokenizerSource
+from gpn_scale.eval.data import PrepData, check_model_fits, choose_tokenizer, open_data, read_windows, training_prep
 
+DATA_OR_TOKENIZER = "--tokenizer FILE or --data PREP_DIR"  # where no tokenizer is recorded with a checkpoint
 STATES_TARGET = 16384  # analyze: enough windows for this many states by default (the paper used 16k)
 
 
@@ -46,32 +45,6 @@ def _check_positive(args, *names: str) -> None:
             raise UserError(f"--{name}: expected a positive integer, got {value}")
 
 
-def resolve_tokenizer(checkpoint: str, trained: PrepData | None, tokenizer: str | None, data: PrepData | None,
-                      model) -> tuple[Codec, TokenizerSource]:
-    """The codec for text in and out: --tokenizer, else the one recorded with --data, else the one of the
-    data the checkpoint was trained on (`trained`), else the one a native export keeps beside its
-    weights. Returns it with the framing of the first of those records (BOS before a prompt or
-    not; the EOS, else the tokenizer's own)."""
-    from gpn_scale.native import read_tokenizer
-
-    prepped = (p.tokenizer_source() for p in (data, trained) if p is not None)
-    recorded = next((s for s in prepped if s is not None), None) or read_tokenizer(checkpoint)
-    if tokenizer:
-        source = TokenizerSource(Path(tokenizer)) if recorded is None else replace(recorded, path=Path(tokenizer))
-    elif recorded is not None:
-        source = recorded
-    else:
-        raise UserError(f"{checkpoint}: no tokenizer recorded with it; pass --tokenizer FILE or --data PREP_DIR")
-    codec = Codec(source.path)
-    if codec.vocab_size > model.config.vocab_size:
-        raise UserError(f"{codec.path}: tokenizer vocabulary {codec.vocab_size} exceeds the model's vocab_size "
-                        f"{model.config.vocab_size}")
-    if trained is not None and trained.tokenizer_sha256 != codec.sha256:
-        raise UserError(f"{codec.path}: not the tokenizer the model was trained with (sha256 differs from "
-                        f"{trained.root / 'stats.json'})")
-    return codec, source if source.eos_id is not None else replace(source, eos_id=codec.eos_id)
-
-
 def _open_checked(args, model, trained: PrepData | None):
     data = open_data(args.data)
     windows = read_windows(data, args.windows)
@@ -86,7 +59,8 @@ def eval_main(argv: list[str]) -> int:
     ap.add_argument("--data", help="held-out MDS windows: a prep output (its val split) or a split directory")
     ap.add_argument("--windows", type=int, default=None, help="evaluate the first N windows (default: all)")
     ap.add_argument("--lambada", help="LAMBADA jsonl (one {\"text\": ...} per line)")
-    ap.add_argument("--tokenizer", help="tokenizer for --lambada (default: the one recorded with the data)")
+    ap.add_argument("--tokenizer", help="tokenizer for --lambada (default: the one recorded with --data, the training data or "
+                    "a native export)")
     ap.add_argument("--batch", type=int, default=16, help="windows (or LAMBADA examples) per forward")
     ap.add_argument("--out", default="eval", help="where metrics.json and the loss-by-position curve go (default: eval)")
     ap.add_argument("--json", action="store_true", help="print one JSON object with the metrics")
@@ -112,7 +86,7 @@ def eval_main(argv: list[str]) -> int:
         metrics["loss_by_position"] = str(out / "loss_by_position.csv")
     if args.lambada:
         texts = read_lambada(args.lambada)
-        codec, framing = resolve_tokenizer(args.checkpoint, trained, args.tokenizer, data, model)
+        codec, framing = choose_tokenizer(args.checkpoint, args.tokenizer, data, trained, model, DATA_OR_TOKENIZER)
         lam = score_lambada(model, make_examples(texts, codec.encode, framing.prompt_bos, args.lambada), args.batch)
         metrics.update({k: v for k, v in lam.items() if k != "per_example"})
         out.mkdir(parents=True, exist_ok=True)
@@ -177,7 +151,8 @@ def generate_main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="keep generating past the tokenizer's end-of-text token (default: stop there)")
-    ap.add_argument("--tokenizer", help="tokenizer file (default: the one recorded with --data or the training data)")
+    ap.add_argument("--tokenizer", help="tokenizer file (default: the one recorded with --data, the training data "
+                    "or a native export)")
     ap.add_argument("--data", help="a prep output whose recorded tokenizer to use")
     _device_flag(ap)
     args = ap.parse_args(argv)
@@ -198,12 +173,14 @@ def generate_main(argv: list[str]) -> int:
 
     model = load_checkpoint(args.checkpoint, args.device)
     data = open_data(args.data) if args.data else None
-    codec, framing = resolve_tokenizer(args.checkpoint, training_prep(args.checkpoint), args.tokenizer, data, model)
+    codec, framing = choose_tokenizer(args.checkpoint, args.tokenizer, data, training_prep(args.checkpoint), model,
+                                       DATA_OR_TOKENIZER)
     bos = framing.prompt_bos
     prompt = ([] if bos is None else [bos]) + codec.encode(args.prompt)
     stream = TextStream(codec)
     sys.stdout.write(args.prompt)
-    eos = None if args.ignore_eos else framing.eos_id  # what ended every training document
+    # What ended every training document, else the tokenizer's own end-of-text token
+    eos = None if args.ignore_eos else (codec.eos_id if framing.eos_id is None else framing.eos_id)
     for token, _ in generate_tokens(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
                                     args.top_k):
         if token == eos:
@@ -224,7 +201,8 @@ def lm_eval_main(argv: list[str]) -> int:
         formatter_class=HelpFormatter)
     ap.add_argument("checkpoint", help="a native checkpoint, a training checkpoint or a run directory")
     ap.add_argument("--tokenizer", default=None,
-                    help="tokenizer file (default: the one recorded with --data or the training data)")
+                    help="tokenizer file (default: the one recorded with --data, the training data or a native "
+                         "export)")
     ap.add_argument("--data", default=None, help="a prep output whose recorded tokenizer (and BOS) to use")
     args, harness_args = ap.parse_known_args(argv)
     if not Path(args.checkpoint).exists():

@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,8 @@ import torch
 
 from gpn_scale import checkpoints
 from gpn_scale.errors import UserError
-from gpn_scale.native import TokenizerSource
+from gpn_scale.eval.codec import Codec
+from gpn_scale.native import TokenizerSource, read_tokenizer
 from gpn_scale.streams import open_dataset
 
 
@@ -110,3 +112,43 @@ def training_prep(checkpoint: str | Path) -> PrepData | None:
         if (root / "stats.json").is_file():
             return PrepData(Path(train_dir), json.loads((root / "stats.json").read_text()), root)
     return None
+
+
+def _sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def choose_tokenizer(checkpoint: str | Path, given: str | None, data: PrepData | None, trained: PrepData | None,
+                     model, flags: str = "--tokenizer FILE (a tokenizer.json or sentencepiece .model)",
+                     ) -> tuple[Codec, TokenizerSource]:
+    """The tokenizer for text in and out, and how the training data framed documents with it.
+
+    The tokenizer is `given` (--tokenizer), else the one recorded with `data` (--data), else the
+    one of the data the checkpoint was trained on (`trained`), else the one a native export keeps
+    beside its weights. Its framing (BOS before a prompt or not, the EOS) is that of the first of
+    those records whose tokenizer is this very file (sha256); with none, no BOS and no EOS
+    recorded (`eos_id` None: the tokenizer's own, `codec.eos_id`). A tokenizer other than the
+    training data's is refused. `flags`: what the command takes, for the error when nothing is
+    recorded."""
+    records = [r for r in (data.tokenizer_source() if data is not None else None,
+                           trained.tokenizer_source() if trained is not None else None,
+                           read_tokenizer(checkpoint)) if r is not None]
+    if given:
+        codec = Codec(given)
+        same = [r for r in records if _sha256(r.path) == codec.sha256]
+        source = replace(same[0], path=codec.path) if same else TokenizerSource(codec.path)
+    elif records:
+        source = records[0]
+        codec = Codec(source.path)
+    else:
+        raise UserError(f"{checkpoint}: no tokenizer recorded with it; pass {flags}")
+    if codec.vocab_size > model.config.vocab_size:
+        raise UserError(f"{codec.path}: tokenizer vocabulary {codec.vocab_size} exceeds the model's vocab_size "
+                        f"{model.config.vocab_size}")
+    if trained is not None and trained.tokenizer_sha256 != codec.sha256:
+        raise UserError(f"{codec.path}: not the tokenizer the model was trained with (sha256 differs from "
+                        f"{trained.root / 'stats.json'})")
+    return codec, source

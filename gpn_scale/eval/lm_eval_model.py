@@ -26,16 +26,16 @@ class GPNScaleLM(LM):
     def __init__(self, pretrained: str, tokenizer: str | None = None, data: str | None = None,
                  batch_size: int | str = DEFAULT_BATCH, device: str = "cpu", seed: int = 0, **_unused):
         super().__init__()
-        from gpn_scale.eval.cli import load_checkpoint, resolve_tokenizer
-        from gpn_scale.eval.data import open_data, training_prep
+        from gpn_scale.eval.cli import DATA_OR_TOKENIZER, load_checkpoint
+        from gpn_scale.eval.data import choose_tokenizer, open_data, training_prep
 
         self.model = load_checkpoint(str(pretrained), device or "cpu").eval()
         harness.check_stateful(self.model)
         data_dir = open_data(data) if data else None
-        self.codec, framing = resolve_tokenizer(str(pretrained), training_prep(pretrained), tokenizer, data_dir,
-                                                self.model)
+        self.codec, framing = choose_tokenizer(str(pretrained), tokenizer, data_dir, training_prep(pretrained),
+                                               self.model, DATA_OR_TOKENIZER)
         self.prefix = [] if framing.prompt_bos is None else [framing.prompt_bos]
-        self.eos_id = framing.eos_id
+        self.eos_id = self.codec.eos_id if framing.eos_id is None else framing.eos_id
         # "auto" (the harness's batch-size search) has nothing to search here: a recurrent model's
         # memory does not grow with the context, so the default is used.
         self.batch = DEFAULT_BATCH if str(batch_size).startswith("auto") else int(batch_size)

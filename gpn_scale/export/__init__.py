@@ -19,7 +19,7 @@ import argparse
 import os
 import shutil
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from gpn_scale.errors import UserError
@@ -58,30 +58,12 @@ def load_source(path: str | Path) -> Source:
 
 def find_tokenizer(source: Source, given: str | None) -> TokenizerSource:
     """--tokenizer, else the tokenizer of the data the run was trained on, else the one a native
-    export put beside its weights; framed (BOS, EOS) as the training data was, as far as that is
-    recorded. A tokenizer other than the training data's is refused."""
-    from gpn_scale.eval.codec import Codec
-    from gpn_scale.eval.data import training_prep
-    from gpn_scale.native import read_tokenizer
+    export put beside its weights, framed (BOS, EOS) as the training data was where that is
+    recorded (`gpn_scale.eval.data.choose_tokenizer`). A tokenizer other than the training data's
+    is refused."""
+    from gpn_scale.eval.data import choose_tokenizer, training_prep
 
-    trained = training_prep(source.path)
-    recorded = trained.tokenizer_source() if trained is not None else read_tokenizer(source.path)
-    if given:
-        tokenizer = TokenizerSource(Path(given)) if recorded is None else replace(recorded, path=Path(given))
-    elif recorded is not None:
-        tokenizer = recorded
-    else:
-        raise UserError(f"{source.path}: no tokenizer recorded with it; pass --tokenizer FILE "
-                        "(a tokenizer.json or sentencepiece .model)")
-    path = tokenizer.path
-    codec = Codec(path)
-    if trained is not None and trained.tokenizer_sha256 != codec.sha256:
-        raise UserError(f"{path}: not the tokenizer the model was trained with (sha256 differs from "
-                        f"{trained.root / 'stats.json'})")
-    if codec.vocab_size > source.model.config.vocab_size:
-        raise UserError(f"{path}: tokenizer vocabulary {codec.vocab_size} exceeds the model's vocab_size "
-                        f"{source.model.config.vocab_size}")
-    return tokenizer
+    return choose_tokenizer(source.path, given, None, training_prep(source.path), source.model)[1]
 
 
 def write_native(source: Source, tokenizer: TokenizerSource, out: Path) -> None:

@@ -57,14 +57,15 @@ def write_tokenizer(tokenizer, out: Path) -> dict:
     """Tokenizer files for `AutoTokenizer`; returns the special tokens' ids (bos_id, eos_id)."""
     from data_prep.tokenizer import Tokenizer
 
-    info = Tokenizer(str(tokenizer.path)).info  # EOS (required) and BOS, found as prep finds them
-    # The ids the training data used, where recorded (prep's --eos-token / --bos-token may name others)
-    eos_id = info.eos_id if tokenizer.eos_id is None else tokenizer.eos_id
-    bos_id = info.bos_id if tokenizer.bos_id is None else tokenizer.bos_id
+    if tokenizer.eos_id is None:  # nothing recorded: EOS (required) and BOS found by their usual names, as prep does
+        info = Tokenizer(str(tokenizer.path)).info
+        eos_id, bos_id = info.eos_id, info.bos_id
+    else:  # the ids the training data used (prep's --eos-token / --bos-token may name others)
+        eos_id, bos_id = tokenizer.eos_id, tokenizer.bos_id
     config = {"clean_up_tokenization_spaces": False,
               "model_max_length": 1 << 30,  # a recurrent model: no context limit
               "model_input_names": ["input_ids", "attention_mask"]}  # no token_type_ids: `generate(**tok(text))` works
-    if info.kind == "sentencepiece":
+    if tokenizer.path.suffix == ".model":  # sentencepiece (Codec read it already)
         import sentencepiece as spm
 
         sp = spm.SentencePieceProcessor(model_file=str(tokenizer.path))

@@ -73,13 +73,19 @@ def run_local(points: list[Point], out: Path, nproc: int, dry_run: bool) -> int:
     return 1 if failed else 0
 
 
-def submit_slurm(spec: SweepSpec, points: list[Point], out: Path, dry_run: bool) -> int:
-    """One `sbatch` of the training template per unfinished point; job ids go to each point's slurm_job."""
+def slurm_script(spec: SweepSpec) -> Path:
+    """`slurm.script`: a path as given, else (relative) the bundled launchers' file of that name."""
     script = Path(spec.slurm.script)
-    if not script.is_absolute() and not script.is_file():  # a relative path: here, else the bundled launchers/
+    if not script.is_absolute() and not script.is_file():
         script = (BUNDLE_ROOT / script).resolve()  # in a checkout: the repository's launchers/, not the link
     if not script.is_file():
         raise UserError(f"slurm.script: {spec.slurm.script}: no such file here nor in {BUNDLE_ROOT}")
+    return script
+
+
+def submit_slurm(spec: SweepSpec, points: list[Point], out: Path, dry_run: bool) -> int:
+    """One `sbatch` of the training template per unfinished point; job ids go to each point's slurm_job."""
+    script = slurm_script(spec)
     previous = None
     for point in points:
         run_dir = out / point.name

@@ -39,7 +39,7 @@ def apply_settings(optimizer: torch.optim.Optimizer, scheduler, t: TrainSection)
     """After a resume: the checkpoint restored the hyperparameters as they were saved; this run's
     config decides them (a change got past the resume check: recorded, and either safe or
     allowed). Unchanged values come out bit for bit as loaded."""
-    groups = optimizer.param_groups  # [decay, no decay], as param_groups made them
+    groups = optimizer.param_groups  # [decay, no decay], as build made them
     scheduler.base_lrs = [t.lr] * len(groups)
     factor = lr_factor(scheduler.last_epoch, t.warmup_steps, t.total_steps, t.min_lr_ratio)
     for group, decay in zip(groups, (t.weight_decay, 0.0)):
