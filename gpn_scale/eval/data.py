@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpn_scale import checkpoints
+from gpn_scale import checkpoints, manifest
 from gpn_scale.errors import UserError
 from gpn_scale.eval.codec import Codec
 from gpn_scale.native import TokenizerSource, read_tokenizer
@@ -115,8 +114,9 @@ def training_prep(checkpoint: str | Path) -> PrepData | None:
 
 
 def _sha256(path: Path) -> str | None:
+    """The tokenizer file's sha256 (as prep's stats.json and Codec record it); None if unreadable."""
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        return manifest.file_hash(path, "sha256")
     except OSError:
         return None
 

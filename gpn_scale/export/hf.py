@@ -65,7 +65,7 @@ def write_tokenizer(tokenizer, out: Path) -> dict:
     config = {"clean_up_tokenization_spaces": False,
               "model_max_length": 1 << 30,  # a recurrent model: no context limit
               "model_input_names": ["input_ids", "attention_mask"]}  # no token_type_ids: `generate(**tok(text))` works
-    if tokenizer.path.suffix == ".model":  # sentencepiece (Codec read it already)
+    if tokenizer.path.suffix == ".model":  # sentencepiece
         import sentencepiece as spm
 
         sp = spm.SentencePieceProcessor(model_file=str(tokenizer.path))
