@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from kernels.graph import GraphFactory, factory_for
 from kernels.memory import MemoryOps
+from kernels.memory_chunk import ChunkOps
 from kernels.step import StepOps
 
 KERNELS = ("auto", "triton", "cpp", "torch")
@@ -27,11 +28,13 @@ KERNELS = ("auto", "triton", "cpp", "torch")
 
 @dataclass(frozen=True)
 class Backend:
-    """What the fused core runs on one device: `name` is "triton", "cpp" or "torch"; `graphs`
+    """What the fused core runs on one device: `name` is "triton", "cpp" or "torch"; `chunk`: the
+    memory's chunk form (the torch twin's where there is no kernel of its own: cpp); `graphs`
     captures its loops (None: they run eagerly)."""
 
     name: str
     memory: MemoryOps
+    chunk: ChunkOps
     step: StepOps
     graphs: GraphFactory | None
 
@@ -65,6 +68,8 @@ def backend(kernel: str, device_type: str, graphs: bool) -> Backend:
     """The implementations `kernel` (a `KERNELS` value) chooses on a device, and with `graphs`
     the device's graph factory (`kernels.graph.factory_for`)."""
     name = resolve(kernel, device_type)
+    from kernels.memory_chunk import reference as chunk  # the chunk form's twin, until a kernel replaces it below
+
     if name == "triton":
         from kernels.memory import triton as memory
         from kernels.step import triton as step
@@ -74,4 +79,4 @@ def backend(kernel: str, device_type: str, graphs: bool) -> Backend:
     else:
         from kernels.memory import reference as memory
         from kernels.step import reference as step
-    return Backend(name, memory.OPS, step.OPS, factory_for(device_type) if graphs else None)
+    return Backend(name, memory.OPS, chunk.OPS, step.OPS, factory_for(device_type) if graphs else None)

@@ -65,38 +65,56 @@ def assert_same_grads(grads, ref, tol):
     assert max(errors.values()) < tol, {n: e for n, e in errors.items() if e >= tol}
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_fused_matches_naive_in_float32(case):
-    """On these inputs float32 keeps both cores within 1e-5 of float64.
+# Float32 against float64, each core on its own: the relative errors of the loss, the carried state
+# and every gradient. Measured on these inputs (AMD EPYC, AVX2, 1 and 2 threads; both memory
+# forms): gradients at most 9.8e-6, the loss 9.2e-8, the state 6.4e-7; the fused core's gradient
+# error at most 2.7e-6 above twice the naive one's. The bounds are 7x to 16x those.
+F32_GRADS, F32_LOSS, F32_STATE, F32_EXCESS = 1e-4, 1e-6, 1e-5, 2e-5
 
-    Not on all: where a read o = M^T q is tiny, rms(o; w) amplifies rounding ~1/sqrt(eps), and
-    both cores drift apart from float64 (and each other) by up to 1e-3, the fused one less. The
-    float64 tests below show the math is the same to rounding.
+
+@pytest.mark.parametrize("form", ["step", "chunk"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fused_is_as_accurate_as_naive_in_float32(case, form):
+    """Both cores against float64, not against each other: their float32 results differ by the
+    rounding of different (equally valid) orders of operations, which depends on the CPU's
+    vector width and threads; the distance of each from float64 does not, to within the bounds.
+
+    Not on all inputs: where a read o = M^T q is tiny, rms(o; w) amplifies rounding ~1/sqrt(eps),
+    and both cores drift from float64 by up to 1e-3, the fused one less. The float64 tests below
+    show the math is the same to rounding.
     """
-    model = make(**CASES[case])
+    model = make(**CASES[case], memory_form=form)
     tokens = torch.randint(0, ODD.vocab_size, (3, 21))
-    grads = {}
+    grads, outs = {}, {}
     for core, m in [("fused", model), ("naive", model), ("float64", copy.deepcopy(model).double())]:
         m.zero_grad()
-        out = m(tokens, core="naive" if core == "float64" else core)
-        out.loss.backward()
+        outs[core] = m(tokens, core="naive" if core == "float64" else core)
+        outs[core].loss.backward()
         grads[core] = {n: p.grad.double() for n, p in m.named_parameters()}
-        if core == "fused":
-            fused = out
-        elif core == "naive":
-            naive = out
-    assert rel_err(fused.loss, naive.loss) < 1e-6
-    for a, b in zip(fused.state, naive.state):
-        if b is not None:
-            assert rel_err(a, b) < 1e-5
-    assert_same_grads(grads["fused"], grads["naive"], 1e-5)
-    for name, truth in grads["float64"].items():  # and it is as accurate as the naive core
-        assert rel_err(grads["fused"][name], truth) <= max(2 * rel_err(grads["naive"][name], truth), 1e-5), name
+    truth = outs["float64"]
+    for core in ("fused", "naive"):
+        assert rel_err(outs[core].loss.double(), truth.loss) < F32_LOSS, core
+        for a, b in zip(outs[core].state, truth.state):
+            if b is not None:
+                assert rel_err(a.double(), b) < F32_STATE, core
+    for name, want in grads["float64"].items():
+        fused, naive = rel_err(grads["fused"][name], want), rel_err(grads["naive"][name], want)
+        assert naive < F32_GRADS and fused < F32_GRADS, (name, fused, naive)
+        assert fused <= 2 * naive + F32_EXCESS, (name, fused, naive)  # and as accurate as the naive core
 
 
-@pytest.mark.parametrize("changes", [dict(), dict(core_chunk=1), dict(core_chunk=5), dict(core_chunk=21), dict(core_chunk=64),
-                                     dict(bptt=4), dict(bptt=5, core_chunk=3), dict(bptt=1)])
-@pytest.mark.parametrize("case", ["gpn_2l", "gpn_m_1l", "gpn_m_2l_bias"])
+CHUNKING = [dict(), dict(core_chunk=1), dict(core_chunk=5), dict(core_chunk=21), dict(core_chunk=64), dict(bptt=4),
+            dict(bptt=5, core_chunk=3), dict(bptt=1)]
+# The memory's chunk form at chunk lengths 1, 7 and 32 (T = 21: the last chunk is short, or the
+# only one), with truncated BPTT cutting inside chunks (bptt 5 with chunks of 7: a chunk ends at each cut).
+CHUNK_FORM = [dict(core_chunk=1), dict(core_chunk=7), dict(core_chunk=32), dict(core_chunk=7, bptt=5),
+              dict(core_chunk=32, bptt=8)]
+
+
+@pytest.mark.parametrize("case,changes", [(case, dict(memory_form="step", **c)) for case in ("gpn_2l", "gpn_m_1l", "gpn_m_2l_bias")
+                                          for c in CHUNKING]
+                         + [(case, dict(memory_form="chunk", **c)) for case in ("gpn_m_1l", "gpn_m_2l_bias") for c in CHUNK_FORM],
+                         ids=str)
 def test_fused_matches_naive_exactly_in_float64(case, changes):
     """In float64 the two cores agree to rounding: the math is the same, chunking and truncation included."""
     tokens = torch.randint(0, ODD.vocab_size, (2, 21))
@@ -107,9 +125,11 @@ def test_fused_matches_naive_exactly_in_float64(case, changes):
     assert_same_grads(grads, ref, 1e-10)
 
 
-@pytest.mark.parametrize("case", ["gpn_1l", "gpn_m_2l"])
+@pytest.mark.parametrize("case", ["gpn_1l", "gpn_m_2l", "gpn_m_2l_chunk"])
 def test_incoming_state_gets_the_same_gradients(case):
-    model = make(torch.float64, **CASES[case])
+    """A state carried from a window before: its s, prev_s and M get the naive core's gradients."""
+    model = make(torch.float64, **CASES[case.removesuffix("_chunk")], **(dict(memory_form="chunk", core_chunk=3)
+                                                                         if case.endswith("_chunk") else {}))
     tokens = torch.randint(0, ODD.vocab_size, (2, 9))
     with torch.no_grad():
         carried = model(tokens, core="naive").state
@@ -121,12 +141,14 @@ def test_incoming_state_gets_the_same_gradients(case):
             if x is not None and x.grad is not None:  # GPN has no M and never reads prev_s
                 grads[core][name] = x.grad
     assert_same_grads(grads["fused"], grads["naive"], 1e-10)
-    if case == "gpn_m_2l":  # the memory's first key reads the incoming previous state
+    if case != "gpn_1l":  # the memory's first key reads the incoming previous state
         assert grads["fused"]["prev_s"].abs().max() > 0
 
 
-def test_gradients_match_finite_differences_in_float64():
-    cfg = dict(vocab_size=7, d_state=6, d_emb=4, d_ffn=5, n_heads=2, d_key=3, d_val=2, n_layers=2, use_decoder_bias=True, core_chunk=3)
+@pytest.mark.parametrize("form", ["step", "chunk"])
+def test_gradients_match_finite_differences_in_float64(form):
+    cfg = dict(vocab_size=7, d_state=6, d_emb=4, d_ffn=5, n_heads=2, d_key=3, d_val=2, n_layers=2, use_decoder_bias=True, core_chunk=3,
+               memory_form=form)
     model = make(torch.float64, **cfg)
     tokens = torch.randint(0, 7, (2, 7))
     names = [n for n, _ in model.named_parameters()]
@@ -143,8 +165,9 @@ def test_gradients_match_finite_differences_in_float64():
     assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
 
 
-def test_bf16_autocast_keeps_state_in_float32_and_is_as_accurate_as_naive():
-    model = make(**CASES["gpn_m_2l"])
+@pytest.mark.parametrize("form", ["step", "chunk"])
+def test_bf16_autocast_keeps_state_in_float32_and_is_as_accurate_as_naive(form):
+    model = make(**CASES["gpn_m_2l"], memory_form=form)
     tokens = torch.randint(0, ODD.vocab_size, (4, 21))
     _, exact = loss_and_grads(model, tokens, "fused")
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -194,8 +217,9 @@ def test_bf16_weight_gradients_allocate_nothing_weight_sized_per_chunk():
     assert made[6] and made[2] == made[6]
 
 
-def test_inference_path_gives_the_same_outputs():
-    model = make(**CASES["gpn_m_2l"])
+@pytest.mark.parametrize("form", ["step", "chunk"])
+def test_inference_path_gives_the_same_outputs(form):
+    model = make(**CASES["gpn_m_2l"], memory_form=form)
     tokens = torch.randint(0, ODD.vocab_size, (2, 21))
     with_grad = model(tokens)
     with torch.no_grad():
@@ -212,6 +236,8 @@ def test_core_is_validated():
         make()(torch.zeros(1, 2, dtype=torch.long), core="fast")
     with pytest.raises(ValueError, match="core_chunk: expected a positive integer"):
         GPNConfig(core_chunk=0)
+    with pytest.raises(ValueError, match="memory_form: expected one of"):
+        GPNConfig(memory_form="chunked")
 
 
 # ---- the memory step's torch implementation: the contract a kernel keeps ----------------------
@@ -313,12 +339,13 @@ def _fused_node(loss):
     raise AssertionError("no FusedCore node in the graph")
 
 
-@pytest.mark.parametrize("case", ["gpn_2l", "gpn_m_2l"])
+@pytest.mark.parametrize("case", ["gpn_2l", "gpn_m_2l", "gpn_m_2l_chunk"])
 def test_fused_core_saves_only_narrow_per_step_vectors(case):
     """Per step the forward keeps the normalised inputs of layers after the first, their rms and
     the write's three gates, besides references to its own input u and output P; everything else
-    (layer 0's input included) is recomputed per chunk. M is kept once per chunk."""
-    model = make(**CASES[case])
+    (layer 0's input included) is recomputed per chunk. M is kept once per chunk (the chunk form
+    also keeps a reference to the window's last M, its output)."""
+    model = make(**CASES[case.removesuffix("_chunk")], memory_form="chunk" if case.endswith("_chunk") else "step")
     cfg, (B, T) = model.config, (2, 21)
     S = _fused_node(model(torch.randint(0, ODD.vocab_size, (B, T))).loss).S
     tensors = [x for v in vars(S).values() for x in (v if isinstance(v, list) else [v]) if isinstance(x, torch.Tensor)]

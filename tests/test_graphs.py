@@ -67,8 +67,9 @@ def assert_same(graphed, eager, out_g, out_e):
         torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m: f"{name}: {m}")
 
 
-def test_consecutive_calls_replay_and_match_eager():
-    graphed, eager = pair()
+@pytest.mark.parametrize("form", ["step", "chunk"])
+def test_consecutive_calls_replay_and_match_eager(form):
+    graphed, eager = pair(memory_form=form)
     for call in range(6):
         graphed.zero_grad(), eager.zero_grad()
         toks = tokens(3, 9, call)
@@ -80,9 +81,9 @@ def test_consecutive_calls_replay_and_match_eager():
     assert graphs_of(eager) is None
 
 
-@pytest.mark.parametrize("micro", [2, 4])
-def test_gradient_accumulation_sums_every_micro_batch(micro):
-    graphed, eager = pair()
+@pytest.mark.parametrize("micro,form", [(2, "step"), (4, "step"), (2, "chunk")])
+def test_gradient_accumulation_sums_every_micro_batch(micro, form):
+    graphed, eager = pair(memory_form=form)
     for step in range(3):
         graphed.zero_grad(), eager.zero_grad()
         # The incoming state is a leaf too: its gradients accumulate like the parameters'.
@@ -106,9 +107,10 @@ def test_shape_change_and_back():
     assert stats == dict(eager=2, captured=2, replayed=7, failed=0)
 
 
-@pytest.mark.parametrize("family,layers", [("gpn", 1), ("gpn_m", 1), ("gpn_m", 2)], ids=["gpn", "gpn_m_1l", "gpn_m_2l"])
-def test_families_with_truncated_bptt(family, layers):
-    graphed, eager = pair(family=family, n_layers=layers, bptt=4)
+@pytest.mark.parametrize("family,layers,form", [("gpn", 1, "step"), ("gpn_m", 1, "step"), ("gpn_m", 2, "step"), ("gpn_m", 2, "chunk")],
+                         ids=["gpn", "gpn_m_1l", "gpn_m_2l", "gpn_m_2l_chunk"])
+def test_families_with_truncated_bptt(family, layers, form):
+    graphed, eager = pair(family=family, n_layers=layers, bptt=3, memory_form=form)
     for call in range(4):
         graphed.zero_grad(), eager.zero_grad()
         toks = tokens(2, 11, call)

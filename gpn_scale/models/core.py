@@ -47,6 +47,7 @@ from kernels.common import rms
 from kernels.graph import core_graphs, signature
 from kernels.memory import ReadFactors
 from kernels.memory.reference import read_factors
+from kernels.memory_chunk import algebra
 from kernels.step.reference import l2n_relu, rms_hat
 from kernels.step.reference import mm as _mm  # the chunk's GEMMs, of many rows: BLAS
 
@@ -68,6 +69,17 @@ class Spec(NamedTuple):
     bptt: int
     compute_dtype: torch.dtype
     backend: Backend  # the step's memory and elementwise implementation (kernels.backend)
+    chunked: bool = False  # the memory's chunk form (kernels/memory_chunk) rather than its step form
+
+
+def bounds(spec: Spec, T: int) -> list[tuple[int, int]]:
+    """The chunks (c0, c1) of a window: every `chunk` steps, and in the chunk form also at every
+    truncated-BPTT cut, where dL/dM stops (it enters and leaves a chunk only at its ends)."""
+    starts = set(range(0, T, spec.chunk))
+    if spec.chunked and spec.bptt:
+        starts |= set(range(0, T, spec.bptt))
+    starts = sorted(starts)
+    return list(zip(starts, starts[1:] + [T]))
 
 
 def columns(spec: Spec, first: bool) -> dict[str, slice]:
@@ -163,7 +175,8 @@ class Saved:
       their norms (.., 1); O: per layer, the raw reads (2, B, H*dv); E: the write's error
       (2, B, H, dv); BETA, GAMMA, DECAY: the write's gates (T, B, H); M: M before every chunk
       (B, H, dk, dv) each; x_prev, r_prev: the incoming previous state normalised (B, d) and its
-      rms (B, 1); k0, k0n: the first step's key (B, H, dk) and its norm (B, H, 1).
+      rms (B, 1); k0, k0n: the first step's key (B, H, dk) and its norm (B, H, 1). The chunk form
+      also keeps M_end, the window's last M (its phi = <dL/dM, M> starts the sweep).
     """
 
     X: list
@@ -188,6 +201,7 @@ class Saved:
     r_prev: torch.Tensor | None = None
     k0: torch.Tensor | None = None
     k0n: torch.Tensor | None = None
+    M_end: torch.Tensor | None = None
 
 
 class LayerSteps(NamedTuple):
@@ -232,8 +246,8 @@ class ChunkLayer:
     projection and second GEMM input; dY, dZ, dU: the gradients w.r.t. the projection output, the
     second GEMM input and the layer's output c; pg_gate, pg_fac: the predict gate and its
     derivative factor; ffn_fac, dffn, dpg, dz_ffn, dz_read: the SwiGLU's factors and the
-    gradient blocks. GPN+M: nq, q, nq_mask: the normalised heads, the query, relu's mask over the
-    norm; gate, o, z_read: the read's gate, raw output and output; dgate, dheads: their gradient
+    gradient blocks. GPN+M: nq, q (q_full), nq_mask: the normalised heads, the query, relu's mask
+    over the norm; gate, o, z_read: the read's gate, raw output and output; dgate, dheads: their gradient
     blocks; rf: the reads' `ReadFactors`; keys, v: layer 0's write keys and values."""
 
     X_full: torch.Tensor
@@ -255,6 +269,7 @@ class ChunkLayer:
     dz_ffn: tuple
     dz_read: tuple
     nq: tuple | None = None
+    q_full: torch.Tensor | None = None
     q: tuple | None = None
     nq_mask: tuple | None = None
     gate_full: torch.Tensor | None = None
@@ -311,8 +326,9 @@ def _steps(x, *shape):
     return (x.view(*x.shape[:2], *shape) if shape else x).unbind(0)
 
 
-def _buffers(spec: Spec, layers, T, B, like):
-    """The per-step vectors the backward needs, time-major: (T, B, ...) each."""
+def _buffers(spec: Spec, layers, T, B, like, gate_rows):
+    """The per-step vectors the backward needs, time-major: (T, B, ...) each; the write's gates
+    (gate_rows, B, H)."""
     d, H, dk, dv = spec.d, spec.H, spec.dk, spec.dv
     new = lambda *shape: like.new_empty((T, B) + shape)  # noqa: E731
     ring = lambda *shape: like.new_empty((2, B) + shape)  # noqa: E731
@@ -339,7 +355,7 @@ def _buffers(spec: Spec, layers, T, B, like):
         S.NN = [ring(h, H, 1) for h in heads]
         S.O = [ring(H * dv) for _ in layers]  # raw reads
         S.E = ring(H, dv)  # the write's error
-        S.BETA, S.GAMMA, S.DECAY = new(H), new(H), new(H)  # the write's gates
+        S.BETA, S.GAMMA, S.DECAY = (like.new_empty((gate_rows, B, H)) for _ in range(3))  # the write's gates
         S.M = []  # M before every chunk
     return S
 
@@ -363,13 +379,16 @@ def _layer_steps(spec: Spec, S, i, col):
 def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bool):
     """The loop over u (T, B, d), time-major. Returns (P (T, B, d), g, g_prev, M, saved or None).
 
-    Without `save` the per-step buffers are two-slot work rings like the rest.
+    Without `save` the per-step buffers are two-slot work rings like the rest (the write's gates
+    a chunk's rows in the chunk form, whose steps read their chunk's decays).
     """
     T, B, d = u.shape
     H, dk, nl = spec.H, spec.dk, len(layers)
     layers, fg_W, fg_b = _cast(spec, layers, fg_W, fg_b)
     cols = [columns(spec, i == 0) for i in range(nl)]
-    S = _buffers(spec, layers, T if save else 2, B, g)
+    chunks = dict(bounds(spec, T))  # chunk start -> end
+    gate_rows = T if save else max(c1 - c0 for c0, c1 in chunks.items()) if spec.chunked else 2
+    S = _buffers(spec, layers, T if save else 2, B, g, gate_rows)
     V = [_layer_steps(spec, S, i, cols[i]) for i in range(nl)]
     XP, RP, FG = _steps(S.XP), _steps(S.RP), _steps(S.FG)
     P = S.P = g.new_empty((T, B, d))
@@ -379,10 +398,14 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
         mem = spec.backend.memory
         A = -torch.exp(A_log.to(g.dtype))
         M = M.contiguous()
-        # M lives in two work buffers, written in turn; the one that starts a chunk gets its own.
+        # M lives in two work buffers, written in turn (in the chunk form, once per chunk); the one
+        # that starts a chunk gets its own when saved.
         Mring = _steps(M.new_empty((2,) + M.shape))
-        kept = [save and (t + 1) % spec.chunk == 0 for t in range(T)]
+        ends = {c1 - 1 for c1 in chunks.values()}
         E, BETA, GAMMA, DECAY = _steps(S.E), _steps(S.BETA), _steps(S.GAMMA), _steps(S.DECAY)
+        if spec.chunked:  # the chunk's keys and deltas, kept as it goes (kernels/memory_chunk)
+            chunk, C = spec.backend.chunk, max(c1 - c0 for c0, c1 in chunks.items())
+            Kc, Dc = M.new_empty((C, B, H, dk)), M.new_empty((C, B, H, spec.dv))
         S.x_prev, S.r_prev = ew.rms_hat(g_prev)
         k_col = cols[0]["k"]
         kpre = ew.mm(S.x_prev, layers[0].W[:, k_col], bias=layers[0].b[k_col])
@@ -399,8 +422,13 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
     ew.rms_hat(g, V[0].x[0], V[0].r[0])
     for t in range(T):
         s, w = (t if save else t % 2), t % 2  # saved and work-ring slots
-        if save and spec.memory and t % spec.chunk == 0:
-            S.M.append(M)
+        if spec.memory and t in chunks:
+            c0, c1, M_c, ci = t, chunks[t], M, (ci + 1 if t else 0)
+            if save:
+                S.M.append(M)
+            if spec.chunked:
+                decays = S.DECAY[c0:c1] if save else S.DECAY[: c1 - c0]
+        gs = s if save or not spec.chunked else t - c0  # the slot of the write's gates
         c = g
         for i, (L, v) in enumerate(zip(packed, V)):
             ew.mm(v.x[w if i == 0 else s], L.W, v.y[w], L.b)
@@ -408,13 +436,24 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
                 ew.post_projection(v.h1[w], v.h2[w], v.z_ffn[w])
             elif i == 0:
                 ew.post_projection(v.h1[w], v.h2[w], v.z_ffn[w], v.heads[w], v.nq[w], v.nn[w], v.beta[w],
-                                   v.a[w], A, BETA[s], GAMMA[s], DECAY[s])
-                M, *_ = mem.memory_step(M, k, v.v[w], BETA[s], DECAY[s], v.q[w], v.gate[w], out_e=E[w],
-                                        out_o=v.o[w], out_y=v.z_read[w], out_M=M.new_empty(M.shape) if kept[t] else Mring[w])
+                                   v.a[w], A, BETA[gs], GAMMA[gs], DECAY[gs])
+                # the chunk form writes M once per chunk: its ring turns per chunk, not per step
+                out_M = M.new_empty(M.shape) if save and t in ends else Mring[ci % 2 if spec.chunked else w]
+                if not spec.chunked:
+                    M, *_ = mem.memory_step(M, k, v.v[w], BETA[gs], DECAY[gs], v.q[w], v.gate[w], out_e=E[w],
+                                            out_o=v.o[w], out_y=v.z_read[w], out_M=out_M)
+                else:  # M is written at the chunk's last step only, into a buffer other than M_c
+                    out_M = out_M if t in ends else None
+                    chunk.step(M_c, Kc, Dc, decays, t - c0, k, v.v[w], BETA[gs], v.q[w], v.gate[w], out_e=E[w],
+                               out_o=v.o[w], out_y=v.z_read[w], out_M=out_M)
+                    M = M if out_M is None else out_M
                 k = v0.next_key[w]
             else:
                 ew.post_projection(v.h1[w], v.h2[w], v.z_ffn[w], v.heads[w], v.nq[w], v.nn[w])
-                mem.memory_read(M, v.q[w], v.gate[w], out_o=v.o[w], out_y=v.z_read[w])
+                if spec.chunked:
+                    chunk.read(M_c, Kc, Dc, decays, t - c0, v.q[w], v.gate[w], out_o=v.o[w], out_y=v.z_read[w])
+                else:
+                    mem.memory_read(M, v.q[w], v.gate[w], out_o=v.o[w], out_y=v.z_read[w])
             last = i == nl - 1
             x_next, r_next = (XP[w], RP[w]) if last else (V[i + 1].x[s], V[i + 1].r[s])
             c = ew.residual_rms(ew.mm(v.z[w], L.W2o, Y2[w]), v.pg[w], c, Ps[t] if last else None, x_next, r_next)
@@ -423,6 +462,8 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
         # The gates go to Y2's row, which residual_rms has read: over FG itself, the Triton
         # kernel's column blocks could read one another's gates where they need the row's norm.
         g_prev, g = g, ew.ground(FG[w], c, us[t], Y2[w], x_next, r_next)
+    if save and spec.chunked:
+        S.M_end = M
     return P, g, g_prev, M, (S if save else None)
 
 
@@ -450,7 +491,7 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
     GEMMs. Buffers live for one chunk, so the backward's working memory is a chunk's, not T's.
     GPN+M: the keys and queries are normalised again from the recomputed projections (k_first:
     the key of the chunk's first step, which the step before projected); the reads and the
-    write's errors are left to the rebuild of M and `_chunk_reads`. X0, R0, XP, RP, fg: the
+    write's errors are left to the rebuild of M (`_rebuild`, or the chunk form's `_chunk_algebra`). X0, R0, XP, RP, fg: the
     chunk's layer-0 inputs, normalised predictions and fuse gates (`_grounded_rows`). work: the
     per-layer buffers of `_workspace`, of which the chunk uses its first L rows.
     """
@@ -480,7 +521,7 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
             nq, norms = l2n_relu(Y[..., col["heads"]].to(sd).view(L, B, nh, H, dk))
             gate = Y[..., col["gate"]].to(sd)
             O = empty(L, B, H * spec.dv)
-            c.update(nq=_steps(nq), q=_steps(nq[:, :, -1]), nq_mask=_steps((nq > 0) / norms), gate_full=gate,
+            c.update(nq=_steps(nq), q_full=nq[:, :, -1], q=_steps(nq[:, :, -1]), nq_mask=_steps((nq > 0) / norms), gate_full=gate,
                      gate=_steps(gate), O_full=O, o=_steps(O), z_read=_steps(Z[..., Fd:]),
                      dgate=_steps(dY[..., col["gate"]]), dheads=_steps(dY[..., col["heads"]], nh, H, dk))
             if i == 0:
@@ -492,7 +533,10 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
     if spec.memory:
         col0, dY0 = cols[0], C[0].dY_full
         # dL/d(beta, a pre-activations) = (dL/dbeta, dL/ddecay) * gate_fac
-        da_fac = A * torch.sigmoid(C[0].Y[..., col0["a"]].to(sd)) * S.DECAY[sl]
+        # (the chunk form's backward gives dL/dgamma = dL/ddecay * decay: its factor has no decay)
+        da_fac = A * torch.sigmoid(C[0].Y[..., col0["a"]].to(sd))
+        if not spec.chunked:
+            da_fac = da_fac * S.DECAY[sl]
         dBD = empty(L, 2, B, H)  # (dL/dbeta, dL/ddecay)
         dKQ = empty(L, 2, B, H, dk)  # dL/d(normalised [next key | query]) of layer 0
         E = empty(L, B, H, spec.dv)  # the write's errors, from the rebuild
@@ -518,19 +562,6 @@ def _grounded_rows(S, lo: int, hi: int, fg_W, fg_b):
         g = torch.cat([S.g0[None], g])
     X0, R0 = rms_hat(g)
     return XP, RP, fg, X0, R0
-
-
-def _chunk_reads(spec: Spec, S, sl: slice, C, G, Ms):
-    """The read factors of a chunk once M is rebuilt into Ms (L, B, H, dk, dv), the memory after
-    each step's write: layer 0's reads came out of the rebuild, later layers' are one batched
-    product each."""
-    L, B = Ms.shape[:2]
-    for c in C[1:]:
-        torch.matmul(torch.stack(c.q).unsqueeze(-2), Ms, out=c.O_full.view(L, B, spec.H, 1, spec.dv))
-        torch.mul(F.silu(c.gate_full), c.O_full / rms(c.O_full), out=c.Z_full[..., spec.F :])
-    for c in C:
-        c.rf = [ReadFactors(*f) for f in zip(*map(_steps, read_factors(c.O_full, c.gate_full)))]
-    G.delta = _steps(S.BETA[sl].unsqueeze(-1) * G.E_full)
 
 
 class Sweep(NamedTuple):
@@ -562,16 +593,67 @@ class Carry(NamedTuple):
     kn_flows: bool
 
 
-def _rebuild(spec: Spec, mem, S, C: list[ChunkLayer], G: ChunkShared, c0: int, c1: int, Mbuf, BETA, DECAY) -> list:
-    """M after each step of the chunk, rebuilt from the chunk's saved start into Mbuf by replaying
-    the write (with layer 0's reads and the write's errors), then the later layers' reads.
-    Returns Ms: Ms[j] is M before step c0 + j."""
-    Ms, c = [S.M[c0 // spec.chunk]] + list(_steps(Mbuf[: c1 - c0])), C[0]
+def _rebuild(spec: Spec, mem, S, ci: int, C: list[ChunkLayer], G: ChunkShared, c0: int, c1: int, Mbuf, BETA,
+             DECAY) -> list:
+    """M after each step of chunk ci, rebuilt from its saved start into Mbuf by replaying the
+    write (with layer 0's reads and the write's errors), then the later layers' reads, the read
+    factors and the deltas. Returns Ms: Ms[j] is M before step c0 + j."""
+    Ms, c = [S.M[ci]] + list(_steps(Mbuf[: c1 - c0])), C[0]
     for j, t in enumerate(range(c0, c1)):
         mem.memory_step(Ms[j], c.keys[j], c.v[j], BETA[t], DECAY[t], c.q[j], c.gate[j], out_e=G.e[j],
                         out_o=c.o[j], out_y=c.z_read[j], out_M=Ms[j + 1])
-    _chunk_reads(spec, S, slice(c0, c1), C, G, Mbuf[: c1 - c0])
+    L, B = c1 - c0, S.P.shape[1]
+    for c in C[1:]:  # the later layers' reads: one batched product each over the rebuilt M's
+        torch.matmul(torch.stack(c.q).unsqueeze(-2), Mbuf[:L], out=c.O_full.view(L, B, spec.H, 1, spec.dv))
+    _read_outputs(spec, C[1:], C)
+    G.delta = _steps(S.BETA[c0:c1].unsqueeze(-1) * G.E_full)
     return Ms
+
+
+def _read_outputs(spec: Spec, outputs: list, C: list) -> None:
+    """The chunk's read outputs y = silu(gate) o / rms(o) into the second GEMM's input rows of the
+    layers `outputs` (whose reads were not made by a memory function that writes them), then the
+    read factors of every layer (`ChunkLayer.rf`)."""
+    for c in outputs:
+        torch.mul(F.silu(c.gate_full), c.O_full / rms(c.O_full), out=c.Z_full[..., spec.F :])
+    for c in C:
+        c.rf = [ReadFactors(*f) for f in zip(*map(_steps, read_factors(c.O_full, c.gate_full)))]
+
+
+class ChunkSweep(NamedTuple):
+    """The chunk form's state for one chunk of the reverse sweep (kernels/memory_chunk): its ops,
+    M_c, the chunk's keys (L, B, H, dk) and queries (layers, L, B, H, dk), the values formed again
+    from M_c (`algebra.Rebuilt`), dL/dM's products at the chunk's end (`Coefficients`), the read
+    gradients (layers, >= L, B, H, dv) the sweep fills, and phi (B, H)."""
+
+    ops: object
+    M_c: torch.Tensor
+    keys: torch.Tensor
+    queries: torch.Tensor
+    r: algebra.Rebuilt
+    co: algebra.Coefficients
+    read_grads: list
+    phi: torch.Tensor
+
+
+def _chunk_algebra(spec: Spec, S, ci: int, C: list[ChunkLayer], G: ChunkShared, sl: slice, dM_end, read_grads,
+                   phi) -> ChunkSweep:
+    """The chunk form's once-per-chunk work before the sweep: the write's deltas and errors and
+    every layer's reads formed again from the chunk's saved start (one pass over it), the read
+    outputs and factors, and dM_end's products the sweep reads."""
+    L, B = sl.stop - sl.start, S.P.shape[1]
+    keys = torch.stack(C[0].keys)
+    values = torch.stack(C[0].v).to(S.P.dtype)
+    queries = torch.stack([c.q_full for c in C])
+    beta = S.BETA[sl]
+    r = algebra.rebuild(S.M[ci], keys, values, beta, S.DECAY[sl], queries)
+    G.E_full, G.e, G.delta = r.e, _steps(r.e), _steps(r.delta)
+    for c, o in zip(C, r.reads):
+        c.O_full = o.reshape(L, B, -1)
+        c.o = _steps(c.O_full)
+    _read_outputs(spec, C, C)
+    co = algebra.coefficients(dM_end, keys, r, beta, queries)
+    return ChunkSweep(spec.backend.chunk, S.M[ci], keys, queries, r, co, read_grads, phi)
 
 
 def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, c0: int, c1: int, T: int, carry: Carry,
@@ -599,7 +681,20 @@ def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, c0: i
             c = C[i]
             ew.mm(c.dU[j], W2oT[i], c.dZ[j])  # into the dZ rows of the chunk
             ew.gate_grads(c.dz_ffn[j], c.ffn_fac[j], c.dffn[j], dc, c.pg_fac[j], c.dpg[j])
-            if spec.memory:
+            if spec.chunked:  # Ms is the chunk's ChunkSweep; dL/dM is not carried step by step
+                if i == 0:
+                    Ms.ops.step_backward(
+                        Ms.M_c, Ms.keys, Ms.r.delta, Ms.r, Ms.co, j, BETA[t], G.e[j], c.v[j], Ms.queries, c.o[j], c.rf[j],
+                        c.dz_read[j], Ms.read_grads, Ms.phi, out_dk=G.dk_out[j - 1] if j > 0 else dk_next,
+                        out_dq=G.dq_out[j], out_dbeta=G.dbeta[j], out_dgamma=G.ddecay[j], out_dgate=c.dgate[j],
+                        out_dv=G.dv[j], gate_fac=G.gate_fac[j], out_dgates=G.dgates[j])
+                    dq = G.dKQ[j]
+                else:
+                    dq, _ = Ms.ops.read_backward(Ms.M_c, Ms.keys, Ms.r.delta, Ms.r, j, c.o[j], c.rf[j], c.dz_read[j],
+                                                 Ms.read_grads[i], Ms.phi, out_dgate=c.dgate[j])
+                    dq = dq.unsqueeze(1)
+                ew.l2n_relu_backward(c.nq[j], c.nq_mask[j], dq, out=c.dheads[j])
+            elif spec.memory:
                 if i == 0:
                     # dv and the gates' pre-activation gradients go straight into the projection's
                     # gradient row, which the GEMM below reads.
@@ -633,7 +728,8 @@ def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, c0: i
         if cut:
             dg.zero_()
             if spec.memory:
-                dM = torch.zeros_like(dM)
+                if not spec.chunked:  # the chunk form cuts dL/dM where its chunk starts (run_backward)
+                    dM = torch.zeros_like(dM)
                 kn_flows = False
         elif spec.memory:
             kn_flows = True
@@ -678,8 +774,9 @@ def _weight_grads(spec: Spec, S, sl: slice, C: list[ChunkLayer], G: ChunkShared,
         _gemm(grads[i][2], c.Z_full, c.dU_full, cd, work)
     _gemm(dfg_W, G.XP, G.dYfg_full, cd, work)
     dfg_b += G.dYfg_full.sum((0, 1), dtype=dfg_b.dtype)
-    if spec.memory:
-        dA_log += (G.dBD_full[:, 1] * S.DECAY[sl] * S.GAMMA[sl]).sum((0, 1))
+    if spec.memory:  # the chunk form's dBD holds dL/dgamma, the step form's dL/ddecay
+        dgamma = G.dBD_full[:, 1] if spec.chunked else G.dBD_full[:, 1] * S.DECAY[sl]
+        dA_log += (dgamma * S.GAMMA[sl]).sum((0, 1))
 
 
 def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
@@ -715,14 +812,16 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
         W_k, b_k = layers[0].W[:, col0["k"]], layers[0].b[col0["k"]]
         W_kT = W_k.T
         dA_log = torch.zeros_like(A)
+        if spec.chunked:  # dL/d(each read) of a chunk's steps, and phi = <dL/dM, M> (kernels/memory_chunk)
+            read_grads = dM.new_empty((nl, min(spec.chunk, T), B, H, spec.dv))
+            phi = torch.linalg.vecdot(dM.flatten(2), S.M_end.flatten(2))
     # The transposed weights of the sweep's GEMMs, in the layout they are read fastest.
     sw = Sweep(ew, mem, [ew.pack(L.W.T, T, B) for L in layers], [ew.pack(L.W2o.T, T, B) for L in layers],
                ew.pack(fg_W.T, T, B), _steps(du), (_steps(dP) if dP is not None else None), BETA, DECAY, dMring, W_kT,
                dg_prev, S.P.new_empty((B, d), dtype=_io_dtype(spec, sd)))
     carry = Carry(dg, dM, True)
 
-    for c0 in reversed(range(0, T, spec.chunk)):
-        c1 = min(c0 + spec.chunk, T)
+    for ci, (c0, c1) in reversed(list(enumerate(bounds(spec, T)))):
         # From two steps back: the gate of step c0 - 2 forms the input of step c0 - 1, whose
         # projection holds the key of step c0.
         sl, lo = slice(c0, c1), max(c0 - 2, 0)
@@ -735,11 +834,20 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
         C, G = _chunk_buffers(spec, S, sl, layers, cols, fg_W, fg_b, A, k_first, X0, R0, XP[c0 - lo :], RP[c0 - lo :],
                               fg[c0 - lo :], work)
         Ms = None
+        if spec.chunked:
+            Ms = _chunk_algebra(spec, S, ci, C, G, sl, carry.dM, read_grads, phi)
+        elif spec.memory:
+            Ms = _rebuild(spec, mem, S, ci, C, G, c0, c1, Mbuf, BETA, DECAY)
         if spec.memory:
-            Ms = _rebuild(spec, mem, S, C, G, c0, c1, Mbuf, BETA, DECAY)
             G.dKQ_full[-1, 0] = dk_next
             dk_next = torch.empty_like(dk_next)
         carry = _sweep(spec, sw, C, G, Ms, c0, c1, T, carry, dk_next)
+        if spec.chunked:  # dL/dM leaves the chunk once, at its start (none across a truncated-BPTT cut)
+            dM = algebra.finish(carry.dM, Ms.keys, Ms.r, Ms.co, S.BETA[sl], Ms.queries, read_grads[:, : c1 - c0])
+            if spec.bptt and c0 % spec.bptt == 0 and c0 > 0:
+                dM.zero_()
+                phi.zero_()
+            carry = carry._replace(dM=dM)
         _weight_grads(spec, S, sl, C, G, grads, dfg_W, dfg_b, dA_log, gemm_work)
         del C, G, Ms  # before the next chunk's buffers exist, not after
 
@@ -831,7 +939,8 @@ def fused_recurrence(model, u: torch.Tensor, state):
     device = u.device.type
     cd = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else g.dtype
     backend = model.backend(device)
-    spec = Spec(cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.memory, cfg.core_chunk, cfg.bptt, cd, backend)
+    spec = Spec(cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.memory, cfg.core_chunk, cfg.bptt, cd, backend,
+                cfg.memory and cfg.memory_form == "chunk")
     graphs = None if backend.graphs is None else core_graphs(model, _forward_flat, _backward_flat, backend.graphs)
     A_log = model.write_A_log if cfg.memory else None
     u = u.transpose(0, 1)

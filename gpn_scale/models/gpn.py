@@ -30,6 +30,7 @@ from kernels.step.reference import OPS as ce_twin
 
 FAMILIES = ("gpn", "gpn_m")
 CORES = ("fused", "naive")
+MEMORY_FORMS = ("step", "chunk")
 
 
 @dataclass
@@ -47,13 +48,15 @@ class GPNConfig:
     # Execution only: none of these change the math.
     core: str = "fused"  # the time loop: "fused" (custom backward, see core.py) or "naive" (autograd)
     core_chunk: int = 32  # fused core: M is kept every this many steps and rebuilt in between
+    memory_form: str = "step"  # fused core's memory: "step" (M read and written every step) or "chunk" (docs/core.md)
     checkpoint_every: int = 0  # naive core: recompute activations in time segments of this length (0: off)
     bptt: int = 0  # truncate backprop through time every this many steps (0: full window)
     ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once
     kernel: str = "auto"  # fused core's memory step, step groups and the decoder's cross-entropy: "triton", "cpp" (CPU), "torch", or "auto" (triton on CUDA, cpp on CPU)
     cuda_graphs: bool = True  # fused core on CUDA: capture its time loops once per shape, then replay
     # May change when a run resumes: how the same math is executed (bptt is not: it cuts gradients).
-    EXECUTION_KEYS: ClassVar[tuple[str, ...]] = ("core", "core_chunk", "checkpoint_every", "ce_chunk", "kernel", "cuda_graphs")
+    EXECUTION_KEYS: ClassVar[tuple[str, ...]] = ("core", "core_chunk", "memory_form", "checkpoint_every", "ce_chunk", "kernel",
+                                                 "cuda_graphs")
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -62,6 +65,8 @@ class GPNConfig:
             raise ValueError(f"core: expected one of {CORES}, got {self.core!r}")
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel: expected one of {KERNELS}, got {self.kernel!r}")
+        if self.memory_form not in MEMORY_FORMS:
+            raise ValueError(f"memory_form: expected one of {MEMORY_FORMS}, got {self.memory_form!r}")
         positive = ["vocab_size", "d_state", "d_emb", "d_ffn", "n_layers", "ce_chunk", "core_chunk"]
         if self.memory:
             positive += ["n_heads", "d_key", "d_val"]

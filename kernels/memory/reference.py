@@ -61,13 +61,18 @@ def read_factors(o, gate) -> ReadFactors:
     return ReadFactors(r, o_hat, gate * sg, o_hat * sg * (1 + gate * (1 - sg)))
 
 
+def read_output_backward(f: ReadFactors, dy):
+    """dL/do of the read's output y = silu(gate) o / rms(o) given dy, (B, H*dv)."""
+    dhat = dy * f.silu_gate
+    dot = torch.linalg.vecdot(dhat, f.o_hat).unsqueeze(-1)
+    return torch.addcmul(dhat, f.o_hat, dot, value=-1.0 / dhat.shape[-1]).div_(f.rms)
+
+
 def memory_read_backward(M, q, f: ReadFactors, dy, dM, *, out_dq=None, out_dgate=None, out_dM=None):
     """Gradients of `memory_read` given dy. Returns (dq, dgate, dM + the read's share of dL/dM);
     the last goes to `out_dM` when given (a buffer other than dM)."""
     B, H, n_k, n_v = M.shape
-    dhat = dy * f.silu_gate
-    dot = torch.linalg.vecdot(dhat, f.o_hat).unsqueeze(-1)
-    do = torch.addcmul(dhat, f.o_hat, dot, value=-1.0 / dhat.shape[-1]).div_(f.rms).view(B, H, 1, n_v)
+    do = read_output_backward(f, dy).view(B, H, 1, n_v)
     # M times a vector as a dot over M's rows: on CPU several times faster than a batched GEMM
     # with one column (products from the left, k^T M, are fast as bmm).
     dq = torch.linalg.vecdot(M, do, out=out_dq)
