@@ -68,15 +68,16 @@ def backend(kernel: str, device_type: str, graphs: bool) -> Backend:
     """The implementations `kernel` (a `KERNELS` value) chooses on a device, and with `graphs`
     the device's graph factory (`kernels.graph.factory_for`)."""
     name = resolve(kernel, device_type)
-    from kernels.memory_chunk import reference as chunk  # the chunk form's twin, until a kernel replaces it below
-
     if name == "triton":
         from kernels.memory import triton as memory
+        from kernels.memory_chunk import triton as chunk
         from kernels.step import triton as step
     elif name == "cpp":
         from kernels.memory import cpu as memory
+        from kernels.memory_chunk import reference as chunk  # no C++ chunk form: CPUs run the step form faster
         from kernels.step import cpu as step
     else:
         from kernels.memory import reference as memory
+        from kernels.memory_chunk import reference as chunk
         from kernels.step import reference as step
     return Backend(name, memory.OPS, chunk.OPS, step.OPS, factory_for(device_type) if graphs else None)

@@ -55,6 +55,12 @@ ARITH = {
     "_l2n_relu_bwd": {"Y", "MASK"},
     "_ce_lse": {"LSE"},
     "_ce_grad": {"LSE"},  # the logits' gradient may be bf16, the next GEMMs' input
+    # the memory's chunk form: the chunk buffers of keys and deltas are the state's, written by the step
+    "_chunk_step_fwd": {"MC", "KC", "DC", "M_OUT", "E", "O"},
+    "_chunk_read_fwd": {"MC", "O"},
+    "_chunk_read_bwd": {"MC", "PART"},
+    "_chunk_step_bwd": {"MC", "DV_OUT", "PART"},
+    "_chunk_sums": {"PART", "PHI", "DQ", "DK_OUT", "DBETA", "DGAMMA"},
 }
 # (state dtype, input dtype) of the two variants
 VARIANTS = {"float64 inputs": ("fp32", "fp64"), "bfloat16 inputs, float64 state": ("fp64", "bf16")}
@@ -73,15 +79,17 @@ from triton.compiler import ASTSource
 
 import kernels.step.triton as E
 import kernels.memory.triton as K
+import kernels.memory_chunk.triton as C
 
 ARITH = {k: set(v) for k, v in json.loads(sys.argv[1]).items()}
 VARIANTS = json.loads(sys.argv[2])
-HELPERS = {"_rms_out", "_residual", "_grounded"}  # called from kernels, compiled with them (as kernels/numerics.py's)
-INTS = {"H", "DK", "DV", "N", "NF", "ND", "NHEADS", "NG", "NB"}  # runtime sizes; other lower-case names are strides
+HELPERS = {"_rms_out", "_residual", "_grounded", "_decays_to", "_row", "_rows", "_g_column"}  # called from kernels, compiled with them (as kernels/numerics.py's)
+INTS = {"H", "DK", "DV", "N", "NF", "ND", "NHEADS", "NG", "NB", "NL"}  # runtime sizes; other lower-case names are strides
 INDICES = {"TGT"}  # pointers to integer indices (the cross-entropy's targets)
 CONSTEXPRS = {"BK": 128, "BV": 16, "BN": 1024, "BF": 1024, "BH": 16, "BHEADS": 32, "HEADS": True, "GATES": True,
               "HAS_HAT": True, "HAS_EXTRA": True, "HAS_LOW": True, "HAS_LOW_FAC": True, "L2EPS": 1e-12,
-              "STEP": True}  # `_head_sums` for the step's backward: its code holds the read's as a part
+              "STEP": True,  # `_head_sums` for the step's backward: its code holds the read's as a part
+              "BC": 32, "CLOSE": True}  # the chunk form at chunks of 32, its last step (which writes M)
 TARGET = GPUTarget("cuda", 90, 32)
 knobs.nvidia.dump_ptxas_log = True  # ptxas -v's report, printed to stdout
 knobs.compilation.always_compile = True  # a kernel from Triton's cache runs no ptxas
@@ -148,7 +156,7 @@ def compile_with_report(fn, sig, constexprs):
 
 
 out = {}
-for module in (K, E):
+for module in (K, E, C):
     for name, fn in vars(module).items():
         if not isinstance(fn, triton.runtime.jit.JITFunction) or name in HELPERS or fn.fn.__module__ != module.__name__:
             continue

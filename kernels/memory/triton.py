@@ -315,20 +315,21 @@ def _gated_rms(o, gate, out_y):
     return layout.finish(y_w, y)
 
 
-def _read_grad(f: ReadFactors, dy, out_dgate):
-    """(do, dgate) of y = silu(gate) o / rms(o), from the read's factors."""
+def _read_grad(f: ReadFactors, dy, out_dgate, out_do=None):
+    """(do, dgate) of y = silu(gate) o / rms(o), from the read's factors; do into `out_do` when
+    given (B rows of H dv)."""
     B, n = dy.shape[0], dy.numel() // dy.shape[0]
     dy, sdy = layout.rows(dy, n)
     r, sr = layout.rows(f.rms, 1)
     o_hat, soh = layout.rows(f.o_hat, n)
     silu_gate, ssg = layout.rows(f.silu_gate, n)
     to_gate, stg = layout.rows(f.to_gate, n)
-    do = layout.empty(o_hat, (B, n))
+    do_w, do, sdo = layout.out(out_do, n, o_hat, (B, n))
     dg_w, dgate, sdg = layout.out(out_dgate, n, o_hat, (B, n))
     bn = layout.split(n, ROW_BLOCK)
-    _gated_rms_bwd[(B, triton.cdiv(n, bn))](dy, r, o_hat, silu_gate, to_gate, do, dg_w, sdy, sr, soh, ssg, stg, do.stride(0),
+    _gated_rms_bwd[(B, triton.cdiv(n, bn))](dy, r, o_hat, silu_gate, to_gate, do_w, dg_w, sdy, sr, soh, ssg, stg, sdo,
                                             sdg, n, BN=bn, num_warps=layout.warps(bn))
-    return do, layout.finish(dg_w, dgate)
+    return layout.finish(do_w, do), layout.finish(dg_w, dgate)
 
 
 def memory_read_backward(M, q, f: ReadFactors, dy, dM, *, out_dq=None, out_dgate=None, out_dM=None):

@@ -149,7 +149,7 @@ def coefficients(dM_end, keys, r: Rebuilt, beta, queries) -> Coefficients:
         GKQ = up * (K @ _bh(q).transpose(-1, -2))  # G(i, s) k_i . q_s for i <= s
         cs.append(GKQ - X @ GKQ)
         hs.append(r.T.transpose(-1, -2) @ GKQ)
-    return Coefficients(_time_major(U), _time_major(V), torch.stack(cs), torch.stack(hs), Bm, U0)
+    return Coefficients(_time_major(U), _time_major(V), torch.stack(cs), torch.stack(hs), Bm.contiguous(), U0)
 
 
 def finish(dM_end, keys, r: Rebuilt, co: Coefficients, beta, queries, read_grads) -> torch.Tensor:

@@ -1,0 +1,410 @@
+"""Triton kernels for the per-step functions of the memory's chunk form, forward and backward.
+
+The twin is kernels/memory_chunk/reference.py: same functions, same signatures, same outputs.
+
+Layout of the work, as kernels/memory/triton.py's: one program per (sequence, head, block of
+M's columns), so a step moves M_c through memory once. Each program holds its dk x BV tile of
+M_c and, for the chunk's terms, the chunk's keys (rows x dk) and its block of the chunk's deltas
+and read gradients (rows x BV). What reduces over M's columns (the M_c products that give
+dk-vectors, the dots that weight the chunk's rows) each block writes as partial sums, and one
+small program per (sequence, head) adds the blocks in a fixed order (`_chunk_sums`), where it
+also finishes the scalars: the decay's gradient from phi, and phi's update. A row of a chunk
+buffer written in a launch is never read back in it: a step's own key and delta are used from
+registers.
+
+The chunk buffers are time-major and contiguous, (rows, B, H, d): row i of (sequence, head) bh
+starts at (i B H + bh) d. A launcher passes each kernel exactly the rows it reads (K[:j] for the
+keys before step j, the read gradients of rows j.., row j of a C x C matrix), as views whose
+first element is that of their first row, so that a launch's arguments are the memory it moves
+(bench/step_cost.py counts them); inside, rows are addressed from the view's first row. The
+forward forms the decay products G(a, b) = d_{a+1} ... d_b from the chunk's decays with a
+reversed cumulative product (a product over each range, never a ratio); the backward reads the
+chunk's matrix of them (`algebra.decay_products`). Arithmetic follows M_c's dtype; every other
+input is converted on load. The read's output norm and gate, forward and backward, are
+kernels/memory/triton.py's kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import layout
+from kernels.memory import ReadFactors
+from kernels.memory.triton import _blocks, _check_m, _gated_rms, _read_grad
+from kernels.memory_chunk import ChunkOps
+from kernels.memory_chunk.algebra import Coefficients, Rebuilt
+from kernels.numerics import _rounded
+
+@triton.jit
+def _decays_to(DEC, sdt, bh, j, ci, dt: tl.constexpr):
+    """G(i, j) for the chunk rows i (1 for i >= j), and G(-1, j), in dt: products of d_{i+1}..d_j
+    from the chunk's decays (rows of B H from row 0, the time stride sdt). For j = -1: all 1."""
+    d_next = tl.load(DEC + (ci + 1) * sdt + bh, mask=ci + 1 <= j, other=1.0).to(dt)
+    g = tl.cumprod(d_next, 0, reverse=True)
+    start = tl.load(DEC + bh, mask=j >= 0, other=1.0).to(dt) * tl.sum(tl.where(ci == 0, g, 0.0), 0)
+    return g, start
+
+
+@triton.jit
+def _row(X, bh, d, idx, mask):
+    """(Sequence, head) bh's elements idx of a (B, H, d) row."""
+    return tl.load(X + bh * d + idx, mask=mask, other=0.0)
+
+
+@triton.jit
+def _rows(X, ci, bh, BH, d, idx, rmask, imask):
+    """Rows ci (masked by rmask) of (sequence, head) bh of a time-major chunk buffer or view,
+    elements idx."""
+    return tl.load(X + (ci[:, None] * BH + bh) * d + idx[None, :], mask=rmask[:, None] & imask[None, :], other=0.0)
+
+
+# ---- forward ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _chunk_step_fwd(MC, KC, DC, DEC, K, V, Q, BETA, E, O, K_OUT, D_OUT, M_OUT, j, sdt, sk, sv, sq, sbeta, se, so, H, DK,
+                    DV, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, CLOSE: tl.constexpr):
+    """Step j for one block of columns, from the chunk's rows before it (KC, DC: rows 0..j-1;
+    DEC: the decays of rows 0..j): e = v - M_{j-1}^T k, delta = beta e (into D_OUT, and k into
+    K_OUT: row j of the chunk buffers), o = M_j^T q; with CLOSE also M_j, the chunk's end, into M_OUT."""
+    bh = tl.program_id(0).to(tl.int64)
+    BH = tl.num_programs(0)
+    b, h = bh // H, bh % H
+    rows, cols, ci = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV), tl.arange(0, BC)
+    rmask, cmask = rows < DK, cols < DV
+    tile = rows[:, None] * DV + cols[None, :]
+    m = tl.load(MC + bh * DK * DV + tile, mask=rmask[:, None] & cmask[None, :], other=0.0)
+    dt = MC.dtype.element_ty
+    k = tl.load(K + b * sk + h * DK + rows, mask=rmask, other=0.0).to(dt)
+    q = tl.load(Q + b * sq + h * DK + rows, mask=rmask, other=0.0).to(dt)
+    v = tl.load(V + b * sv + h * DV + cols, mask=cmask, other=0.0).to(dt)
+    beta = tl.load(BETA + b * sbeta + h).to(dt)
+    mk, mq = tl.sum(m * k[:, None], 0), tl.sum(m * q[:, None], 0)
+    before = ci < j
+    kc = _rows(KC, ci, bh, BH, DK, rows, before, rmask).to(dt)
+    kk, kq = tl.sum(kc * k[None, :], 1), tl.sum(kc * q[None, :], 1)  # the chunk's keys are needed no further
+    g_prev, start_prev = _decays_to(DEC, sdt, bh, j - 1, ci, dt)  # G(i, j-1), G(-1, j-1)
+    d_j = tl.load(DEC + j * sdt + bh).to(dt)
+    dc = _rows(DC, ci, bh, BH, DV, cols, before, cmask).to(dt)
+    e = v - start_prev * mk - tl.sum((g_prev * kk)[:, None] * dc, 0)
+    delta = beta * e
+    tl.store(E + b * se + h * DV + cols, e, mask=cmask)
+    tl.store(D_OUT + bh * DV + cols, delta, mask=cmask)
+    if tl.program_id(1) == 0:
+        tl.store(K_OUT + bh * DK + rows, k, mask=rmask)
+    g, start = g_prev * d_j, start_prev * d_j  # G(i, j) for i < j, G(-1, j)
+    o = start * mq + tl.sum((g * kq)[:, None] * dc, 0) + tl.sum(k * q, 0) * delta
+    tl.store(O + b * so + h * DV + cols, o, mask=cmask)
+    if CLOSE:  # M_j = G(-1, j) M_c + sum_{i <= j} G(i, j) k_i delta_i^T
+        acc = start * m + k[:, None] * delta[None, :]
+        for i in range(0, j):
+            g_i = tl.sum(tl.where(ci == i, g, 0.0), 0)
+            k_i = tl.load(KC + (i * BH + bh) * DK + rows, mask=rmask, other=0.0).to(dt)
+            d_i = tl.load(DC + (i * BH + bh) * DV + cols, mask=cmask, other=0.0).to(dt)
+            acc += g_i * k_i[:, None] * d_i[None, :]
+        tl.store(M_OUT + bh * DK * DV + tile, acc, mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _chunk_read_fwd(MC, KC, DC, DEC, Q, O, j, sdt, sq, so, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr,
+                    BC: tl.constexpr):
+    """A later layer's read of M_j at step j (KC, DC: the chunk's rows 0..j), one block of
+    columns: o = G(-1, j) M_c^T q + sum_{i <= j} G(i, j) (k_i . q) delta_i."""
+    bh = tl.program_id(0).to(tl.int64)
+    BH = tl.num_programs(0)
+    b, h = bh // H, bh % H
+    rows, cols, ci = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV), tl.arange(0, BC)
+    rmask, cmask = rows < DK, cols < DV
+    m = tl.load(MC + bh * DK * DV + rows[:, None] * DV + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+    dt = MC.dtype.element_ty
+    q = tl.load(Q + b * sq + h * DK + rows, mask=rmask, other=0.0).to(dt)
+    g, start = _decays_to(DEC, sdt, bh, j, ci, dt)
+    upto = ci <= j
+    kq = tl.sum(_rows(KC, ci, bh, BH, DK, rows, upto, rmask).to(dt) * q[None, :], 1)
+    dc = _rows(DC, ci, bh, BH, DV, cols, upto, cmask).to(dt)
+    o = start * tl.sum(m * q[:, None], 0) + tl.sum((g * kq)[:, None] * dc, 0)
+    tl.store(O + b * so + h * DV + cols, o, mask=cmask)
+
+
+# ---- backward --------------------------------------------------------------------------------
+# Split by what each reads: the column-block programs read M_c and the chunk's column vectors
+# (deltas, read gradients) and reduce them to dk-sized M_c products and per-row coefficients;
+# one program per (sequence, head) (`_chunk_sums`) adds the blocks and combines the chunk's keys
+# and queries with the coefficients, reading them once rather than once per block. The chunk's
+# C x C matrices (decay products, c, h, Bm: (B, H, N [+ 1], N) each, contiguous) are passed as
+# views of the row or column a step reads: element i of (sequence, head) bh of a column view is
+# at bh (N + 1) N + i N (decay products; bh N N + i N for Bm), of a row view at bh (...) + i.
+
+
+@triton.jit
+def _chunk_read_bwd(MC, DC, DO, O, PART, j, sdo, so, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr):
+    """A later layer's read at step j backwards (DC: the deltas of rows 0..j), one block of
+    columns: its shares of M_c do, of delta_i . do, and of do . o into its row of PART
+    [M_c do | delta_i . do | do . o]."""
+    bh = tl.program_id(0).to(tl.int64)
+    BH = tl.num_programs(0)
+    b, h = bh // H, bh % H
+    rows, cols, ci = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV), tl.arange(0, BC)
+    rmask, cmask = rows < DK, cols < DV
+    m = tl.load(MC + bh * DK * DV + rows[:, None] * DV + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+    dt = MC.dtype.element_ty
+    do = tl.load(DO + b * sdo + h * DV + cols, mask=cmask, other=0.0).to(dt)
+    o = tl.load(O + b * so + h * DV + cols, mask=cmask, other=0.0).to(dt)
+    dc = _rows(DC, ci, bh, BH, DV, cols, ci <= j, cmask).to(dt)
+    part = PART + (bh * tl.num_programs(1) + tl.program_id(1)) * (DK + BC + 1)
+    tl.store(part + rows, tl.sum(m * do[None, :], 1), mask=rmask)
+    tl.store(part + DK + ci, tl.sum(dc * do[None, :], 1))
+    tl.store(part + DK + BC, tl.sum(do * o, 0))
+
+
+@triton.jit
+def _chunk_step_bwd(MC, DC, RG, CC, U, E, V, O, BETA, DV_OUT, PART, j, N, NL, srg_l, se, sv, so, sbeta, sdv, H, DK, DV,
+                    BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr):
+    """Step j backwards, one block of columns. DC: the deltas of rows 0..j; RG: every layer's read
+    gradients of rows j..N-1 (row j of layer 0's too, all written by earlier launches); CC: row j
+    of each layer's c from column j; U: row j of U. d_delta = U_j + sum_layers sum_{s >= j}
+    c[j, s] do_s is per column: dv = beta d_delta goes to DV_OUT. Into the block's row of PART:
+    [M_c do_0 | M_c d_delta | delta_i . do_0 (i <= j) | delta_i . d_delta (i < j) |
+     per layer do_s . delta_j (s - j) | d_delta . e, d_delta . v, do_0 . o_0], its shares of what
+    `_chunk_sums` combines."""
+    bh = tl.program_id(0).to(tl.int64)
+    BH = tl.num_programs(0)
+    b, h = bh // H, bh % H
+    rows, cols, ci = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV), tl.arange(0, BC)
+    rmask, cmask = rows < DK, cols < DV
+    dt = MC.dtype.element_ty
+    later = ci < N - j  # rows j + ci of the views from row j
+    delta = tl.load(DC + (j * BH + bh) * DV + cols, mask=cmask, other=0.0).to(dt)
+    d_delta = _row(U, bh, DV, cols, cmask).to(dt)
+    part = PART + (bh * tl.num_programs(1) + tl.program_id(1)) * (2 * DK + (2 + NL) * BC + 3)
+    for layer in range(0, NL):
+        rg = _rows(RG + layer * srg_l, ci, bh, BH, DV, cols, later, cmask).to(dt)
+        c_row = tl.load(CC + (layer * BH + bh) * N * N + ci, mask=later, other=0.0).to(dt)
+        d_delta += tl.sum(c_row[:, None] * rg, 0)
+        tl.store(part + 2 * DK + (2 + layer) * BC + ci, tl.sum(rg * delta[None, :], 1))
+    m = tl.load(MC + bh * DK * DV + rows[:, None] * DV + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+    do = tl.load(RG + bh * DV + cols, mask=cmask, other=0.0).to(dt)
+    dc = _rows(DC, ci, bh, BH, DV, cols, ci <= j, cmask).to(dt)
+    beta = tl.load(BETA + b * sbeta + h).to(dt)
+    tl.store(DV_OUT + b * sdv + h * DV + cols, _rounded(beta * d_delta, DV_OUT.dtype.element_ty), mask=cmask)
+    tl.store(part + rows, tl.sum(m * do[None, :], 1), mask=rmask)
+    tl.store(part + DK + rows, tl.sum(m * d_delta[None, :], 1), mask=rmask)
+    tl.store(part + 2 * DK + ci, tl.sum(dc * do[None, :], 1))
+    tl.store(part + 2 * DK + BC + ci, tl.sum(dc * d_delta[None, :], 1))
+    e = tl.load(E + b * se + h * DV + cols, mask=cmask, other=0.0).to(dt)
+    v = tl.load(V + b * sv + h * DV + cols, mask=cmask, other=0.0).to(dt)
+    o = tl.load(O + b * so + h * DV + cols, mask=cmask, other=0.0).to(dt)
+    scalars = part + 2 * DK + (2 + NL) * BC
+    tl.store(scalars, tl.sum(d_delta * e, 0))
+    tl.store(scalars + 1, tl.sum(d_delta * v, 0))
+    tl.store(scalars + 2, tl.sum(do * o, 0))
+
+
+@triton.jit
+def _chunk_sums(PART, KC, QS, G_J, G_P, G_ROW, HH, BM, VC, BETA, PHI, DQ, DK_OUT, DBETA, DGAMMA, GF, DG, j, N, NL, sq_l,
+                sbeta, sdq, sdk, sdbeta, sdgamma, sgf, sdg, H, DK, NB, BK: tl.constexpr, BC: tl.constexpr,
+                STEP: tl.constexpr, GATES: tl.constexpr):
+    """Per (sequence, head): the NB blocks' partial rows added in block order (deterministic, no
+    atomics), then combined with the chunk's keys and queries (M_j x = G(-1, j) M_c x +
+    sum_i G(i, j) (delta_i . x) k_i). KC: the keys of rows 0..j (READ) or all N (STEP); G_J, G_P:
+    columns j and j-1 of the decay products.
+    READ (a later layer, not STEP): dq = M_j do; phi += do . o.
+    STEP: dq = M_j do_0 and dk = G_j delta_j - beta M_{j-1} d_delta, with
+    G_j delta_j = V_j + sum_layers (sum_{s >= j} a_s G(j, s) q_s - sum_{m > j} Bm[m, j] (h a)_m k_m)
+    (QS: the queries of rows j..N-1; G_ROW: G(j, s) from s = j; HH: each layer's h from [j+1, j];
+    BM: Bm's column j from row j+1); dbeta; phi += do_0 . o_0, dL/dgamma = phi - k_j . G_j delta_j,
+    phi -= beta d_delta . v; with GATES also (dbeta, dL/dgamma) times their factors GF into DG,
+    rounded to its dtype."""
+    bh = tl.program_id(0).to(tl.int64)
+    BH = tl.num_programs(0)
+    b, h = bh // H, bh % H
+    rows, ci = tl.arange(0, BK), tl.arange(0, BC)
+    rmask = rows < DK
+    dt = PART.dtype.element_ty
+    width = 2 * DK + (2 + NL) * BC + 3 if STEP else DK + BC + 1
+    part = PART + bh * NB * width
+    m_do = tl.zeros([BK], dtype=dt)
+    w_do = tl.zeros([BC], dtype=dt)
+    if STEP:
+        m_dd = tl.zeros([BK], dtype=dt)
+        w_dd = tl.zeros([BC], dtype=dt)
+    for i in range(0, NB):
+        block = part + i * width
+        m_do += tl.load(block + rows, mask=rmask, other=0.0)
+        if STEP:
+            m_dd += tl.load(block + DK + rows, mask=rmask, other=0.0)
+            w_do += tl.load(block + 2 * DK + ci)
+            w_dd += tl.load(block + 2 * DK + BC + ci)
+        else:
+            w_do += tl.load(block + DK + ci)
+    kc = _rows(KC, ci, bh, BH, DK, rows, ci <= j if not STEP else ci < N, rmask).to(dt)
+    upto = ci <= j
+    g = tl.load(G_J + bh * (N + 1) * N + (ci + 1) * N, mask=upto, other=0.0).to(dt)  # G(i, j)
+    start = tl.load(G_J + bh * (N + 1) * N).to(dt)  # G(-1, j)
+    tl.store(DQ + b * sdq + h * DK + rows, start * m_do + tl.sum((g * w_do)[:, None] * kc, 0), mask=rmask)
+    phi = tl.load(PHI + bh).to(dt)
+    if STEP:
+        later = ci < N - j  # rows j + ci
+        after = ci < N - j - 1  # rows j + 1 + ci
+        g_later = tl.load(G_ROW + bh * (N + 1) * N + ci, mask=later, other=0.0).to(dt)  # G(j, j + ci)
+        bm = tl.load(BM + bh * N * N + ci * N, mask=after, other=0.0).to(dt)  # beta_m G(j, m-1), m = j + 1 + ci
+        k_after = _rows(KC + (j + 1) * BH * DK, ci, bh, BH, DK, rows, after, rmask).to(dt)
+        k_j = tl.load(KC + (j * BH + bh) * DK + rows, mask=rmask, other=0.0).to(dt)
+        g_delta = _row(VC, bh, DK, rows, rmask).to(dt)
+        for layer in range(0, NL):
+            a = tl.zeros([BC], dtype=dt)
+            for i in range(0, NB):
+                a += tl.load(part + i * width + 2 * DK + (2 + layer) * BC + ci)
+            qs = _rows(QS + layer * sq_l, ci, bh, BH, DK, rows, later, rmask).to(dt)
+            hh = tl.load(HH + (layer * BH + bh) * N * N + ci[:, None] * N + ci[None, :],
+                         mask=after[:, None] & later[None, :], other=0.0).to(dt)  # h[j + 1 + m', j + s']
+            g_delta += tl.sum((a * g_later)[:, None] * qs, 0) - tl.sum((bm * tl.sum(hh * a[None, :], 1))[:, None] * k_after, 0)
+        g_p = tl.load(G_P + bh * (N + 1) * N + (ci + 1) * N, mask=ci < j, other=0.0).to(dt)  # G(i, j-1)
+        start_p = tl.load(G_P + bh * (N + 1) * N, mask=j > 0, other=1.0).to(dt)  # G(-1, j-1); 1 at j = 0
+        m_dd = start_p * m_dd + tl.sum((g_p * w_dd)[:, None] * kc, 0)
+        beta = tl.load(BETA + b * sbeta + h).to(dt)
+        tl.store(DK_OUT + b * sdk + h * DK + rows, g_delta - beta * m_dd, mask=rmask)
+        sums = tl.zeros([4], dtype=dt)
+        for i in range(0, NB):
+            sums += tl.load(part + i * width + 2 * DK + (2 + NL) * BC + tl.arange(0, 4), mask=tl.arange(0, 4) < 3, other=0.0)
+        dbeta = tl.sum(tl.where(tl.arange(0, 4) == 0, sums, 0.0), 0)
+        phi += tl.sum(tl.where(tl.arange(0, 4) == 2, sums, 0.0), 0)
+        dgamma = phi - tl.sum(k_j * g_delta, 0)
+        tl.store(PHI + bh, phi - beta * tl.sum(tl.where(tl.arange(0, 4) == 1, sums, 0.0), 0))
+        tl.store(DBETA + b * sdbeta + h, dbeta)
+        tl.store(DGAMMA + b * sdgamma + h, dgamma)
+        if GATES:
+            tl.store(DG + b * sdg + h, _rounded(dbeta * tl.load(GF + b * sgf + h).to(dt), DG.dtype.element_ty))
+            tl.store(DG + b * sdg + H + h, _rounded(dgamma * tl.load(GF + b * sgf + H + h).to(dt), DG.dtype.element_ty))
+    else:
+        doo = tl.zeros([1], dtype=dt)
+        for i in range(0, NB):
+            doo += tl.load(part + i * width + DK + BC + tl.arange(0, 1))
+        tl.store(PHI + bh + tl.arange(0, 1), phi + doo)
+
+
+# ---- launchers: the twin's signatures --------------------------------------------------------
+
+
+def _chunk_buffer(x: torch.Tensor, name: str) -> torch.Tensor:
+    if not x.is_contiguous():
+        raise ValueError(f"chunk kernels: {name} must be a contiguous time-major chunk buffer (rows, B, H, d)")
+    return x
+
+
+def _decay_rows(decays: torch.Tensor) -> int:
+    """The time stride of the chunk's decays (rows, B, H), whose rows must be packed (B, H)."""
+    if decays.stride(2) != 1 or decays.stride(1) != decays.shape[2]:
+        raise ValueError("chunk kernels: decays must be rows of packed (B, H)")
+    return decays.stride(0)
+
+
+def _rows_block(n: int) -> int:
+    """Chunk rows per program tile: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def step(M_c, K, D, decays, j: int, k, v, beta, q, gate, *, out_e=None, out_o=None, out_y=None, out_M=None):
+    """Step j of the chunk: returns (e, o, y); k into K[j], beta e into D[j]; with `out_M`, M_j."""
+    M_c = _check_m(M_c)
+    B, H, n_k, n_v = M_c.shape
+    bk, bv = _blocks(n_k, n_v)
+    K, D = _chunk_buffer(K, "K"), _chunk_buffer(D, "D")
+    k, sk = layout.rows(k, H * n_k)
+    q, sq = layout.rows(q, H * n_k)
+    v, sv = layout.rows(v, H * n_v)
+    beta, sbeta = layout.rows(beta, H)
+    e_w, e, se = layout.out(out_e, H * n_v, M_c, (B, H, n_v))
+    o_w, o, so = layout.out(out_o, H * n_v, M_c, (B, H * n_v))
+    close = out_M is not None
+    M_out = _check_m(out_M) if close else M_c  # never written without CLOSE
+    _chunk_step_fwd[(B * H, triton.cdiv(n_v, bv))](
+        M_c, K[:j], D[:j], decays[: j + 1], k, v, q, beta, e_w, o_w, K[j], D[j], M_out, j, _decay_rows(decays), sk, sv, sq,
+        sbeta, se, so, H, n_k, n_v, BK=bk, BV=bv, BC=_rows_block(K.shape[0]), CLOSE=close, num_warps=layout.warps(bk * bv))
+    layout.finish(e_w, e)
+    layout.finish(o_w, o)
+    return e, o, _gated_rms(o, gate, out_y)
+
+
+def read(M_c, K, D, decays, j: int, q, gate, *, out_o=None, out_y=None):
+    """A later layer's read of M_j at step j. Returns (o, y)."""
+    M_c = _check_m(M_c)
+    B, H, n_k, n_v = M_c.shape
+    bk, bv = _blocks(n_k, n_v)
+    K, D = _chunk_buffer(K, "K"), _chunk_buffer(D, "D")
+    q, sq = layout.rows(q, H * n_k)
+    o_w, o, so = layout.out(out_o, H * n_v, M_c, (B, H * n_v))
+    _chunk_read_fwd[(B * H, triton.cdiv(n_v, bv))](M_c, K[: j + 1], D[: j + 1], decays[: j + 1], q, o_w, j, _decay_rows(decays),
+                                                   sq, so, H, n_k, n_v, BK=bk, BV=bv, BC=_rows_block(K.shape[0]),
+                                                   num_warps=layout.warps(bk * bv))
+    layout.finish(o_w, o)
+    return o, _gated_rms(o, gate, out_y)
+
+
+def read_backward(M_c, K, D, r: Rebuilt, j: int, o, f: ReadFactors, dy, read_grad, phi, *, out_dq=None, out_dgate=None):
+    """A later layer's read at step j backwards: do (into read_grad[j]), dq = M_j do, dgate;
+    phi += do . o. Returns (dq, dgate)."""
+    M_c = _check_m(M_c)
+    B, H, n_k, n_v = M_c.shape
+    bk, bv = _blocks(n_k, n_v)
+    K, D, gam = _chunk_buffer(K, "K"), _chunk_buffer(D, "D"), _chunk_buffer(r.gam, "decay products")
+    n = gam.shape[-1]
+    bc = _rows_block(n)
+    do, dgate = _read_grad(f, dy, out_dgate, out_do=read_grad[j])
+    o, so = layout.rows(o, H * n_v)
+    nb = triton.cdiv(n_v, bv)
+    part = layout.empty(M_c, (B * H, nb, n_k + bc + 1))
+    _chunk_read_bwd[(B * H, nb)](M_c, D[: j + 1], do, o, part, j, do.stride(0), so, H, n_k, n_v, BK=bk, BV=bv, BC=bc,
+                                 num_warps=layout.warps(bk * bv))
+    dq_w, dq, sdq = layout.out(out_dq, H * n_k, M_c, (B, H, n_k))
+    g_j = gam[..., j]
+    # READ writes dq and phi alone: its own arguments stand in for the step's, which it never touches.
+    _chunk_sums[(B * H,)](part, K[: j + 1], K[:0], g_j, g_j, g_j, g_j, g_j, g_j, phi, phi, dq_w, dq_w, dq_w, dq_w, dq_w, dq_w, j,
+                          n, 0, 0, 0, sdq, 0, 0, 0, 0, 0, H, n_k, nb, BK=bk, BC=bc, STEP=False, GATES=False,
+                          num_warps=layout.warps(bk * bc))
+    return layout.finish(dq_w, dq), dgate
+
+
+def step_backward(M_c, K, D, r: Rebuilt, co: Coefficients, j: int, beta, e, v, queries, o, f: ReadFactors, dy,
+                  read_grads, phi, *, out_dk=None, out_dq=None, out_dbeta=None, out_dgamma=None, out_dgate=None,
+                  out_dv=None, gate_fac=None, out_dgates=None):
+    """Step j backwards (the twin's contract). Returns (dk, dv, dbeta, dgamma, dq, dgate)."""
+    M_c = _check_m(M_c)
+    B, H, n_k, n_v = M_c.shape
+    bk, bv = _blocks(n_k, n_v)
+    K, D, gam = _chunk_buffer(K, "K"), _chunk_buffer(D, "D"), _chunk_buffer(r.gam, "decay products")
+    c, h, Bm = (_chunk_buffer(x, name) for x, name in ((co.c, "c"), (co.h, "h"), (co.Bm, "Bm")))
+    queries, read_grads = _chunk_buffer(queries, "queries"), _chunk_buffer(read_grads, "read gradients")
+    n, layers = gam.shape[-1], queries.shape[0]
+    bc = _rows_block(n)
+    _, dgate = _read_grad(f, dy, out_dgate, out_do=read_grads[0][j])
+    beta, sbeta = layout.rows(beta, H)
+    e, se = layout.rows(e, H * n_v)
+    v, sv = layout.rows(v, H * n_v)
+    o, so = layout.rows(o, H * n_v)
+    dv_w, dv, sdv = layout.out(out_dv, H * n_v, M_c, (B, H, n_v))
+    nb = triton.cdiv(n_v, bv)
+    part = layout.empty(M_c, (B * H, nb, 2 * n_k + (2 + layers) * bc + 3))
+    _chunk_step_bwd[(B * H, nb)](M_c, D[: j + 1], read_grads[:, j:n], c[..., j, j:], co.U[j], e, v, o, beta, dv_w, part, j, n, layers,
+                                 read_grads.stride(0), se, sv, so, sbeta, sdv, H, n_k, n_v, BK=bk, BV=bv, BC=bc,
+                                 num_warps=layout.warps(bk * bv))
+    dq_w, dq, sdq = layout.out(out_dq, H * n_k, M_c, (B, H, n_k))
+    dk_w, dk, sdk = layout.out(out_dk, H * n_k, M_c, (B, H, n_k))
+    db_w, dbeta, sdb = layout.out(out_dbeta, H, M_c, (B, H))
+    dg_w, dgamma, sdg = layout.out(out_dgamma, H, M_c, (B, H))
+    gates = gate_fac is not None  # without it, dq_w stands in for GF and DG, which GATES=False never touches
+    gate_fac, sgf = layout.rows(gate_fac, 2 * H) if gates else (dq_w, 0)
+    dgs_w, dgates, sdgs = layout.out(out_dgates, 2 * H, M_c, (B, 2, H)) if gates else (dq_w, None, 0)
+    g_p = gam[..., max(j - 1, 0)]  # unread at j = 0 (the chunk's start: G(-1, -1) = 1)
+    _chunk_sums[(B * H,)](part, K[:n], queries[:, j:n], gam[..., j], g_p, gam[..., j + 1, j:], h[..., j + 1 :, j:],
+                          Bm[..., j + 1 :, j], co.V[j], beta, phi, dq_w, dk_w, db_w, dg_w, gate_fac, dgs_w, j, n, layers,
+                          queries.stride(0), sbeta, sdq, sdk, sdb, sdg, sgf, sdgs, H, n_k, nb, BK=bk, BC=bc, STEP=True,
+                          GATES=gates, num_warps=layout.warps(bk * bc))
+    for w, out in ((dk_w, dk), (dq_w, dq), (db_w, dbeta), (dg_w, dgamma), (dv_w, dv)) + (((dgs_w, dgates),) if gates else ()):
+        layout.finish(w, out)
+    return dk, dv, dbeta, dgamma, dq, dgate
+
+
+OPS = ChunkOps(step, read, step_backward, read_backward)

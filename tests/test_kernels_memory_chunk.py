@@ -1,0 +1,165 @@
+"""The chunk form's Triton kernels (kernels/memory_chunk/triton.py) against their torch twin, over
+whole chunks forward and backward; on CPU under Triton's interpreter.
+
+Every buffer a launcher allocates and every chunk or `out=` buffer the test passes is NaN first,
+so an element a kernel fails to write, or a row it reads before it is written, fails the
+comparison. Sizes are odd, dk != dv, and the column blocks run full and partial; chunk lengths
+cross the 16-row tile (17 rows: a 32-row tile).
+"""
+
+import pytest
+import torch
+from triton_kernels import DEVICE, INTERPRET, interpreter  # noqa: F401  (the fixture: autouse)
+from twins import assert_close
+
+from kernels import layout
+from kernels.memory.reference import read_factors
+from kernels.memory_chunk import algebra
+from kernels.memory_chunk import reference as T
+
+if INTERPRET:  # the kernels are defined under the interpreter, as triton_kernels.py's
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    import kernels.memory.triton as memory_triton  # noqa: E402
+    import kernels.memory_chunk.triton as K  # noqa: E402
+
+    del os.environ["TRITON_INTERPRET"]
+else:
+    import kernels.memory.triton as memory_triton
+    import kernels.memory_chunk.triton as K
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-4, torch.float64: 1e-12}  # bf16 inputs, float32 state: the same arithmetic
+BF16_OUT = 1e-2  # an output rounded to bf16 (a GEMM's input row): one rounding apart at most
+# (B, H, dk, dv, tile): with tile 64 and dk <= 8 the kernels take 16 columns at a time, so dv = 33
+# runs two full blocks and a partial one.
+SHAPES = [(1, 1, 5, 7, memory_triton.TILE), (2, 3, 7, 33, 64), (3, 2, 4, 5, memory_triton.TILE)]
+
+
+@pytest.fixture(autouse=True)
+def _poisoned(monkeypatch):
+    def nan_empty(like, shape):
+        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+
+    monkeypatch.setattr(layout, "empty", nan_empty)
+
+
+def chunk_inputs(n, layers, B, H, dk, dv, dtype, seed=0):
+    """A chunk's inputs: M_c in the state's dtype (float64 for float64, else float32), the step's
+    vectors in `dtype`, the decays and betas in the state's."""
+    g = torch.Generator().manual_seed(seed)
+    state = torch.float64 if dtype == torch.float64 else torch.float32
+    r = lambda *s: torch.randn(*s, generator=g, dtype=state)  # noqa: E731
+    unit = lambda x: torch.relu(x) / torch.relu(x).norm(dim=-1, keepdim=True).clamp_min(1e-6)  # noqa: E731
+    x = dict(M=r(B, H, dk, dv), keys=unit(r(n, B, H, dk)).to(dtype), values=r(n, B, H, dv).to(dtype),
+             beta=torch.sigmoid(r(n, B, H)), decays=torch.exp(-r(n, B, H).abs()),
+             queries=[unit(r(n, B, H, dk)).to(dtype) for _ in range(layers)], gates=[r(n, B, H * dv).to(dtype) for _ in range(layers)])
+    return {k: (v.to(DEVICE) if torch.is_tensor(v) else [t.to(DEVICE) for t in v]) for k, v in x.items()}
+
+
+def widened(x, dtype):
+    return {k: (v.to(dtype) if torch.is_tensor(v) else [t.to(dtype) for t in v]) for k, v in x.items()}
+
+
+def nan(*shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def forward(impl, x, spare=2):
+    """Every step of the chunk and its later layers' reads, into NaN chunk buffers and out=
+    buffers; the chunk's end M. Returns (outputs in order, K, D, M_end)."""
+    M = x["M"]
+    n, (B, H, dk, dv) = x["keys"].shape[0], M.shape
+    K, D, end = nan(n + spare, B, H, dk, dtype=M.dtype), nan(n + spare, B, H, dv, dtype=M.dtype), torch.full_like(M, float("nan"))
+    got = []
+    for j in range(n):
+        outs = dict(out_e=nan(B, H, dv, dtype=M.dtype), out_o=nan(B, H * dv + 2, dtype=M.dtype)[:, 1:-1],
+                    out_y=nan(B, H * dv, dtype=x["gates"][0].dtype))
+        got += impl.step(M, K, D, x["decays"], j, x["keys"][j], x["values"][j], x["beta"][j], x["queries"][0][j],
+                         x["gates"][0][j], out_M=end if j == n - 1 else None, **outs)
+        for layer in range(1, len(x["queries"])):
+            got += impl.read(M, K, D, x["decays"], j, x["queries"][layer][j], x["gates"][layer][j])
+    return got, K, D, end
+
+
+def backward(impl, x, r, co, dM_end, M_end, dys, gate_fac, io_dtype):
+    """The chunk's sweep: later layers' reads, then the write and layer 0's read, step by step
+    back, into NaN out= buffers (dv and the gates' gradients in io_dtype, as the core's GEMM
+    rows). Returns the outputs in order, phi after each step, and the read gradients."""
+    M, keys = x["M"], x["keys"].to(x["M"].dtype).contiguous()
+    n, (B, H, dk, dv) = keys.shape[0], M.shape
+    queries = torch.stack(x["queries"]).to(M.dtype).contiguous()
+    phi = torch.linalg.vecdot(dM_end.flatten(2), M_end.flatten(2))
+    read_grads = nan(len(x["queries"]), n + 1, B, H, dv, dtype=M.dtype)
+    got = []
+    for j in reversed(range(n)):
+        for layer in reversed(range(1, len(queries))):
+            o = r.reads[layer][j]
+            f = read_factors(o.reshape(B, -1), x["gates"][layer][j].to(M.dtype))
+            got += impl.read_backward(M, keys, r.delta, r, j, o, f, dys[layer][j], read_grads[layer], phi,
+                                      out_dq=nan(B, H, dk, dtype=M.dtype))
+            got.append(phi.clone())
+        o = r.reads[0][j]
+        f = read_factors(o.reshape(B, -1), x["gates"][0][j].to(M.dtype))
+        outs = dict(out_dk=nan(B, H, dk, dtype=M.dtype), out_dq=nan(B, H, dk, dtype=M.dtype), out_dbeta=nan(B, H, dtype=M.dtype),
+                    out_dgamma=nan(B, H, dtype=M.dtype), out_dgate=nan(B, H * dv, dtype=M.dtype),
+                    out_dv=nan(B, H, dv, dtype=io_dtype), gate_fac=gate_fac, out_dgates=nan(B, 2, H, dtype=io_dtype))
+        got += impl.step_backward(M, keys, r.delta, r, co, j, x["beta"][j], r.e[j], x["values"][j], queries, o, f, dys[0][j],
+                                  read_grads, phi, **outs)
+        got += [outs["out_dgates"], phi.clone()]
+    return got, read_grads[:, :n]
+
+
+# (shape, chunk length, layers, dtype): every dtype on the partial-block shape with two layers; a
+# chunk of 17 rows (a 32-row tile); single-step chunks.
+CASES = [(SHAPES[1], 5, 2, torch.float32), (SHAPES[1], 5, 2, torch.bfloat16), (SHAPES[1], 5, 2, torch.float64),
+         (SHAPES[0], 17, 1, torch.float32), (SHAPES[2], 1, 1, torch.float32), (SHAPES[0], 1, 2, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("shape,n,layers,dtype", CASES, ids=lambda c: str(c).replace("torch.", ""))
+def test_chunk_kernels_match_twin(shape, n, layers, dtype, monkeypatch):
+    B, H, dk, dv, tile = shape
+    monkeypatch.setattr(memory_triton, "TILE", tile)
+    x = chunk_inputs(n, layers, B, H, dk, dv, dtype, seed=n + layers)
+    state = x["M"].dtype
+    M_before = x["M"].clone()
+    got, K_got, D_got, end_got = forward(K, x)
+    want, K_want, D_want, end_want = forward(T, widened(x, state))
+    for i, (a, b) in enumerate(zip(got, want)):  # a read's output y may be the next GEMM's bf16
+        assert_close(a, b, BF16_OUT if a.dtype == torch.bfloat16 else TOL[dtype], f"forward output {i}")
+    assert_close(end_got, end_want, TOL[dtype], "M at the chunk's end")
+    assert_close(K_got[:n], K_want[:n], TOL[dtype], "keys")
+    assert_close(D_got[:n], D_want[:n], TOL[dtype], "deltas")
+    assert K_got[n:].isnan().all() and D_got[n:].isnan().all()  # no row past the chunk's is written
+    torch.testing.assert_close(x["M"], M_before, rtol=0, atol=0)
+
+    g = torch.Generator().manual_seed(7)
+    dys = [torch.randn(n, B, H * dv, generator=g, dtype=state).to(DEVICE) for _ in range(layers)]
+    dM_end = torch.randn(x["M"].shape, generator=g, dtype=state).to(DEVICE)
+    gate_fac = torch.rand(B, 2, H, generator=g, dtype=state).to(DEVICE)
+    w = widened(x, state)
+    queries = torch.stack(w["queries"])
+    r = algebra.rebuild(w["M"], w["keys"], w["values"], w["beta"], w["decays"], queries)
+    co = algebra.coefficients(dM_end, w["keys"], r, w["beta"], queries)
+    io = torch.bfloat16 if dtype == torch.bfloat16 else state
+    got, rg_got = backward(K, x, r, co, dM_end, end_want, dys, gate_fac, io)
+    want, rg_want = backward(T, w, r, co, dM_end, end_want, dys, gate_fac, io)
+    # Each output over the whole chunk: a step's scalar (its dL/dgamma, say) may be near zero
+    # where the chunk's are not, and float32 errors are relative to the chunk's sums.
+    per_step = len(got) // n
+    for i in range(per_step):
+        a, b = torch.stack(got[i::per_step]), torch.stack(want[i::per_step])
+        assert_close(a, b, BF16_OUT if a.dtype == torch.bfloat16 else TOL[dtype], f"backward output {i}")
+    assert_close(rg_got, rg_want, TOL[dtype], "read gradients")
+
+
+def test_launchers_refuse_chunk_buffers_they_cannot_address():
+    x = chunk_inputs(3, 1, 2, 2, 3, 4, torch.float32)
+    M = x["M"]
+    K_strided = torch.zeros(4, 2, 2, 6)[..., ::2]
+    with pytest.raises(ValueError, match="contiguous time-major chunk buffer"):
+        K.step(M, K_strided, torch.zeros(4, 2, 2, 4), x["decays"], 0, x["keys"][0], x["values"][0], x["beta"][0],
+               x["queries"][0][0], x["gates"][0][0])
+    with pytest.raises(ValueError, match="decays must be rows of packed"):
+        K.step(M, torch.zeros(4, 2, 2, 3), torch.zeros(4, 2, 2, 4), x["decays"].transpose(1, 2), 0, x["keys"][0],
+               x["values"][0], x["beta"][0], x["queries"][0][0], x["gates"][0][0])
