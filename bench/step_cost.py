@@ -4,6 +4,8 @@
     PYTHONPATH=. python bench/step_cost.py --kernel torch --batch 256 --json step_cost.json
     PYTHONPATH=. python bench/step_cost.py --config gpn_m_tiny d_state=96   # any configs/models/*.yaml, key=value overrides
     PYTHONPATH=. python bench/step_cost.py --device cuda              # the same count on a GPU
+    PYTHONPATH=. python bench/step_cost.py memory_form=chunk          # the memory's chunk form
+    PYTHONPATH=. python bench/step_cost.py --config transformer_130m  # the Transformer++ baseline alone
 
 A GPN+M step is a strictly sequential chain of kernels, repeated T times forward and again in the
 reverse sweep, so its speed on a GPU is set by what each step launches. This script runs a
@@ -18,11 +20,13 @@ launch path and no timing:
   that changes the dtype), copy, or other, with the bytes of its tensor inputs and outputs.
 Torch ops a Triton launcher runs inside its launch (the interpreter's host copies) are not counted.
 
-Per time step: the window is run at T = 2 and T = 3 (`--steps`) and the counts subtracted, so
-what runs once per window (embedding, input projection, decoder launches, weight casts) or once per
-chunk (the weight gradients; one chunk here) drops out; the per-token share of their data (the
-decoder's rows, the weight gradients' rows) stays in the bytes and FLOPs. What dropped out is
-shown as "once per window". Batch: launch counts do not change with the batch and bytes, FLOPs and
+Per time step: the window is run at T = 1 and T = C + 1 (C = `core_chunk`; `--steps`) and the
+counts subtracted and divided by C: what runs once per window (embedding, input projection,
+decoder launches, weight casts) drops out, the per-token share of its data (the decoder's rows)
+staying in the bytes and FLOPs, and what runs once per chunk (the recomputed projection, the
+weight gradients, the chunk form's algebra and its writes of M and dL/dM) is spread over the
+chunk's steps, as the steps of a chunk are averaged (the chunk form's per-step work grows with
+the step's place in its chunk). What dropped out is shown as "once per window". Batch: launch counts do not change with the batch and bytes, FLOPs and
 grids grow linearly with it, so on CPU the window is measured at two small batches
 (`--measure-batches`, default 2,3) and each kernel's figures are extrapolated linearly to
 `--batch`; on CUDA it is measured at `--batch` itself. The CUDA graphs are switched off: the count
@@ -32,10 +36,23 @@ The roofline (constants in `H200`) gives each step's kernels max(bytes / bandwid
 scaled up by 132 / programs for a Triton grid smaller than the GPU, plus a cost per launch: with
 graph replay a gap per kernel on the device; eager, the same or, where the host is slower than
 the device, launches x the host's cost per launch (the kernels of a step depend on each other,
-but the host queues them ahead). The floor beside it is M's traffic alone: the memory kernels read and
-write M (float32, H x d_k x d_v per sequence) twice per step forward (once more per later layer's
-read) and five times backward (rebuild: read and write; step backward: read M and dM, write dM;
-three more per later layer).
+but the host queues them ahead). The memory's launches (those of kernels/memory and
+kernels/memory_chunk: the memory kernels and the chunk form's torch algebra) are summed apart:
+their bytes per token are what moving M costs as implemented. The floor beside the estimate is
+M's traffic alone as each form is designed (float32, H x d_k x d_v per sequence): the step form
+reads and writes M twice per step forward (once more read per later layer) and five times backward
+(rebuild: read and write; step backward: read M and dM, write dM; three more per later layer);
+the chunk form reads M_c once per step each way (once more per later layer), and per chunk writes
+M once forward, and backward reads M_c once (the rebuild), dL/dM twice and writes it once.
+
+The baseline (`--baseline`, default transformer_130m) is Transformer++ counted the same way: one
+window of `--baseline-seq-len` tokens forward and backward at the measured batches, extrapolated,
+its GEMMs, norms and elementwise ops as launched (eager), attention replaced by FlashAttention-2's
+causal costs: forward 2 B H T^2 D FLOPs (QK^T and PV, half the square), backward 2.5 times that,
+bytes Q, K, V read and O written forward, Q, K, V, O, dO read and dQ, dK, dV written backward
+(bf16, plus the row statistics in float32), at the same roofline as a GEMM. Its tokens/s is
+B T over the window's time; printed beside it, the bound of its GEMMs and attention alone
+(what a compiler that fused every elementwise op into them would approach).
 
 Imports only torch and triton besides the source tree (and yaml, through gpn_scale.config).
 """
@@ -93,6 +110,7 @@ class Launch:
     flops: int
     # Triton: (bytes, contents changed) per tensor argument; `settle_writes` sets read and written
     args: tuple = ()
+    memory: bool = False  # launched by the memory's code (kernels/memory, kernels/memory_chunk)
 
 
 # ---- the counter -----------------------------------------------------------------------------
@@ -131,6 +149,19 @@ def _indexed_bytes(name, args, out) -> tuple[int, int]:
     indices = args[2] if name == "gather" else args[1]
     picked = sum(_nbytes(t) for t in _tensors(out))
     return picked + sum(map(_nbytes, _tensors(indices))), picked
+
+
+MEMORY_MODULES = ("kernels.memory.", "kernels.memory_chunk.")
+
+
+def _from_memory_code() -> bool:
+    """Whether the torch op being dispatched was called from the memory's code."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith(MEMORY_MODULES):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _tensors(x):
@@ -192,7 +223,7 @@ class LaunchCounter(TorchDispatchMode):
             dst = _tensors(out)[0]
             kind = "cast" if src.dtype != dst.dtype else "copy"
             dtype = f"{src.dtype}->{dst.dtype}".replace("torch.", "") if kind == "cast" else str(dst.dtype).removeprefix("torch.")
-        self.launches.append(Launch(self.phase, kind, name, dtype, 0, read, written, flops))
+        self.launches.append(Launch(self.phase, kind, name, dtype, 0, read, written, flops, memory=_from_memory_code()))
         return out
 
     # Triton launches
@@ -213,8 +244,9 @@ class LaunchCounter(TorchDispatchMode):
                 changed = tuple(not (bool(((t == b) | (t.isnan() & b.isnan())).all()) if t.is_floating_point()
                                      else torch.equal(t, b)) for t, b in zip(tensors, before))
                 dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
+                module = getattr(getattr(fn, "fn", None), "__module__", "")
                 counter.launches.append(Launch(counter.phase, "triton", fn.__name__, dtype, math.prod(grid), 0, 0, 0,
-                                            tuple(zip(map(_nbytes, tensors), changed))))
+                                               tuple(zip(map(_nbytes, tensors), changed)), module.startswith(MEMORY_MODULES)))
                 return result
             finally:
                 counter._in_triton = False
@@ -278,7 +310,10 @@ class Tally:
     written: float = 0
     flops: float = 0
     programs: float = 0  # the smallest grid among them (Triton)
+    memory: float = 0  # bytes (read and written) of those launched by the memory's code
 
+
+SUMMED = ("count", "read", "written", "flops", "memory")  # the fields that add up over launches and steps
 
 class Key(NamedTuple):
     """What launches are tallied by."""
@@ -297,6 +332,7 @@ def tally(launches: list[Launch]) -> dict[Key, Tally]:
         t.read += x.read
         t.written += x.written
         t.flops += x.flops
+        t.memory += (x.read + x.written) if x.memory else 0
         if x.programs:
             t.programs = min(t.programs or x.programs, x.programs)
     return dict(out)
@@ -324,11 +360,10 @@ def difference(short: dict[Key, Tally], long: dict[Key, Tally], steps: tuple[int
     per_step, fixed = {}, {}
     for key in short.keys() | long.keys():
         a, b = short.get(key, Tally()), long.get(key, Tally())
-        diff = Tally(*((getattr(b, f) - getattr(a, f)) / (t1 - t0) for f in ("count", "read", "written", "flops")),
-                     programs=b.programs)
+        diff = Tally(**{f: (getattr(b, f) - getattr(a, f)) / (t1 - t0) for f in SUMMED}, programs=b.programs)
         if diff.count or diff.read or diff.written or diff.flops:
             per_step[key] = diff
-        rest = Tally(*(getattr(a, f) - t0 * getattr(diff, f) for f in ("count", "read", "written", "flops")), programs=a.programs)
+        rest = Tally(**{f: getattr(a, f) - t0 * getattr(diff, f) for f in SUMMED}, programs=a.programs)
         if rest.count:
             fixed[key] = rest
     return per_step, fixed
@@ -358,7 +393,7 @@ def extrapolate(at: dict[int, dict[Key, Tally]], batch: int) -> dict[Key, Tally]
             raise SystemExit(f"error: {key.name} ({key.phase}): {p.count:g} launches per step at batch {b0}, {q.count:g} at "
                              f"{b1}; launch counts must not depend on the batch (measure at --batch directly)")
         line = lambda f: getattr(p, f) + (getattr(q, f) - getattr(p, f)) * (batch - b0) / (b1 - b0)  # noqa: E731
-        out[key] = Tally(p.count, line("read"), line("written"), line("flops"), round(line("programs")))
+        out[key] = Tally(p.count, line("read"), line("written"), line("flops"), round(line("programs")), line("memory"))
     return out
 
 
@@ -398,23 +433,87 @@ def phase_cost(per_step: dict[Key, Tally], phase: str, hw: Hardware) -> PhaseCos
 
 
 def memory_floor(cfg, hw: Hardware) -> dict | None:
-    """M's traffic alone per token (bytes, forward and backward) and the tokens/s it allows."""
+    """M's traffic alone per token as the config's memory form is designed (bytes, forward and
+    backward; the module docstring) and the tokens/s it allows."""
     if not cfg.memory:
         return None
     m = cfg.n_heads * cfg.d_key * cfg.d_val * 4  # float32, whatever the compute dtype
     later = cfg.n_layers - 1
-    fwd, bwd = m * (2 + later), m * (5 + 3 * later)
-    return dict(m_bytes=m, forward_bytes_per_token=fwd, backward_bytes_per_token=bwd,
+    if cfg.memory_form == "chunk":
+        C = cfg.core_chunk
+        fwd, bwd = m * (1 + later + 1 / C), m * (1 + later + 4 / C)
+    else:
+        fwd, bwd = m * (2 + later), m * (5 + 3 * later)
+    return dict(form=cfg.memory_form, m_bytes=m, forward_bytes_per_token=fwd, backward_bytes_per_token=bwd,
                 tokens_per_s=hw.bytes_per_s / (fwd + bwd))
+
+
+# ---- the baseline: Transformer++ counted the same way -----------------------------------------
+
+_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
+              "_efficient_attention_forward"}
+_ATTENTION_BWD = {name + "_backward" for name in _ATTENTION} | {"_flash_attention_backward", "_efficient_attention_backward"}
+
+
+def flash_attention(phase: str, batch: int, heads: int, seq: int, head_dim: int) -> Tally:
+    """FlashAttention-2's causal costs for one layer (the module docstring): FLOPs of the two
+    matrix products over the causal half, 2.5 times that backward; bytes of its inputs and
+    outputs in bf16 and its float32 row statistics."""
+    qkv = batch * heads * seq * head_dim * 2  # one of Q, K, V, O in bf16
+    rows = batch * heads * seq * 4
+    fwd_flops = 2 * batch * heads * seq * seq * head_dim
+    if phase == "forward":
+        return Tally(1, 3 * qkv, qkv + rows, fwd_flops)
+    return Tally(1, 5 * qkv + 2 * rows, 3 * qkv, 2.5 * fwd_flops)
+
+
+def baseline_window(args, hw: Hardware) -> dict:
+    """Transformer++'s training window at the roofline: per-window tallies (attention replaced by
+    FlashAttention's costs) extrapolated to --batch, its time and tokens/s, and the bound of its
+    GEMMs and attention alone."""
+    from gpn_scale.config import model_config
+    from gpn_scale.models import build_model
+
+    cfg = model_config(args.baseline)
+    if getattr(cfg, "family", None) != "transformer":
+        raise SystemExit(f"error: --baseline {args.baseline}: expected a transformer config, got family {cfg.family!r}")
+    torch.manual_seed(0)
+    model = build_model(cfg).to(args.device)
+    device, T = torch.device(args.device), args.baseline_seq_len
+    heads, head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
+    at = {}
+    for b in args.measure_batches:
+        launches = window(model, b, T, args.dtype, device)
+        kept = []
+        for x in launches:
+            if x.name in _ATTENTION or x.name in _ATTENTION_BWD:
+                fa = flash_attention(x.phase, b, heads, T, head_dim)
+                x = Launch(x.phase, "attention", "flash_attention", "bfloat16", 0, fa.read, fa.written, fa.flops)
+            kept.append(x)
+        at[b] = tally(kept)
+    window_tally = extrapolate(at, args.batch)
+    seconds = sum(kernel_seconds(k, t, hw) for k, t in window_tally.items())
+    launches_n = sum(t.count for t in window_tally.values())
+    graph_s = seconds + launches_n * hw.graph_launch_s
+    core = {k: t for k, t in window_tally.items() if k.kind in ("gemm", "attention")}
+    core_s = sum(kernel_seconds(k, t, hw) for k, t in core.items())
+    tokens = args.batch * T
+    return dict(config=args.baseline, seq_len=T, batch=args.batch, launches=launches_n,
+                bytes=sum(t.read + t.written for t in window_tally.values()), flops=sum(t.flops for t in window_tally.values()),
+                device_s=seconds, graph_s=graph_s, tokens_per_s=tokens / graph_s,
+                gemm_attention_s=core_s, gemm_attention_tokens_per_s=tokens / core_s)
 
 
 # ---- report ----------------------------------------------------------------------------------
 
 
-def report(args, cfg, per_step, fixed, hw: Hardware) -> dict:
+def report(args, cfg, per_step, fixed, hw: Hardware, baseline: dict | None = None) -> dict:
     phases = {p: phase_cost(per_step, p, hw) for p in PHASES}
     eager = sum(c.eager_s for c in phases.values())
     graph = sum(c.graph_s for c in phases.values())
+    memory = {p: sum(t.memory for k, t in per_step.items() if k.phase == p) / args.batch for p in PHASES}
+    memory_s = sum(kernel_seconds(k, Tally(t.count, t.memory, 0, 0, t.programs), hw) for k, t in per_step.items() if t.memory)
     rows = [dict(k._asdict(), **dataclasses.asdict(t), seconds=kernel_seconds(k, t, hw))
             for k, t in sorted(per_step.items(), key=lambda kv: (PHASES.index(kv[0].phase), KINDS.index(kv[0].kind), kv[0][2:]))]
     floor = memory_floor(cfg, hw)
@@ -423,7 +522,12 @@ def report(args, cfg, per_step, fixed, hw: Hardware) -> dict:
                 hardware=dataclasses.asdict(hw), phases={p: dataclasses.asdict(c) for p, c in phases.items()},
                 kernels=rows, once_per_window={p: sum(t.count for k, t in fixed.items() if k.phase == p) for p in PHASES},
                 tokens_per_s=dict(eager=args.batch / eager, graph=args.batch / graph), memory_floor=floor,
-                graph_over_floor=(args.batch / graph) / floor["tokens_per_s"] if floor else None)
+                graph_over_floor=(args.batch / graph) / floor["tokens_per_s"] if floor else None,
+                memory_form=cfg.memory_form if cfg.memory else None, chunk=cfg.core_chunk,
+                memory_bytes_per_token=memory, memory_kernels_us=memory_s * 1e6, baseline=baseline,
+                over_baseline=None if baseline is None else dict(
+                    graph=(args.batch / graph) / baseline["tokens_per_s"],
+                    gemm_attention=(args.batch / graph) / baseline["gemm_attention_tokens_per_s"]))
 
 
 def print_report(r: dict, hw: Hardware) -> None:
@@ -433,9 +537,12 @@ def print_report(r: dict, hw: Hardware) -> None:
            else f"measured at batch {measured[0]}")
     print(f"step cost: {' '.join([r['config'], *r['overrides']])}, batch {r['batch']} ({how}), {r['dtype']}, "
           f"kernel {r['kernel']}, counted on {r['device']}")
-    print(f"per time step: windows of T={r['steps'][1]} minus T={r['steps'][0]} (once-per-window and once-per-chunk "
-          f"launches drop out; their per-token bytes and FLOPs stay); launch counts do not change with the batch, "
-          f"bytes, FLOPs and grids grow linearly with it")
+    t0, t1 = r["steps"]
+    spread = (f"the {t1 - t0} steps of a whole chunk averaged, its once-per-chunk work spread over them"
+              if t1 - t0 == r["chunk"] else "once-per-chunk launches drop out when the windows are one chunk")
+    print(f"per time step: (window of T={t1} minus T={t0}) / {t1 - t0}: {spread}; once-per-window launches drop out, "
+          f"their per-token bytes and FLOPs stay; launch counts do not change with the batch, bytes, FLOPs and grids "
+          f"grow linearly with it")
     head = f"{'phase':9s} {'launches':>8s} " + " ".join(f"{k:>6s}" for k in KINDS) + \
         f" {'read MB':>9s} {'write MB':>9s} {'GFLOP':>8s} {'min grid':>13s} {'roofline us':>11s}"
     print(head)
@@ -477,9 +584,21 @@ def print_report(r: dict, hw: Hardware) -> None:
           f"{tps['eager'] / 1e3:.1f}K tok/s eager, {tps['graph'] / 1e3:.1f}K tok/s with CUDA graphs")
     f = r["memory_floor"]
     if f:
-        print(f"M-traffic floor: M {f['m_bytes'] / MB:.3g} MB per sequence (float32), {f['forward_bytes_per_token'] / MB:.3g} MB "
-              f"per token forward + {f['backward_bytes_per_token'] / MB:.3g} MB backward -> {f['tokens_per_s'] / 1e3:.1f}K tok/s; "
-              f"graph estimate / floor: {r['graph_over_floor']:.2f}")
+        mem = r["memory_bytes_per_token"]
+        print(f"memory ({r['memory_form']} form, chunk {r['chunk']}): its launches move {mem['forward'] / MB:.2f} MB per token "
+              f"forward + {mem['backward'] / MB:.2f} MB backward = {(mem['forward'] + mem['backward']) / MB:.2f} MB "
+              f"({r['memory_kernels_us']:.1f} us of the step at the roofline)")
+        print(f"M-traffic floor of the {f['form']} form: M {f['m_bytes'] / MB:.3g} MB per sequence (float32), "
+              f"{f['forward_bytes_per_token'] / MB:.3g} MB per token forward + {f['backward_bytes_per_token'] / MB:.3g} MB "
+              f"backward -> {f['tokens_per_s'] / 1e3:.1f}K tok/s; graph estimate / floor: {r['graph_over_floor']:.2f}")
+    b = r["baseline"]
+    if b:
+        print(f"baseline {b['config']}: a window of {b['batch']} x {b['seq_len']} tokens, {b['launches']:g} launches, "
+              f"{b['bytes'] / 1e9:.1f} GB, {b['flops'] / 1e12:.1f} TFLOP: {b['graph_s'] * 1e3:.1f} ms -> "
+              f"{b['tokens_per_s'] / 1e3:.1f}K tok/s (GEMMs and attention alone: {b['gemm_attention_tokens_per_s'] / 1e3:.1f}K)")
+        o = r["over_baseline"]
+        print(f"GPN estimate / Transformer++ estimate: {o['graph']:.3f} (against its GEMMs and attention alone: "
+              f"{o['gemm_attention']:.3f})")
 
 
 # ---- command line ----------------------------------------------------------------------------
@@ -493,11 +612,15 @@ def parse_args(argv):
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="bf16: autocast (state and M stay float32)")
     p.add_argument("--kernel", choices=["triton", "torch"], default="triton", help="the fused core's step kernels")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--steps", default="2,3", help="the two window lengths T whose difference is one step's cost")
+    p.add_argument("--steps", help="the two window lengths T whose difference, per step, is one step's cost (default: "
+                   "1 and core_chunk + 1: a whole chunk's steps)")
     p.add_argument("--measure-batches", help="two batches to measure and extrapolate from (default: 2,3 on CPU, "
                    "--batch on CUDA)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     p.add_argument("--json", help="write the report as JSON here")
+    p.add_argument("--baseline", default="transformer_130m",
+                   help="a Transformer++ config counted the same way, whose estimate the GPN's is compared with ('none': skip)")
+    p.add_argument("--baseline-seq-len", type=int, default=2048, help="the baseline's window length")
     args = p.parse_args(argv)
 
     def ints(flag, text, n):
@@ -509,9 +632,10 @@ def parse_args(argv):
             p.error(f"{flag}: expected {' or '.join(map(str, n))} comma-separated positive integers, got {text!r}")
         return values
 
-    args.steps = ints("--steps", args.steps, (2,))
-    if args.steps[0] >= args.steps[1]:
-        p.error(f"--steps: expected two lengths, the shorter first, got {args.steps}")
+    if args.steps is not None:
+        args.steps = ints("--steps", args.steps, (2,))
+        if args.steps[0] >= args.steps[1]:
+            p.error(f"--steps: expected two lengths, the shorter first, got {args.steps}")
     default = "2,3" if args.device == "cpu" else str(args.batch)
     args.measure_batches = ints("--measure-batches", args.measure_batches or default, (1, 2))
     if args.batch < 1:
@@ -539,11 +663,19 @@ def run(args, hw: Hardware = H200) -> dict:
     """The report of the command line's `args` (see parse_args)."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    from gpn_scale.config import model_config, parse_overrides
+
+    if getattr(model_config(args.config, parse_overrides(args.overrides)), "family", None) == "transformer":
+        args.baseline = args.config
+        return dict(config=args.config, baseline=baseline_window(args, hw))
     model, cfg = build(args)
+    if args.steps is None:
+        args.steps = [1, cfg.core_chunk + 1]
     device = torch.device(args.device)
     costs = step_costs(model, args.measure_batches, tuple(args.steps), args.dtype, device)
     per_step = extrapolate({b: c[0] for b, c in costs.items()}, args.batch)
-    return report(args, cfg, per_step, costs[args.measure_batches[0]][1], hw)
+    baseline = None if args.baseline == "none" else baseline_window(args, hw)
+    return report(args, cfg, per_step, costs[args.measure_batches[0]][1], hw, baseline)
 
 
 def main(argv=None) -> int:
@@ -557,7 +689,14 @@ def main(argv=None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print_report(result, H200)
+    if "kernels" in result:
+        print_report(result, H200)
+    else:
+        b = result["baseline"]
+        print(f"{b['config']}: a window of {b['batch']} x {b['seq_len']} tokens at the {H200.name} roofline, "
+              f"{b['launches']:g} launches, {b['bytes'] / 1e9:.1f} GB, {b['flops'] / 1e12:.1f} TFLOP: "
+              f"{b['device_s'] * 1e3:.1f} ms of kernels, {b['graph_s'] * 1e3:.1f} ms replayed -> {b['tokens_per_s'] / 1e3:.1f}K tok/s "
+              f"(GEMMs and attention alone: {b['gemm_attention_tokens_per_s'] / 1e3:.1f}K tok/s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

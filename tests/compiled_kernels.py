@@ -58,9 +58,10 @@ ARITH = {
     # the memory's chunk form: the chunk buffers of keys and deltas are the state's, written by the step
     "_chunk_step_fwd": {"MC", "KC", "DC", "M_OUT", "E", "O"},
     "_chunk_read_fwd": {"MC", "O"},
-    "_chunk_read_bwd": {"MC", "PART"},
-    "_chunk_step_bwd": {"MC", "DV_OUT", "PART"},
-    "_chunk_sums": {"PART", "PHI", "DQ", "DK_OUT", "DBETA", "DGAMMA"},
+    "_chunk_read_bwd": {"MC", "PHI", "DQ"},
+    "_chunk_step_bwd": {"MC", "PHI", "DV_OUT", "DQ", "DK_OUT", "DBETA", "DGAMMA"},
+    "_chunk_dm_products": {"DM", "U0", "V0"},
+    "_chunk_carry_back": {"DM", "OUT"},
 }
 # (state dtype, input dtype) of the two variants
 VARIANTS = {"float64 inputs": ("fp32", "fp64"), "bfloat16 inputs, float64 state": ("fp64", "bf16")}
@@ -84,12 +85,12 @@ import kernels.memory_chunk.triton as C
 ARITH = {k: set(v) for k, v in json.loads(sys.argv[1]).items()}
 VARIANTS = json.loads(sys.argv[2])
 HELPERS = {"_rms_out", "_residual", "_grounded", "_decays_to", "_row", "_rows", "_g_column"}  # called from kernels, compiled with them (as kernels/numerics.py's)
-INTS = {"H", "DK", "DV", "N", "NF", "ND", "NHEADS", "NG", "NB", "NL"}  # runtime sizes; other lower-case names are strides
+INTS = {"H", "DK", "DV", "N", "NF", "ND", "NHEADS", "NG", "NB", "NL", "NR"}  # runtime sizes; other lower-case names are strides
 INDICES = {"TGT"}  # pointers to integer indices (the cross-entropy's targets)
 CONSTEXPRS = {"BK": 128, "BV": 16, "BN": 1024, "BF": 1024, "BH": 16, "BHEADS": 32, "HEADS": True, "GATES": True,
               "HAS_HAT": True, "HAS_EXTRA": True, "HAS_LOW": True, "HAS_LOW_FAC": True, "L2EPS": 1e-12,
               "STEP": True,  # `_head_sums` for the step's backward: its code holds the read's as a part
-              "BC": 32, "CLOSE": True}  # the chunk form at chunks of 32, its last step (which writes M)
+              "BC": 32, "CLOSE": True, "BL": 2, "BR": 32}  # the chunk form at chunks of 32, its last step (which writes M)
 TARGET = GPUTarget("cuda", 90, 32)
 knobs.nvidia.dump_ptxas_log = True  # ptxas -v's report, printed to stdout
 knobs.compilation.always_compile = True  # a kernel from Triton's cache runs no ptxas

@@ -120,7 +120,8 @@ EXPECTED = {
     "_ce_lse": {"ex2.approx.ftz.f32"},  # `_exp` (and tl.log: libdevice's logf, no approximate instruction)
     "_ce_grad": {"ex2.approx.ftz.f32"},  # `_exp`
     # the memory's chunk form: products, sums and dots only
-    "_chunk_step_fwd": set(), "_chunk_read_fwd": set(), "_chunk_step_bwd": set(), "_chunk_read_bwd": set(), "_chunk_sums": set(),
+    "_chunk_step_fwd": set(), "_chunk_read_fwd": set(), "_chunk_step_bwd": set(), "_chunk_read_bwd": set(),
+    "_chunk_dm_products": set(), "_chunk_carry_back": set(),
 }
 
 

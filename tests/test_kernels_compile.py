@@ -11,17 +11,19 @@ from compiled_kernels import ARITH, compiled
 KERNELS = sorted([
     "_ce_grad", "_ce_lse", "_gate_factors", "_gate_grads", "_gated_rms_bwd", "_gated_rms_fwd", "_ground", "_head_sums", "_l2n_relu_bwd", "_post_projection",
     "_read_bwd", "_read_fwd", "_residual_rms", "_residual_rms_bwd", "_step_bwd", "_step_fwd", "_write",
-    "_chunk_step_fwd", "_chunk_read_fwd", "_chunk_step_bwd", "_chunk_read_bwd", "_chunk_sums"])
+    "_chunk_step_fwd", "_chunk_read_fwd", "_chunk_step_bwd", "_chunk_read_bwd", "_chunk_dm_products",
+    "_chunk_carry_back"])
 
 # Registers per thread at 8 warps (sm_90 has 64K per SM, 255 at most per thread). The kernels
 # that move M are bound by its traffic: at 128 or fewer, two 256-thread programs share an
 # SM, so one's loads overlap the other's arithmetic (measured at the 130M tile, 128 x 16:
 # _step_fwd 58, _step_bwd 62, _read_bwd 40, _write and _read_fwd fewer; a 128 x 32 tile needs 118
 # in _step_bwd, 128 x 64 needs 216). The chunk form's, with the chunk's rows beside the tile (32):
-# _chunk_step_fwd 128, _chunk_read_fwd 72, _chunk_step_bwd 40, _chunk_read_bwd 32. Any other
-# kernel: the hardware's limit (_chunk_sums, one program per sequence and head, 178).
+# _chunk_step_fwd 128, _chunk_read_fwd 72, _chunk_step_bwd 116, _chunk_read_bwd 76,
+# _chunk_dm_products 128, _chunk_carry_back 102. Any other kernel: the hardware's limit.
 REGISTER_CEILING = {"_step_fwd": 128, "_step_bwd": 128, "_read_bwd": 128, "_read_fwd": 128, "_write": 128,
-                    "_chunk_step_fwd": 128, "_chunk_read_fwd": 128, "_chunk_step_bwd": 128, "_chunk_read_bwd": 128}
+                    "_chunk_step_fwd": 128, "_chunk_read_fwd": 128, "_chunk_step_bwd": 128, "_chunk_read_bwd": 128,
+                    "_chunk_dm_products": 128, "_chunk_carry_back": 128}
 MAX_REGISTERS = 255
 
 

@@ -140,7 +140,7 @@ def test_chunk_kernels_match_twin(shape, n, layers, dtype, monkeypatch):
     w = widened(x, state)
     queries = torch.stack(w["queries"])
     r = algebra.rebuild(w["M"], w["keys"], w["values"], w["beta"], w["decays"], queries)
-    co = algebra.coefficients(dM_end, w["keys"], r, w["beta"], queries)
+    co = algebra.coefficients(*T.dm_products(dM_end, w["keys"], r.delta), w["keys"], r, w["beta"], queries)
     io = torch.bfloat16 if dtype == torch.bfloat16 else state
     got, rg_got = backward(K, x, r, co, dM_end, end_want, dys, gate_fac, io)
     want, rg_want = backward(T, w, r, co, dM_end, end_want, dys, gate_fac, io)
@@ -151,6 +151,26 @@ def test_chunk_kernels_match_twin(shape, n, layers, dtype, monkeypatch):
         a, b = torch.stack(got[i::per_step]), torch.stack(want[i::per_step])
         assert_close(a, b, BF16_OUT if a.dtype == torch.bfloat16 else TOL[dtype], f"backward output {i}")
     assert_close(rg_got, rg_want, TOL[dtype], "read gradients")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_passes_over_dM_match_twin(dtype, monkeypatch):
+    """Once per chunk: dM_end's products with the chunk's keys and deltas, and dL/dM_c carried
+    back (rows in several blocks of CARRY_ROWS, a partial column block)."""
+    monkeypatch.setattr(memory_triton, "TILE", 64)
+    monkeypatch.setattr(K, "CARRY_ROWS", 16)
+    B, H, dk, dv, n, R = 2, 3, 7, 33, 5, 37
+    g = torch.Generator().manual_seed(3)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype).to(DEVICE)  # noqa: E731
+    dM, keys, deltas = r(B, H, dk, dv), r(n, B, H, dk), r(n, B, H, dv)
+    for name, a, b in zip(("U0", "V0"), K.dm_products(dM, keys, deltas), T.dm_products(dM, keys, deltas)):
+        assert_close(a, b, TOL[dtype], name)
+    terms = algebra.CarryBack(torch.rand(B, H, generator=g, dtype=dtype).to(DEVICE), r(R, B, H, dk), r(R, B, H, dv))
+    dM_before = dM.clone()
+    out = torch.full_like(dM, float("nan"))
+    assert K.carry_back(dM, terms, out=out) is out
+    assert_close(out, T.carry_back(dM, terms), TOL[dtype], "dL/dM_c")
+    torch.testing.assert_close(dM, dM_before, rtol=0, atol=0)
 
 
 def test_launchers_refuse_chunk_buffers_they_cannot_address():

@@ -66,7 +66,7 @@ def chunk_backward(x, dys, dM_end, M_end):
     M, keys, queries = x["M"], x["keys"], x["queries"]
     n, (B, H, dk, dv) = keys.shape[0], M.shape
     r = algebra.rebuild(M, keys, x["values"], x["beta"], x["decays"], queries)
-    co = algebra.coefficients(dM_end, keys, r, x["beta"], queries)
+    co = algebra.coefficients(*chunk.dm_products(dM_end, keys, r.delta), keys, r, x["beta"], queries)
     phi = torch.linalg.vecdot(dM_end.flatten(2), M_end.flatten(2))
     read_grads = [M.new_full((n + 2, B, H, dv), float("nan")) for _ in queries]
     got = {name: [None] * n for name in ("k", "v", "beta", "gamma", "q0", "gate0", "q1", "gate1")}
@@ -83,7 +83,7 @@ def chunk_backward(x, dys, dM_end, M_end):
         for name, value in zip(("k", "v", "beta", "gamma", "q0", "gate0"), (dk, dv, dbeta, dgamma, dq, dgate)):
             got[name][j] = value
     got = {name: torch.stack(v) for name, v in got.items() if v[0] is not None}
-    got["M"] = algebra.finish(dM_end, keys, r, co, x["beta"], queries, [g[:n] for g in read_grads])
+    got["M"] = chunk.carry_back(dM_end, algebra.finish(keys, r, co, x["beta"], queries, [g[:n] for g in read_grads]))
     got["phi"] = phi  # now <dL/dM_c, M_c>
     return got, r
 

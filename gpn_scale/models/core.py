@@ -652,7 +652,7 @@ def _chunk_algebra(spec: Spec, S, ci: int, C: list[ChunkLayer], G: ChunkShared, 
         c.O_full = o.reshape(L, B, -1)
         c.o = _steps(c.O_full)
     _read_outputs(spec, C, C)
-    co = algebra.coefficients(dM_end, keys, r, beta, queries)
+    co = algebra.coefficients(*spec.backend.chunk.dm_products(dM_end, keys, r.delta), keys, r, beta, queries)
     return ChunkSweep(spec.backend.chunk, S.M[ci], keys, queries, r, co, read_grads, phi)
 
 
@@ -843,7 +843,8 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
             dk_next = torch.empty_like(dk_next)
         carry = _sweep(spec, sw, C, G, Ms, c0, c1, T, carry, dk_next)
         if spec.chunked:  # dL/dM leaves the chunk once, at its start (none across a truncated-BPTT cut)
-            dM = algebra.finish(carry.dM, Ms.keys, Ms.r, Ms.co, S.BETA[sl], Ms.queries, read_grads[:, : c1 - c0])
+            terms = algebra.finish(Ms.keys, Ms.r, Ms.co, S.BETA[sl], Ms.queries, read_grads[:, : c1 - c0])
+            dM = Ms.ops.carry_back(carry.dM, terms, out=dMring[ci % 2])  # never carry.dM's buffer
             if spec.bptt and c0 % spec.bptt == 0 and c0 > 0:
                 dM.zero_()
                 phi.zero_()

@@ -33,3 +33,5 @@ class ChunkOps:
     read: Callable  # a later layer's read
     step_backward: Callable  # the write's and layer 0's read's gradients, one step back
     read_backward: Callable  # a later layer's read's gradients
+    dm_products: Callable  # once per chunk, before its sweep: dM_end's products with its keys and deltas
+    carry_back: Callable  # once per chunk, after its sweep: dL/dM_c from dM_end

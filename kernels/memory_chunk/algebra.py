@@ -128,17 +128,16 @@ def _later_weights(gam: torch.Tensor, beta_: torch.Tensor) -> torch.Tensor:
     return beta_.unsqueeze(-1) * shifted.transpose(-1, -2)
 
 
-def coefficients(dM_end, keys, r: Rebuilt, beta, queries) -> Coefficients:
-    """dM_end's products and the C x C weights the sweep reads (`Coefficients`), from dL/dM at the
-    chunk's end (B, H, dk, dv), the chunk's keys, rebuilt values, betas and queries. Two GEMMs
-    over dM_end; the rest is C x C."""
+def coefficients(U0, V0, keys, r: Rebuilt, beta, queries) -> Coefficients:
+    """The C x C weights the sweep reads and dM_end's shares of its steps (`Coefficients`), from
+    dM_end's products with the chunk's keys and deltas (U0 = K dM_end, (B, H, n, dv); V0 =
+    Delta dM_end^T, (B, H, n, dk): `ChunkOps.dm_products`, the one pass over dM_end), the
+    chunk's keys, rebuilt values, betas and queries."""
     K, D, beta_ = _bh(keys), _bh(r.delta), _bh(beta)
     n = K.shape[-2]
     up = r.gam[..., 1:, :]  # G(i, b) for i, b in 0..n-1
     g_end = up[..., :, n - 1]  # G(i, n-1)
     eye = torch.eye(n, dtype=K.dtype, device=K.device)
-    U0 = K @ dM_end  # rows k_i^T dM_end
-    V0 = D @ dM_end.transpose(-1, -2)  # rows (dM_end delta_j)^T
     Bm = _later_weights(r.gam, beta_)
     X = (r.T @ (Bm * r.KK)).transpose(-1, -2)  # X[j, i] = sum_m T[i, m] Bm[m, j] k_m . k_j
     U = ((eye - X) * g_end.unsqueeze(-2)) @ U0
@@ -152,17 +151,29 @@ def coefficients(dM_end, keys, r: Rebuilt, beta, queries) -> Coefficients:
     return Coefficients(_time_major(U), _time_major(V), torch.stack(cs), torch.stack(hs), Bm.contiguous(), U0)
 
 
-def finish(dM_end, keys, r: Rebuilt, co: Coefficients, beta, queries, read_grads) -> torch.Tensor:
-    """dL/dM_c, the gradient the chunk hands to the one before it: A_0 ... A_{n-1} dM_end plus
-    every read of the chunk carried back to its start, in one pass over dM_end. read_grads:
+class CarryBack(NamedTuple):
+    """dL/dM_c = scale dM_end + sum_r rows_r^T weights_r per (sequence, head) (`finish`): scale
+    (B, H), rows (R, B, H, dk) the chunk's queries of every layer, then its keys; weights (R, B,
+    H, dv). `ChunkOps.carry_back` makes it, in one pass over dM_end."""
+
+    scale: torch.Tensor
+    rows: torch.Tensor
+    weights: torch.Tensor
+
+
+def finish(keys, r: Rebuilt, co: Coefficients, beta, queries, read_grads) -> CarryBack:
+    """What dL/dM_c, the gradient the chunk hands to the one before it, is made of:
+    A_0 ... A_{n-1} dM_end plus every read of the chunk carried back to its start. read_grads:
     (layers, n, B, H, dv), dL/d(raw read) of each step."""
     K, beta_ = _bh(keys), _bh(beta)
     n = K.shape[-2]
     g0 = r.gam[..., 0, :]  # G(-1, s)
     inner = r.T.transpose(-1, -2) @ (r.gam[..., 1:, n - 1].unsqueeze(-1) * co.U0)
-    out = g0[..., n - 1, None, None] * dM_end
-    for q, h, do in zip(queries, co.h, read_grads):
+    weights = []
+    for h, do in zip(co.h, read_grads):
         do = _bh(do)
         inner = inner + h @ do
-        out = out + _bh(q).transpose(-1, -2) @ (g0.unsqueeze(-1) * do)
-    return out - K.transpose(-1, -2) @ ((beta_ * _previous_column(r.gam)).unsqueeze(-1) * inner)
+        weights.append(g0.unsqueeze(-1) * do)
+    weights.append(-(beta_ * _previous_column(r.gam)).unsqueeze(-1) * inner)
+    rows = torch.cat([*(q for q in queries), keys])
+    return CarryBack(g0[..., n - 1].contiguous(), rows.contiguous(), torch.cat([_time_major(w) for w in weights]))

@@ -27,7 +27,7 @@ from kernels.common import rms
 from kernels.memory import ReadFactors
 from kernels.memory.reference import read_output_backward
 from kernels.memory_chunk import ChunkOps
-from kernels.memory_chunk.algebra import Coefficients, Rebuilt
+from kernels.memory_chunk.algebra import CarryBack, Coefficients, Rebuilt
 
 
 def _column(decays, j: int) -> torch.Tensor:
@@ -157,4 +157,16 @@ def step_backward(M_c, K, D, r: Rebuilt, co: Coefficients, j: int, beta, e, v, q
             _finish(dq, out_dq), torch.mul(dy, f.to_gate, out=out_dgate))
 
 
-OPS = ChunkOps(step, read, step_backward, read_backward)
+def dm_products(dM_end, K, D):
+    """dM_end's products with the chunk's keys and deltas, (n, B, H, ...) each: (U0, V0) =
+    (K dM_end (B, H, n, dv), Delta dM_end^T (B, H, n, dk)), in one pass over dM_end."""
+    return torch.einsum("nbhk,bhkv->bhnv", K, dM_end), torch.einsum("nbhv,bhkv->bhnk", D, dM_end)
+
+
+def carry_back(dM_end, c: CarryBack, *, out=None):
+    """dL/dM_c = scale dM_end + sum_r rows_r^T weights_r, into `out` (a buffer other than dM_end)."""
+    x = c.scale[..., None, None] * dM_end + torch.einsum("rbhk,rbhv->bhkv", c.rows, c.weights)
+    return x if out is None else out.copy_(x)
+
+
+OPS = ChunkOps(step, read, step_backward, read_backward, dm_products, carry_back)

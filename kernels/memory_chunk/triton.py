@@ -34,7 +34,7 @@ from kernels import layout
 from kernels.memory import ReadFactors
 from kernels.memory.triton import _blocks, _check_m, _gated_rms, _read_grad
 from kernels.memory_chunk import ChunkOps
-from kernels.memory_chunk.algebra import Coefficients, Rebuilt
+from kernels.memory_chunk.algebra import CarryBack, Coefficients, Rebuilt
 from kernels.numerics import _rounded
 
 @triton.jit
@@ -129,160 +129,190 @@ def _chunk_read_fwd(MC, KC, DC, DEC, Q, O, j, sdt, sq, so, H, DK, DV, BK: tl.con
 
 
 # ---- backward --------------------------------------------------------------------------------
-# Split by what each reads: the column-block programs read M_c and the chunk's column vectors
-# (deltas, read gradients) and reduce them to dk-sized M_c products and per-row coefficients;
-# one program per (sequence, head) (`_chunk_sums`) adds the blocks and combines the chunk's keys
-# and queries with the coefficients, reading them once rather than once per block. The chunk's
-# C x C matrices (decay products, c, h, Bm: (B, H, N [+ 1], N) each, contiguous) are passed as
-# views of the row or column a step reads: element i of (sequence, head) bh of a column view is
-# at bh (N + 1) N + i N (decay products; bh N N + i N for Bm), of a row view at bh (...) + i.
+# One program per (sequence, head): what the step reduces over M's columns (the M_c products that
+# give dk-vectors, the dots that weight the chunk's rows) it accumulates over a loop of column
+# tiles, so nothing goes through memory between blocks; then it combines the chunk's keys and
+# queries with those coefficients, reading them once per head. The chunk's C x C matrices (decay
+# products, c, h, Bm: (B, H, N [+ 1], N) each, contiguous) are passed as views of the row or
+# column a step reads: element i of (sequence, head) bh of a column view is at bh (N + 1) N + i N
+# (decay products; bh N N + i N for Bm), of a row view at bh (...) + i.
 
 
 @triton.jit
-def _chunk_read_bwd(MC, DC, DO, O, PART, j, sdo, so, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr):
-    """A later layer's read at step j backwards (DC: the deltas of rows 0..j), one block of
-    columns: its shares of M_c do, of delta_i . do, and of do . o into its row of PART
-    [M_c do | delta_i . do | do . o]."""
-    bh = tl.program_id(0).to(tl.int64)
-    BH = tl.num_programs(0)
-    b, h = bh // H, bh % H
-    rows, cols, ci = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV), tl.arange(0, BC)
-    rmask, cmask = rows < DK, cols < DV
-    m = tl.load(MC + bh * DK * DV + rows[:, None] * DV + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-    dt = MC.dtype.element_ty
-    do = tl.load(DO + b * sdo + h * DV + cols, mask=cmask, other=0.0).to(dt)
-    o = tl.load(O + b * so + h * DV + cols, mask=cmask, other=0.0).to(dt)
-    dc = _rows(DC, ci, bh, BH, DV, cols, ci <= j, cmask).to(dt)
-    part = PART + (bh * tl.num_programs(1) + tl.program_id(1)) * (DK + BC + 1)
-    tl.store(part + rows, tl.sum(m * do[None, :], 1), mask=rmask)
-    tl.store(part + DK + ci, tl.sum(dc * do[None, :], 1))
-    tl.store(part + DK + BC, tl.sum(do * o, 0))
-
-
-@triton.jit
-def _chunk_step_bwd(MC, DC, RG, CC, U, E, V, O, BETA, DV_OUT, PART, j, N, NL, srg_l, se, sv, so, sbeta, sdv, H, DK, DV,
-                    BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr):
-    """Step j backwards, one block of columns. DC: the deltas of rows 0..j; RG: every layer's read
-    gradients of rows j..N-1 (row j of layer 0's too, all written by earlier launches); CC: row j
-    of each layer's c from column j; U: row j of U. d_delta = U_j + sum_layers sum_{s >= j}
-    c[j, s] do_s is per column: dv = beta d_delta goes to DV_OUT. Into the block's row of PART:
-    [M_c do_0 | M_c d_delta | delta_i . do_0 (i <= j) | delta_i . d_delta (i < j) |
-     per layer do_s . delta_j (s - j) | d_delta . e, d_delta . v, do_0 . o_0], its shares of what
-    `_chunk_sums` combines."""
-    bh = tl.program_id(0).to(tl.int64)
-    BH = tl.num_programs(0)
-    b, h = bh // H, bh % H
-    rows, cols, ci = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV), tl.arange(0, BC)
-    rmask, cmask = rows < DK, cols < DV
-    dt = MC.dtype.element_ty
-    later = ci < N - j  # rows j + ci of the views from row j
-    delta = tl.load(DC + (j * BH + bh) * DV + cols, mask=cmask, other=0.0).to(dt)
-    d_delta = _row(U, bh, DV, cols, cmask).to(dt)
-    part = PART + (bh * tl.num_programs(1) + tl.program_id(1)) * (2 * DK + (2 + NL) * BC + 3)
-    for layer in range(0, NL):
-        rg = _rows(RG + layer * srg_l, ci, bh, BH, DV, cols, later, cmask).to(dt)
-        c_row = tl.load(CC + (layer * BH + bh) * N * N + ci, mask=later, other=0.0).to(dt)
-        d_delta += tl.sum(c_row[:, None] * rg, 0)
-        tl.store(part + 2 * DK + (2 + layer) * BC + ci, tl.sum(rg * delta[None, :], 1))
-    m = tl.load(MC + bh * DK * DV + rows[:, None] * DV + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-    do = tl.load(RG + bh * DV + cols, mask=cmask, other=0.0).to(dt)
-    dc = _rows(DC, ci, bh, BH, DV, cols, ci <= j, cmask).to(dt)
-    beta = tl.load(BETA + b * sbeta + h).to(dt)
-    tl.store(DV_OUT + b * sdv + h * DV + cols, _rounded(beta * d_delta, DV_OUT.dtype.element_ty), mask=cmask)
-    tl.store(part + rows, tl.sum(m * do[None, :], 1), mask=rmask)
-    tl.store(part + DK + rows, tl.sum(m * d_delta[None, :], 1), mask=rmask)
-    tl.store(part + 2 * DK + ci, tl.sum(dc * do[None, :], 1))
-    tl.store(part + 2 * DK + BC + ci, tl.sum(dc * d_delta[None, :], 1))
-    e = tl.load(E + b * se + h * DV + cols, mask=cmask, other=0.0).to(dt)
-    v = tl.load(V + b * sv + h * DV + cols, mask=cmask, other=0.0).to(dt)
-    o = tl.load(O + b * so + h * DV + cols, mask=cmask, other=0.0).to(dt)
-    scalars = part + 2 * DK + (2 + NL) * BC
-    tl.store(scalars, tl.sum(d_delta * e, 0))
-    tl.store(scalars + 1, tl.sum(d_delta * v, 0))
-    tl.store(scalars + 2, tl.sum(do * o, 0))
-
-
-@triton.jit
-def _chunk_sums(PART, KC, QS, G_J, G_P, G_ROW, HH, BM, VC, BETA, PHI, DQ, DK_OUT, DBETA, DGAMMA, GF, DG, j, N, NL, sq_l,
-                sbeta, sdq, sdk, sdbeta, sdgamma, sgf, sdg, H, DK, NB, BK: tl.constexpr, BC: tl.constexpr,
-                STEP: tl.constexpr, GATES: tl.constexpr):
-    """Per (sequence, head): the NB blocks' partial rows added in block order (deterministic, no
-    atomics), then combined with the chunk's keys and queries (M_j x = G(-1, j) M_c x +
-    sum_i G(i, j) (delta_i . x) k_i). KC: the keys of rows 0..j (READ) or all N (STEP); G_J, G_P:
-    columns j and j-1 of the decay products.
-    READ (a later layer, not STEP): dq = M_j do; phi += do . o.
-    STEP: dq = M_j do_0 and dk = G_j delta_j - beta M_{j-1} d_delta, with
-    G_j delta_j = V_j + sum_layers (sum_{s >= j} a_s G(j, s) q_s - sum_{m > j} Bm[m, j] (h a)_m k_m)
-    (QS: the queries of rows j..N-1; G_ROW: G(j, s) from s = j; HH: each layer's h from [j+1, j];
-    BM: Bm's column j from row j+1); dbeta; phi += do_0 . o_0, dL/dgamma = phi - k_j . G_j delta_j,
-    phi -= beta d_delta . v; with GATES also (dbeta, dL/dgamma) times their factors GF into DG,
-    rounded to its dtype."""
+def _chunk_read_bwd(MC, KC, DC, G_J, DO, O, PHI, DQ, j, N, sdo, so, sdq, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr,
+                    BC: tl.constexpr):
+    """A later layer's read at step j backwards (KC, DC: the chunk's keys and deltas of rows
+    0..j; G_J: column j of the decay products): dq = M_j do = G(-1, j) M_c do + sum_{i <= j}
+    G(i, j) (delta_i . do) k_i into DQ, and phi += do . o."""
     bh = tl.program_id(0).to(tl.int64)
     BH = tl.num_programs(0)
     b, h = bh // H, bh % H
     rows, ci = tl.arange(0, BK), tl.arange(0, BC)
-    rmask = rows < DK
-    dt = PART.dtype.element_ty
-    width = 2 * DK + (2 + NL) * BC + 3 if STEP else DK + BC + 1
-    part = PART + bh * NB * width
+    rmask, upto = rows < DK, ci <= j
+    dt = MC.dtype.element_ty
     m_do = tl.zeros([BK], dtype=dt)
     w_do = tl.zeros([BC], dtype=dt)
-    if STEP:
-        m_dd = tl.zeros([BK], dtype=dt)
-        w_dd = tl.zeros([BC], dtype=dt)
-    for i in range(0, NB):
-        block = part + i * width
-        m_do += tl.load(block + rows, mask=rmask, other=0.0)
-        if STEP:
-            m_dd += tl.load(block + DK + rows, mask=rmask, other=0.0)
-            w_do += tl.load(block + 2 * DK + ci)
-            w_dd += tl.load(block + 2 * DK + BC + ci)
-        else:
-            w_do += tl.load(block + DK + ci)
-    kc = _rows(KC, ci, bh, BH, DK, rows, ci <= j if not STEP else ci < N, rmask).to(dt)
-    upto = ci <= j
+    do_o = tl.zeros([BV], dtype=dt)
+    for c0 in range(0, DV, BV):
+        cols = c0 + tl.arange(0, BV)
+        cmask = cols < DV
+        m = tl.load(MC + bh * DK * DV + rows[:, None] * DV + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        do = tl.load(DO + b * sdo + h * DV + cols, mask=cmask, other=0.0).to(dt)
+        dc = _rows(DC, ci, bh, BH, DV, cols, upto, cmask).to(dt)
+        m_do += tl.sum(m * do[None, :], 1)
+        w_do += tl.sum(dc * do[None, :], 1)
+        do_o += do * tl.load(O + b * so + h * DV + cols, mask=cmask, other=0.0).to(dt)
+    kc = _rows(KC, ci, bh, BH, DK, rows, upto, rmask).to(dt)
     g = tl.load(G_J + bh * (N + 1) * N + (ci + 1) * N, mask=upto, other=0.0).to(dt)  # G(i, j)
     start = tl.load(G_J + bh * (N + 1) * N).to(dt)  # G(-1, j)
     tl.store(DQ + b * sdq + h * DK + rows, start * m_do + tl.sum((g * w_do)[:, None] * kc, 0), mask=rmask)
-    phi = tl.load(PHI + bh).to(dt)
-    if STEP:
-        later = ci < N - j  # rows j + ci
-        after = ci < N - j - 1  # rows j + 1 + ci
-        g_later = tl.load(G_ROW + bh * (N + 1) * N + ci, mask=later, other=0.0).to(dt)  # G(j, j + ci)
-        bm = tl.load(BM + bh * N * N + ci * N, mask=after, other=0.0).to(dt)  # beta_m G(j, m-1), m = j + 1 + ci
-        k_after = _rows(KC + (j + 1) * BH * DK, ci, bh, BH, DK, rows, after, rmask).to(dt)
-        k_j = tl.load(KC + (j * BH + bh) * DK + rows, mask=rmask, other=0.0).to(dt)
-        g_delta = _row(VC, bh, DK, rows, rmask).to(dt)
+    tl.store(PHI + bh, tl.load(PHI + bh).to(dt) + tl.sum(do_o, 0))
+
+
+@triton.jit
+def _chunk_step_bwd(MC, KC, DC, QS, RG, CC, U, VC, G_J, G_P, G_ROW, HH, BM, E, V, O, BETA, PHI, DV_OUT, DQ, DK_OUT, DBETA,
+                    DGAMMA, GF, DG, j, N, NL, sq_l, srg_l, se, sv, so, sbeta, sdv, sdq, sdk, sdbeta, sdgamma, sgf, sdg, H,
+                    DK, DV, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, BL: tl.constexpr, GATES: tl.constexpr):
+    """Step j backwards for one (sequence, head). KC: the chunk's keys (all N rows); DC: its
+    deltas of rows 0..j; QS: every layer's queries of rows j..N-1; RG: every layer's read
+    gradients of rows j..N-1 (row j of layer 0's too, written by earlier launches); CC: row j of
+    each layer's c from column j; U, VC: row j of U and V; G_J, G_P: columns j and j-1 of the
+    decay products; G_ROW: G(j, s) from s = j; HH: each layer's h from [j+1, j]; BM: Bm's column
+    j from row j+1. Over the column tiles: d_delta = U_j + sum_layers sum_{s >= j} c[j, s] do_s
+    (dv = beta d_delta into DV_OUT), a_s = do_s . delta_j, and the M_c products and row dots;
+    then
+        dq = M_j do_0,  dk = G_j delta_j - beta M_{j-1} d_delta,
+        G_j delta_j = V_j + sum_layers (sum_{s >= j} a_s G(j, s) q_s - sum_{m > j} Bm[m, j] (h a)_m k_m),
+        dbeta = d_delta . e;  phi += do_0 . o_0, dL/dgamma = phi - k_j . G_j delta_j, phi -= beta d_delta . v,
+    with GATES also (dbeta, dL/dgamma) times their factors GF into DG, rounded to its dtype."""
+    bh = tl.program_id(0).to(tl.int64)
+    BH = tl.num_programs(0)
+    b, h = bh // H, bh % H
+    rows, ci, li = tl.arange(0, BK), tl.arange(0, BC), tl.arange(0, BL)
+    rmask = rows < DK
+    dt = MC.dtype.element_ty
+    later, after, upto = ci < N - j, ci < N - j - 1, ci <= j  # rows j + ci, j + 1 + ci, ci
+    beta = tl.load(BETA + b * sbeta + h).to(dt)
+    c_rows = tl.load(CC + (li[:, None] * BH + bh) * N * N + ci[None, :], mask=(li < NL)[:, None] & later[None, :],
+                     other=0.0).to(dt)  # c[j, j + ci] per layer
+    m_do = tl.zeros([BK], dtype=dt)
+    m_dd = tl.zeros([BK], dtype=dt)
+    w_do = tl.zeros([BC], dtype=dt)
+    w_dd = tl.zeros([BC], dtype=dt)
+    a_rows = tl.zeros([BL, BC], dtype=dt)  # per layer do_s . delta_j, s = j + ci
+    dd_e = tl.zeros([BV], dtype=dt)
+    dd_v = tl.zeros([BV], dtype=dt)
+    do_o = tl.zeros([BV], dtype=dt)
+    for c0 in range(0, DV, BV):
+        cols = c0 + tl.arange(0, BV)
+        cmask = cols < DV
+        delta = tl.load(DC + (j * BH + bh) * DV + cols, mask=cmask, other=0.0).to(dt)
+        d_delta = _row(U, bh, DV, cols, cmask).to(dt)
         for layer in range(0, NL):
-            a = tl.zeros([BC], dtype=dt)
-            for i in range(0, NB):
-                a += tl.load(part + i * width + 2 * DK + (2 + layer) * BC + ci)
-            qs = _rows(QS + layer * sq_l, ci, bh, BH, DK, rows, later, rmask).to(dt)
-            hh = tl.load(HH + (layer * BH + bh) * N * N + ci[:, None] * N + ci[None, :],
-                         mask=after[:, None] & later[None, :], other=0.0).to(dt)  # h[j + 1 + m', j + s']
-            g_delta += tl.sum((a * g_later)[:, None] * qs, 0) - tl.sum((bm * tl.sum(hh * a[None, :], 1))[:, None] * k_after, 0)
-        g_p = tl.load(G_P + bh * (N + 1) * N + (ci + 1) * N, mask=ci < j, other=0.0).to(dt)  # G(i, j-1)
-        start_p = tl.load(G_P + bh * (N + 1) * N, mask=j > 0, other=1.0).to(dt)  # G(-1, j-1); 1 at j = 0
-        m_dd = start_p * m_dd + tl.sum((g_p * w_dd)[:, None] * kc, 0)
-        beta = tl.load(BETA + b * sbeta + h).to(dt)
-        tl.store(DK_OUT + b * sdk + h * DK + rows, g_delta - beta * m_dd, mask=rmask)
-        sums = tl.zeros([4], dtype=dt)
-        for i in range(0, NB):
-            sums += tl.load(part + i * width + 2 * DK + (2 + NL) * BC + tl.arange(0, 4), mask=tl.arange(0, 4) < 3, other=0.0)
-        dbeta = tl.sum(tl.where(tl.arange(0, 4) == 0, sums, 0.0), 0)
-        phi += tl.sum(tl.where(tl.arange(0, 4) == 2, sums, 0.0), 0)
-        dgamma = phi - tl.sum(k_j * g_delta, 0)
-        tl.store(PHI + bh, phi - beta * tl.sum(tl.where(tl.arange(0, 4) == 1, sums, 0.0), 0))
-        tl.store(DBETA + b * sdbeta + h, dbeta)
-        tl.store(DGAMMA + b * sdgamma + h, dgamma)
-        if GATES:
-            tl.store(DG + b * sdg + h, _rounded(dbeta * tl.load(GF + b * sgf + h).to(dt), DG.dtype.element_ty))
-            tl.store(DG + b * sdg + H + h, _rounded(dgamma * tl.load(GF + b * sgf + H + h).to(dt), DG.dtype.element_ty))
-    else:
-        doo = tl.zeros([1], dtype=dt)
-        for i in range(0, NB):
-            doo += tl.load(part + i * width + DK + BC + tl.arange(0, 1))
-        tl.store(PHI + bh + tl.arange(0, 1), phi + doo)
+            rg = _rows(RG + layer * srg_l, ci, bh, BH, DV, cols, later, cmask).to(dt)
+            c_row = tl.sum(tl.where((li == layer)[:, None], c_rows, 0.0), 0)
+            d_delta += tl.sum(c_row[:, None] * rg, 0)
+            a_rows += tl.where((li == layer)[:, None], tl.sum(rg * delta[None, :], 1)[None, :], 0.0)
+        tl.store(DV_OUT + b * sdv + h * DV + cols, _rounded(beta * d_delta, DV_OUT.dtype.element_ty), mask=cmask)
+        m = tl.load(MC + bh * DK * DV + rows[:, None] * DV + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        do = tl.load(RG + bh * DV + cols, mask=cmask, other=0.0).to(dt)
+        dc = _rows(DC, ci, bh, BH, DV, cols, upto, cmask).to(dt)
+        m_do += tl.sum(m * do[None, :], 1)
+        m_dd += tl.sum(m * d_delta[None, :], 1)
+        w_do += tl.sum(dc * do[None, :], 1)
+        w_dd += tl.sum(dc * d_delta[None, :], 1)
+        dd_e += d_delta * tl.load(E + b * se + h * DV + cols, mask=cmask, other=0.0).to(dt)
+        dd_v += d_delta * tl.load(V + b * sv + h * DV + cols, mask=cmask, other=0.0).to(dt)
+        do_o += do * tl.load(O + b * so + h * DV + cols, mask=cmask, other=0.0).to(dt)
+    # The chunk's keys and queries enter through combinations with coefficients over its rows i:
+    # dq = G(-1, j) M_c do_0 + sum_i G(i, j) w_do[i] k_i, and
+    # dk = V_j + sum_s (a_s G(j, s)) q_s - beta G(-1, j-1) M_c d_delta
+    #      - sum_i (beta G(i, j-1) w_dd[i] + [i > j] Bm[i, j] (h a)_i) k_i,
+    # taken a row at a time (no rows x dk tile is held).
+    g_j = tl.load(G_J + bh * (N + 1) * N + (ci + 1) * N, mask=upto, other=0.0).to(dt)  # G(i, j)
+    start_j = tl.load(G_J + bh * (N + 1) * N).to(dt)  # G(-1, j)
+    g_p = tl.load(G_P + bh * (N + 1) * N + (ci + 1) * N, mask=ci < j, other=0.0).to(dt)  # G(i, j-1)
+    start_p = tl.load(G_P + bh * (N + 1) * N, mask=j > 0, other=1.0).to(dt)  # G(-1, j-1); 1 at j = 0
+    g_later = tl.load(G_ROW + bh * (N + 1) * N + ci, mask=later, other=0.0).to(dt)  # G(j, j + ci)
+    bm = tl.load(BM + bh * N * N + ci * N, mask=after, other=0.0).to(dt)  # beta_m G(j, m-1), m = j + 1 + ci
+    g_delta = _row(VC, bh, DK, rows, rmask).to(dt)  # V_j, then each layer's queries
+    ha = tl.zeros([BC], dtype=dt)  # sum over layers of (h a)_m, m = j + 1 + ci
+    for layer in range(0, NL):
+        a = tl.sum(tl.where((li == layer)[:, None], a_rows, 0.0), 0) * g_later
+        for s in range(j, N):
+            q_s = tl.load(QS + layer * sq_l + ((s - j) * BH + bh) * DK + rows, mask=rmask, other=0.0).to(dt)
+            g_delta += tl.sum(tl.where(ci == s - j, a, 0.0), 0) * q_s
+        hh = tl.load(HH + (layer * BH + bh) * N * N + ci[:, None] * N + ci[None, :],
+                     mask=after[:, None] & later[None, :], other=0.0).to(dt)  # h[j + 1 + m', j + s']
+        ha += tl.sum(hh * tl.sum(tl.where((li == layer)[:, None], a_rows, 0.0), 0)[None, :], 1)
+    # (Bm h a) of rows j + 1 + m', moved to the chunk's rows i = j + 1 + m'
+    shifted = tl.sum(tl.where(ci[:, None] == ci[None, :] + j + 1, (bm * ha)[None, :], 0.0), 1)
+    coef_q = g_j * w_do
+    coef_k = beta * g_p * w_dd + shifted
+    k_j = tl.load(KC + (j * BH + bh) * DK + rows, mask=rmask, other=0.0).to(dt)
+    dq = start_j * m_do
+    dk = g_delta - beta * start_p * m_dd
+    k_g_delta = tl.sum(k_j * g_delta, 0)
+    for i in range(0, N):
+        k_i = tl.load(KC + (i * BH + bh) * DK + rows, mask=rmask, other=0.0).to(dt)
+        dq += tl.sum(tl.where(ci == i, coef_q, 0.0), 0) * k_i
+        dk -= tl.sum(tl.where(ci == i, coef_k, 0.0), 0) * k_i
+        k_g_delta -= tl.sum(tl.where(ci == i, shifted, 0.0), 0) * tl.sum(k_i * k_j, 0)
+    tl.store(DQ + b * sdq + h * DK + rows, dq, mask=rmask)
+    tl.store(DK_OUT + b * sdk + h * DK + rows, dk, mask=rmask)
+    dbeta = tl.sum(dd_e, 0)
+    phi = tl.load(PHI + bh).to(dt) + tl.sum(do_o, 0)
+    dgamma = phi - k_g_delta
+    tl.store(PHI + bh, phi - beta * tl.sum(dd_v, 0))
+    tl.store(DBETA + b * sdbeta + h, dbeta)
+    tl.store(DGAMMA + b * sdgamma + h, dgamma)
+    if GATES:
+        tl.store(DG + b * sdg + h, _rounded(dbeta * tl.load(GF + b * sgf + h).to(dt), DG.dtype.element_ty))
+        tl.store(DG + b * sdg + H + h, _rounded(dgamma * tl.load(GF + b * sgf + H + h).to(dt), DG.dtype.element_ty))
+
+
+# ---- once per chunk: the passes over dL/dM ---------------------------------------------------
+
+
+@triton.jit
+def _chunk_dm_products(DM, KC, DC, U0, V0, N, DK, DV, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr):
+    """Per (sequence, head), one pass over dM_end's column tiles: U0 = K dM_end (rows k_i^T dM_end,
+    (B, H, N, DV)) and V0 = Delta dM_end^T (rows (dM_end delta_i)^T, (B, H, N, DK))."""
+    bh = tl.program_id(0).to(tl.int64)
+    BH = tl.num_programs(0)
+    rows, ci = tl.arange(0, BK), tl.arange(0, BC)
+    rmask, inrows = rows < DK, ci < N
+    dt = DM.dtype.element_ty
+    kc = _rows(KC, ci, bh, BH, DK, rows, inrows, rmask).to(dt)
+    v0 = tl.zeros([BC, BK], dtype=dt)
+    for c0 in range(0, DV, BV):
+        cols = c0 + tl.arange(0, BV)
+        cmask = cols < DV
+        m = tl.load(DM + bh * DK * DV + rows[:, None] * DV + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        dc = _rows(DC, ci, bh, BH, DV, cols, inrows, cmask).to(dt)
+        u = tl.dot(kc, m, input_precision="ieee")
+        tl.store(U0 + bh * N * DV + ci[:, None] * DV + cols[None, :], u, mask=inrows[:, None] & cmask[None, :])
+        v0 += tl.dot(dc, tl.trans(m), input_precision="ieee")
+    tl.store(V0 + bh * N * DK + ci[:, None] * DK + rows[None, :], v0, mask=inrows[:, None] & rmask[None, :])
+
+
+@triton.jit
+def _chunk_carry_back(DM, SCALE, ROWS, W, OUT, NR, DK, DV, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
+    """One block of columns of dL/dM_c = scale dM_end + rows^T weights, per (sequence, head)."""
+    bh = tl.program_id(0).to(tl.int64)
+    BH = tl.num_programs(0)
+    rows, cols = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV)
+    rmask, cmask = rows < DK, cols < DV
+    tile = bh * DK * DV + rows[:, None] * DV + cols[None, :]
+    mask = rmask[:, None] & cmask[None, :]
+    dt = DM.dtype.element_ty
+    acc = tl.load(SCALE + bh).to(dt) * tl.load(DM + tile, mask=mask, other=0.0)
+    for r0 in range(0, NR, BR):
+        ri = r0 + tl.arange(0, BR)
+        rt = _rows(ROWS, ri, bh, BH, DK, rows, ri < NR, rmask).to(dt)
+        wt = _rows(W, ri, bh, BH, DV, cols, ri < NR, cmask).to(dt)
+        acc += tl.dot(tl.trans(rt), wt, input_precision="ieee")
+    tl.store(OUT + tile, acc, mask=mask)
 
 
 # ---- launchers: the twin's signatures --------------------------------------------------------
@@ -319,7 +349,7 @@ def step(M_c, K, D, decays, j: int, k, v, beta, q, gate, *, out_e=None, out_o=No
     e_w, e, se = layout.out(out_e, H * n_v, M_c, (B, H, n_v))
     o_w, o, so = layout.out(out_o, H * n_v, M_c, (B, H * n_v))
     close = out_M is not None
-    M_out = _check_m(out_M) if close else M_c  # never written without CLOSE
+    M_out = _check_m(out_M) if close else M_c[:0]  # never touched without CLOSE
     _chunk_step_fwd[(B * H, triton.cdiv(n_v, bv))](
         M_c, K[:j], D[:j], decays[: j + 1], k, v, q, beta, e_w, o_w, K[j], D[j], M_out, j, _decay_rows(decays), sk, sv, sq,
         sbeta, se, so, H, n_k, n_v, BK=bk, BV=bv, BC=_rows_block(K.shape[0]), CLOSE=close, num_warps=layout.warps(bk * bv))
@@ -351,19 +381,11 @@ def read_backward(M_c, K, D, r: Rebuilt, j: int, o, f: ReadFactors, dy, read_gra
     bk, bv = _blocks(n_k, n_v)
     K, D, gam = _chunk_buffer(K, "K"), _chunk_buffer(D, "D"), _chunk_buffer(r.gam, "decay products")
     n = gam.shape[-1]
-    bc = _rows_block(n)
     do, dgate = _read_grad(f, dy, out_dgate, out_do=read_grad[j])
     o, so = layout.rows(o, H * n_v)
-    nb = triton.cdiv(n_v, bv)
-    part = layout.empty(M_c, (B * H, nb, n_k + bc + 1))
-    _chunk_read_bwd[(B * H, nb)](M_c, D[: j + 1], do, o, part, j, do.stride(0), so, H, n_k, n_v, BK=bk, BV=bv, BC=bc,
-                                 num_warps=layout.warps(bk * bv))
     dq_w, dq, sdq = layout.out(out_dq, H * n_k, M_c, (B, H, n_k))
-    g_j = gam[..., j]
-    # READ writes dq and phi alone: its own arguments stand in for the step's, which it never touches.
-    _chunk_sums[(B * H,)](part, K[: j + 1], K[:0], g_j, g_j, g_j, g_j, g_j, g_j, phi, phi, dq_w, dq_w, dq_w, dq_w, dq_w, dq_w, j,
-                          n, 0, 0, 0, sdq, 0, 0, 0, 0, 0, H, n_k, nb, BK=bk, BC=bc, STEP=False, GATES=False,
-                          num_warps=layout.warps(bk * bc))
+    _chunk_read_bwd[(B * H,)](M_c, K[: j + 1], D[: j + 1], gam[..., j], do, o, phi, dq_w, j, n, do.stride(0), so, sdq, H, n_k,
+                              n_v, BK=bk, BV=bv, BC=_rows_block(n), num_warps=layout.warps(bk * bv))
     return layout.finish(dq_w, dq), dgate
 
 
@@ -378,18 +400,12 @@ def step_backward(M_c, K, D, r: Rebuilt, co: Coefficients, j: int, beta, e, v, q
     c, h, Bm = (_chunk_buffer(x, name) for x, name in ((co.c, "c"), (co.h, "h"), (co.Bm, "Bm")))
     queries, read_grads = _chunk_buffer(queries, "queries"), _chunk_buffer(read_grads, "read gradients")
     n, layers = gam.shape[-1], queries.shape[0]
-    bc = _rows_block(n)
     _, dgate = _read_grad(f, dy, out_dgate, out_do=read_grads[0][j])
     beta, sbeta = layout.rows(beta, H)
     e, se = layout.rows(e, H * n_v)
     v, sv = layout.rows(v, H * n_v)
     o, so = layout.rows(o, H * n_v)
     dv_w, dv, sdv = layout.out(out_dv, H * n_v, M_c, (B, H, n_v))
-    nb = triton.cdiv(n_v, bv)
-    part = layout.empty(M_c, (B * H, nb, 2 * n_k + (2 + layers) * bc + 3))
-    _chunk_step_bwd[(B * H, nb)](M_c, D[: j + 1], read_grads[:, j:n], c[..., j, j:], co.U[j], e, v, o, beta, dv_w, part, j, n, layers,
-                                 read_grads.stride(0), se, sv, so, sbeta, sdv, H, n_k, n_v, BK=bk, BV=bv, BC=bc,
-                                 num_warps=layout.warps(bk * bv))
     dq_w, dq, sdq = layout.out(out_dq, H * n_k, M_c, (B, H, n_k))
     dk_w, dk, sdk = layout.out(out_dk, H * n_k, M_c, (B, H, n_k))
     db_w, dbeta, sdb = layout.out(out_dbeta, H, M_c, (B, H))
@@ -398,13 +414,44 @@ def step_backward(M_c, K, D, r: Rebuilt, co: Coefficients, j: int, beta, e, v, q
     gate_fac, sgf = layout.rows(gate_fac, 2 * H) if gates else (dq_w, 0)
     dgs_w, dgates, sdgs = layout.out(out_dgates, 2 * H, M_c, (B, 2, H)) if gates else (dq_w, None, 0)
     g_p = gam[..., max(j - 1, 0)]  # unread at j = 0 (the chunk's start: G(-1, -1) = 1)
-    _chunk_sums[(B * H,)](part, K[:n], queries[:, j:n], gam[..., j], g_p, gam[..., j + 1, j:], h[..., j + 1 :, j:],
-                          Bm[..., j + 1 :, j], co.V[j], beta, phi, dq_w, dk_w, db_w, dg_w, gate_fac, dgs_w, j, n, layers,
-                          queries.stride(0), sbeta, sdq, sdk, sdb, sdg, sgf, sdgs, H, n_k, nb, BK=bk, BC=bc, STEP=True,
-                          GATES=gates, num_warps=layout.warps(bk * bc))
+    _chunk_step_bwd[(B * H,)](
+        M_c, K[:n], D[: j + 1], queries[:, j:n], read_grads[:, j:n], c[..., j, j:], co.U[j], co.V[j], gam[..., j], g_p,
+        gam[..., j + 1, j:], h[..., j + 1 :, j:], Bm[..., j + 1 :, j], e, v, o, beta, phi, dv_w, dq_w, dk_w, db_w, dg_w, gate_fac,
+        dgs_w, j, n, layers, queries.stride(0), read_grads.stride(0), se, sv, so, sbeta, sdv, sdq, sdk, sdb, sdg, sgf, sdgs, H,
+        n_k, n_v, BK=bk, BV=bv, BC=_rows_block(n), BL=triton.next_power_of_2(layers), GATES=gates,
+        num_warps=layout.warps(bk * bv))
     for w, out in ((dk_w, dk), (dq_w, dq), (db_w, dbeta), (dg_w, dgamma), (dv_w, dv)) + (((dgs_w, dgates),) if gates else ()):
         layout.finish(w, out)
     return dk, dv, dbeta, dgamma, dq, dgate
 
 
-OPS = ChunkOps(step, read, step_backward, read_backward)
+def dm_products(dM_end, K, D):
+    """dM_end's products with the chunk's keys and deltas: (U0 (B, H, n, dv), V0 (B, H, n, dk)),
+    in one pass over dM_end."""
+    dM_end = _check_m(dM_end)
+    B, H, n_k, n_v = dM_end.shape
+    K, D = _chunk_buffer(K, "K"), _chunk_buffer(D, "D")
+    n = K.shape[0]
+    bk, bv = _blocks(n_k, n_v)
+    U0, V0 = layout.empty(dM_end, (B, H, n, n_v)), layout.empty(dM_end, (B, H, n, n_k))
+    _chunk_dm_products[(B * H,)](dM_end, K, D, U0, V0, n, n_k, n_v, BK=bk, BV=bv, BC=_rows_block(n),
+                                 num_warps=layout.warps(bk * bv))
+    return U0, V0
+
+
+CARRY_ROWS = 32  # rows of the carry-back's sum taken at a time
+
+
+def carry_back(dM_end, c: CarryBack, *, out=None):
+    """dL/dM_c = scale dM_end + sum_r rows_r^T weights_r, into `out` (a buffer other than dM_end)."""
+    dM_end = _check_m(dM_end)
+    B, H, n_k, n_v = dM_end.shape
+    bk, bv = _blocks(n_k, n_v)
+    rows, weights = _chunk_buffer(c.rows, "rows"), _chunk_buffer(c.weights, "weights")
+    out = layout.empty(dM_end, dM_end.shape) if out is None else _check_m(out)
+    _chunk_carry_back[(B * H, triton.cdiv(n_v, bv))](dM_end, _chunk_buffer(c.scale, "scale"), rows, weights, out, rows.shape[0],
+                                                     n_k, n_v, BK=bk, BV=bv, BR=CARRY_ROWS, num_warps=layout.warps(bk * bv))
+    return out
+
+
+OPS = ChunkOps(step, read, step_backward, read_backward, dm_products, carry_back)
