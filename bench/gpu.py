@@ -7,7 +7,8 @@ Rows (`--models`, all by default), each a training step (forward, backward, Adam
 tokens, timed after one untimed step (three with CUDA graphs: run, capture forward, capture
 backward), with torch.cuda.max_memory_allocated as the peak:
   gpn_m_triton  GPN+M (--gpn, 130M 1L) with the fused core, the Triton kernels and its time
-                loops captured as CUDA graphs (kernels/graph.py)
+                loops captured as CUDA graphs (kernels/graph.py), the memory in its step form
+  gpn_m_chunk   the same with the memory in its chunk form (memory_form: chunk, docs/core.md)
   gpn_m_eager   the same launched step by step from Python (cuda_graphs: false)
   gpn_m_torch   the same with the step in plain torch (the kernels' twins), step by step
   naive         the same model with the naive autograd time loop, run at --naive-seq-len and
@@ -40,8 +41,9 @@ from typing import NamedTuple
 
 import torch
 
-MODELS = ("gpn_m_triton", "gpn_m_eager", "gpn_m_torch", "naive", "transformer")
-TARGETS = {"gpn_m_triton / transformer": 0.5, "gpn_m_triton / naive": 20.0, "memory kernel / copy": 0.7}
+MODELS = ("gpn_m_triton", "gpn_m_chunk", "gpn_m_eager", "gpn_m_torch", "naive", "transformer")
+TARGETS = {"gpn_m_triton / transformer": 0.5, "gpn_m_chunk / transformer": 0.5, "gpn_m_triton / naive": 20.0,
+           "memory kernel / copy": 0.7}
 
 
 def parse_args(argv):
@@ -113,9 +115,11 @@ def build(args, name):
     cfg = model_config(args.gpn)
     if name == "naive":  # plain autograd: no segment recomputation
         return dataclasses.replace(cfg, core="naive", checkpoint_every=0), args.naive_seq_len, f"GPN+M {cfg.n_layers}L naive loop"
-    kernel, graphs = ("torch", False) if name == "gpn_m_torch" else ("triton", name == "gpn_m_triton")
-    label = f"GPN+M {cfg.n_layers}L fused, {kernel} kernels" + (", CUDA graphs" if graphs and args.device.startswith("cuda") else "")
-    return dataclasses.replace(cfg, core="fused", kernel=kernel, cuda_graphs=graphs), args.seq_len, label
+    kernel, graphs = ("torch", False) if name == "gpn_m_torch" else ("triton", name in ("gpn_m_triton", "gpn_m_chunk"))
+    form = "chunk" if name == "gpn_m_chunk" else "step"
+    label = (f"GPN+M {cfg.n_layers}L fused, {kernel} kernels, {form} form"
+             + (", CUDA graphs" if graphs and args.device.startswith("cuda") else ""))
+    return dataclasses.replace(cfg, core="fused", kernel=kernel, cuda_graphs=graphs, memory_form=form), args.seq_len, label
 
 
 def train_step_fn(model, opt, tokens, device, bf16: bool):
@@ -277,12 +281,47 @@ def memory_kernel_figures(cfg, batch, device) -> dict:
         "memory_step_backward": (lambda: K.memory_step_backward(M, M_t, k, beta, decay, e, delta, q, f, dM, dy),
                                  3 * m_bytes + 2 * kv + 10 * B * H * dv * 4),
     }
+    cases.update(chunk_kernel_cases(cfg, batch, device, M, k, v, beta, decay, q, gate))
     out = {}
     for name, (fn, nbytes) in cases.items():
         sec = timed(fn, device, reps)
         out[name] = dict(seconds=sec, bytes=nbytes, bytes_per_s=nbytes / sec)
     out["batch"], out["m_bytes"] = batch, m_bytes
     return out
+
+
+def chunk_kernel_cases(cfg, batch, device, M, k, v, beta, decay, q, gate) -> dict:
+    """The chunk form's per-step kernels at the middle step of a chunk of core_chunk steps, with
+    the bytes each must move: M_c read once, and the chunk's rows the step reads."""
+    import kernels.memory_chunk.triton as KC
+    from kernels.memory.reference import read_factors
+    from kernels.memory_chunk import algebra
+
+    B, H, dk, dv, n = batch, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.core_chunk
+    j = n // 2
+    g = torch.Generator(device=device).manual_seed(1)
+    unit = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
+    keys = unit(torch.rand(n, B, H, dk, device=device, generator=g))
+    values, queries = torch.randn(n, B, H, dv, device=device, generator=g), unit(torch.rand(1, n, B, H, dk, device=device, generator=g))
+    betas, decays = torch.rand(n, B, H, device=device, generator=g), torch.rand(n, B, H, device=device, generator=g)
+    r = algebra.rebuild(M, keys, values, betas, decays, queries)
+    dM = torch.randn_like(M)
+    co = algebra.coefficients(*KC.dm_products(dM, keys, r.delta), keys, r, betas, queries)
+    K, D = keys.clone(), r.delta.clone()
+    read_grads = torch.randn(1, n, B, H, dv, device=device, generator=g)
+    o = r.reads[0][j].reshape(B, -1)
+    f, dy, phi = read_factors(o, gate), torch.randn_like(gate), torch.zeros(B, H, device=device)
+    m_bytes, row = M.numel() * 4, B * H * 4
+    return {
+        # M_c in; the chunk's j keys and deltas; the step's vectors
+        f"chunk step {j} of {n} (fwd)": (lambda: KC.step(M, K, D, decays, j, k, v, beta[:, :], q, gate),
+                                         m_bytes + j * row * (dk + dv) + row * (4 * dk + 6 * dv)),
+        # M_c in; deltas of rows <= j, read gradients and queries of rows >= j, every key
+        f"chunk step {j} of {n} backward": (lambda: KC.step_backward(M, K, D, r, co, j, betas[j], r.e[j], values[j], queries, o, f, dy,
+                                                                      read_grads, phi),
+                                            m_bytes + row * ((j + 1) * dv + (n - j) * (dv + dk) + n * dk + 12 * dv)),
+        "chunk dM products": (lambda: KC.dm_products(dM, K, D), m_bytes + row * n * 2 * (dk + dv)),
+    }
 
 
 def gemm_figures(cfg, batch, device) -> dict:
@@ -309,13 +348,15 @@ def gemm_figures(cfg, batch, device) -> dict:
 def ratios(rows: dict, kernel: dict | None, copy_bps: float | None) -> list[tuple[str, float, float | None]]:
     out = []
     tps = {n: r["tokens_per_s"] for n, r in rows.items()}
-    for other in ("transformer", "naive", "gpn_m_eager", "gpn_m_torch"):
-        if "gpn_m_triton" in tps and other in tps:
-            key = f"gpn_m_triton / {other}"
+    for ours, other in (("gpn_m_triton", "transformer"), ("gpn_m_chunk", "transformer"), ("gpn_m_chunk", "gpn_m_triton"),
+                        ("gpn_m_triton", "naive"), ("gpn_m_triton", "gpn_m_eager"), ("gpn_m_triton", "gpn_m_torch")):
+        if ours in tps and other in tps:
+            key = f"{ours} / {other}"
             mode = f" ({rows[other]['compile']['used']})" if "compile" in rows[other] else ""  # eager or compiled baseline
-            out.append((f"{key}{mode} tokens/s", tps["gpn_m_triton"] / tps[other], TARGETS.get(key)))
+            out.append((f"{key}{mode} tokens/s", tps[ours] / tps[other], TARGETS.get(key)))
     if kernel and copy_bps:
-        for name in ("memory_step (fwd)", "memory_step_backward"):
+        names = ["memory_step (fwd)", "memory_step_backward"] + [n for n in kernel if n.startswith("chunk step")]
+        for name in names:
             out.append((f"{name} / copy bandwidth", kernel[name]["bytes_per_s"] / copy_bps, TARGETS["memory kernel / copy"]))
     return out
 
@@ -344,6 +385,8 @@ def main(argv=None) -> int:
 
     gpn_cfg = model_config(args.gpn)
     kbatch = rows["gpn_m_triton"]["batch"] if "gpn_m_triton" in rows else args.batch.get("gpn_m_triton", 8)
+    if device.type == "cpu":
+        gpn_cfg = dataclasses.replace(gpn_cfg, core_chunk=4)  # the interpreter: a short chunk
     copy_bps = copy_bandwidth(device)
     kernel = memory_kernel_figures(gpn_cfg, kbatch, device) if gpn_cfg.memory else None
     gemms = gemm_figures(gpn_cfg, kbatch, device)
@@ -364,7 +407,7 @@ def main(argv=None) -> int:
     print(f"\ncopy bandwidth (device to device, read + write): {copy_bps / 1e9:.1f} GB/s")
     if kernel:
         print(f"memory kernels at batch {kernel['batch']} ({kernel['m_bytes'] / 2**20:.0f} MiB of M):")
-        for k in ("memory_step (fwd)", "decay_and_write", "memory_step_backward"):
+        for k in (n for n in kernel if isinstance(kernel[n], dict)):
             print(f"  {k:28s} {kernel[k]['seconds'] * 1e6:10.1f} us  {kernel[k]['bytes_per_s'] / 1e9:8.1f} GB/s"
                   f"  ({kernel[k]['bytes_per_s'] / copy_bps:.0%} of copy)")
     print(f"step GEMMs at batch {kbatch}:")

@@ -8,10 +8,10 @@ with the real compiler, the GPU benchmark and a real DeepSpeed engine run.
 Stages (docs/gpu.md says what each checks):
   env      versions (python, torch, triton, CUDA, GPU, driver); the model and kernel modules
            import without deepspeed, streaming or wandb
-  graphs   the fused core with CUDA graphs against eager: losses and every parameter's gradient,
-           after accumulating 2 micro-batches, at every optimizer step
-  kernels  pytest -m "not cpu_only" tests/test_kernels.py (and tests/test_kernels_accuracy.py
-           when present) on the device
+  graphs   the fused core with CUDA graphs against eager, in both memory forms: losses and every
+           parameter's gradient, after accumulating 2 micro-batches, at every optimizer step
+  kernels  pytest -m "not cpu_only" tests/test_kernels.py, tests/test_kernels_memory_chunk.py (and
+           tests/test_kernels_accuracy.py when present) on the device
   bench    bench/gpu.py with a fixed batch per row; its ratio table
   engine   DeepSpeed ZeRO-2 training of the tiny GPN+M, stopped halfway and resumed, against an
            uninterrupted run (needs deepspeed and mosaicml-streaming, installed or as wheels from
@@ -47,7 +47,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("env", "graphs", "kernels", "bench", "engine")
 FORBIDDEN = ("deepspeed", "streaming", "wandb")  # the model and kernel code must not need them
-MODEL_MODULES = ("gpn_scale.models", "gpn_scale.models.core", "kernels.memory.triton", "kernels.step.triton", "kernels.graph")
+MODEL_MODULES = ("gpn_scale.models", "gpn_scale.models.core", "kernels.memory.triton", "kernels.memory_chunk.triton",
+                 "kernels.step.triton", "kernels.graph")
 DEFAULT_WHEELS = ROOT / "scripts" / ".gpu_wheels"
 MIN_STAGE_S = 15  # a stage is skipped when less than this is left of the budget
 
@@ -81,21 +82,23 @@ GPU = Mode(
     graph_config="gpn_m_130m_1l", graph_batch=8, graph_seq_len=256, graph_steps=5, graph_core_chunk=None,
     kernel_select=None,
     # T 2048 as the benchmark's default; fixed batches (a row halves its batch on running out of memory)
-    bench_args=("--steps", "2", "--batch", "gpn_m_triton=64", "--batch", "gpn_m_eager=64", "--batch", "gpn_m_torch=64",
+    bench_args=("--steps", "2", "--batch", "gpn_m_triton=64", "--batch", "gpn_m_chunk=64", "--batch", "gpn_m_eager=64",
+                "--batch", "gpn_m_torch=64",
                 "--batch", "naive=8", "--batch", "transformer=32"),
     engine_steps=20, engine_seq_len=128, engine_kernel=None,
 )
 DRY = Mode(
     # ~100 s in all; the engine's first run on a machine also builds DeepSpeed's CPU comm op (1-2 min)
-    name="dry", budget_s=270,
-    timeouts=dict(env=60, graphs=90, kernels=60, bench=60, engine=180),
+    name="dry", budget_s=360,
+    timeouts=dict(env=60, graphs=180, kernels=60, bench=60, engine=180),
     # Triton's interpreter costs ~0.2 s per time step of the tiny model: short windows, 2 steps
     # (4 calls: the forward graph replayed on the 2nd to 4th, the backward on the 3rd and 4th)
     graph_config="gpn_m_tiny", graph_batch=2, graph_seq_len=4, graph_steps=2, graph_core_chunk=2,
     # a few of each kind under the interpreter: memory step forward and backward, the elementwise
     # groups, and the accuracy tests but the one that compiles PTX
     kernel_select=("3x4x6x33-dtype1 or triton-3x9x33x1x4x6-all-dtype1 or triton-3x9x33x1x4x6-dtype1 "
-                   "or test_nan_inputs_are_not_hidden or test_float64_follows_m or (accuracy and not ptx)"),
+                   "or test_nan_inputs_are_not_hidden or test_float64_follows_m or (accuracy and not ptx) "
+                   "or test_the_passes_over_dM_match_twin"),
     bench_args=("--device", "cpu", "--seq-len", "8", "--naive-seq-len", "4", "--steps", "1"),
     # the engine runs the torch twins on CPU: the interpreter would take ~7 s per step
     engine_steps=8, engine_seq_len=16, engine_kernel="torch",
@@ -407,6 +410,22 @@ def rel_error(a, b) -> float:
 
 
 def stage_graphs(part: Part, mode: Mode) -> None:
+    """Both memory forms; the step form's figures at the top of the stage's JSON, the chunk
+    form's under "chunk_form"."""
+    results = {}
+    for form in ("step", "chunk"):
+        results[form] = compare_graphs(part, mode, form)
+    step, chunk = results["step"], results["chunk"]
+    part.update(**step["fields"], chunk_form=chunk["fields"])
+    problems = step["problems"] + [f"chunk form: {p}" for p in chunk["problems"]]
+    summary = f"{step['summary']}; chunk form: {chunk['summary']}"
+    part.finish("FAIL" if problems else "PASS", "; ".join(problems) if problems else summary,
+                bitwise=step["bitwise"] and chunk["bitwise"])
+
+
+def compare_graphs(part: Part, mode: Mode, form: str) -> dict:
+    """The fused core in one memory form with CUDA graphs against eager, step by step: the
+    figures (`fields`, written to the stage's JSON as they come), the problems, a summary."""
     import torch
 
     from gpn_scale.config import model_config
@@ -414,7 +433,7 @@ def stage_graphs(part: Part, mode: Mode) -> None:
     from kernels.graph import graphs_of
 
     device = torch.device("cpu" if mode.dry else "cuda")
-    cfg = dataclasses.replace(model_config(mode.graph_config), core="fused", kernel="triton")
+    cfg = dataclasses.replace(model_config(mode.graph_config), core="fused", kernel="triton", memory_form=form)
     if mode.graph_core_chunk:
         cfg = dataclasses.replace(cfg, core_chunk=mode.graph_core_chunk)
     B, T, steps, micro = mode.graph_batch, mode.graph_seq_len, mode.graph_steps, 2
@@ -426,12 +445,18 @@ def stage_graphs(part: Part, mode: Mode) -> None:
     models["eager"].load_state_dict(models["graphs"].state_dict())
     names = [n for n, _ in models["graphs"].named_parameters()]
     tokens = torch.randint(0, cfg.vocab_size, (steps, micro, B, T), generator=torch.Generator().manual_seed(1)).to(device)
-    part.update(config=mode.graph_config, device=str(device), autocast="bf16", kernel="triton", batch=B, seq_len=T,
-                core_chunk=cfg.core_chunk, steps=steps, micro_batches=micro, optimizer="torch AdamW lr 1e-3",
-                params=len(names), tolerance=0.0)
+    fields = dict(config=mode.graph_config, memory_form=form, device=str(device), autocast="bf16", kernel="triton", batch=B,
+                  seq_len=T, core_chunk=cfg.core_chunk, steps=steps, micro_batches=micro, optimizer="torch AdamW lr 1e-3",
+                  params=len(names), tolerance=0.0)
     losses = {m: [] for m in models}
     per_param = dict.fromkeys(names, 0.0)
     per_step, missing = [], []
+
+    def report(**kw):
+        fields.update(kw)
+        part.update(**(fields if form == "step" else dict(chunk_form=fields)))
+
+    report()
     for step in range(steps):
         for opt in opts.values():
             opt.zero_grad(set_to_none=True)
@@ -461,16 +486,15 @@ def stage_graphs(part: Part, mode: Mode) -> None:
                              losses_equal=losses["graphs"][-1] == losses["eager"][-1]))
         for opt in opts.values():
             opt.step()
-        part.update(losses=losses, per_step=per_step, max_rel_error=per_param, missing_gradients=missing)
-        print(f"step {step + 1}: losses graphs {losses['graphs'][-1]} eager {losses['eager'][-1]}; "
+        report(losses=losses, per_step=per_step, max_rel_error=per_param, missing_gradients=missing)
+        print(f"{form} form, step {step + 1}: losses graphs {losses['graphs'][-1]} eager {losses['eager'][-1]}; "
               f"{compared}/{len(names)} gradients compared, max relative error {worst:.3g}", flush=True)
     final = {n: rel_error(a, b) for (n, a), b in zip(models["graphs"].named_parameters(), models["eager"].parameters())}
     g = graphs_of(models["graphs"])
     stats = None if g is None else dict(forward=dict(g.forward.stats), backward=dict(g.backward.stats))
     eager_graphs = graphs_of(models["eager"])
-    part.update(graph_stats=stats, eager_model_has_graphs=eager_graphs is not None,
-                final_params_max_rel_error=max(final.values()),
-                worst_param=max(per_param, key=per_param.get) if any(per_param.values()) else None)
+    report(graph_stats=stats, eager_model_has_graphs=eager_graphs is not None, final_params_max_rel_error=max(final.values()),
+           worst_param=max(per_param, key=per_param.get) if any(per_param.values()) else None)
 
     problems = []
     if eager_graphs is not None:
@@ -499,7 +523,7 @@ def stage_graphs(part: Part, mode: Mode) -> None:
                + ("losses and gradients bitwise equal" if not (bad or losses["graphs"] != losses["eager"]) else "NOT equal"))
     if stats:
         summary += f"; replayed fwd {stats['forward']['replayed']} bwd {stats['backward']['replayed']}"
-    part.finish("FAIL" if problems else "PASS", "; ".join(problems) if problems else summary, bitwise=not bad)
+    return dict(fields=fields, problems=problems, summary=summary, bitwise=not bad)
 
 
 # ---- stage: kernel tests --------------------------------------------------------------------
@@ -518,7 +542,8 @@ def junit_counts(path: Path) -> dict:
 
 
 def stage_kernels(part: Part, mode: Mode, out: Path) -> None:
-    files = ["tests/test_kernels.py"] + (["tests/test_kernels_accuracy.py"] if (ROOT / "tests" / "test_kernels_accuracy.py").is_file() else [])
+    files = ["tests/test_kernels.py", "tests/test_kernels_memory_chunk.py"] + (
+        ["tests/test_kernels_accuracy.py"] if (ROOT / "tests" / "test_kernels_accuracy.py").is_file() else [])
     xml = out / "kernel_tests.xml"
     xml.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cpu_only", *files, f"--junitxml={xml}"]

@@ -13,7 +13,7 @@ from conftest import ROOT
 
 @pytest.mark.slow
 def test_gpu_bench_runs_on_cpu(tmp_path):
-    models = ["gpn_m_triton", "gpn_m_eager", "gpn_m_torch", "naive", "transformer"]
+    models = ["gpn_m_triton", "gpn_m_chunk", "gpn_m_eager", "gpn_m_torch", "naive", "transformer"]
     out = tmp_path / "bench.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu", "--models", ",".join(models),
@@ -28,14 +28,18 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
         assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["seq_len"] / r["step_s"])
     # Same seed, same model, same tokens: the first step's loss cannot depend on the memory kernel.
     assert rows["gpn_m_triton"]["loss"] == pytest.approx(rows["gpn_m_torch"]["loss"], rel=1e-5)
+    assert rows["gpn_m_chunk"]["loss"] == pytest.approx(rows["gpn_m_triton"]["loss"], rel=1e-5)  # nor on the memory's form
+    assert "chunk form" in rows["gpn_m_chunk"]["label"] and "step form" in rows["gpn_m_triton"]["label"]
     assert rows["naive"]["seq_len"] == 4 and rows["naive"]["extrapolated_to_seq_len"] == 8
     assert "extrapolated to T 8" in proc.stdout
-    for name in ("memory_step (fwd)", "decay_and_write", "memory_step_backward"):
+    for name in ("memory_step (fwd)", "decay_and_write", "memory_step_backward", "chunk step 2 of 4 (fwd)",
+                 "chunk step 2 of 4 backward", "chunk dM products"):
         assert result["memory_kernels"][name]["bytes_per_s"] > 0
     assert result["copy_bytes_per_s"] > 0 and all(g["tflops"] > 0 for g in result["gemms"].values())
     names = [r["name"] for r in result["ratios"]]
     assert "gpn_m_triton / naive tokens/s" in names and "memory_step (fwd) / copy bandwidth" in names
-    assert "gpn_m_triton / gpn_m_eager tokens/s" in names
+    assert "gpn_m_triton / gpn_m_eager tokens/s" in names and "gpn_m_chunk / gpn_m_triton tokens/s" in names
+    assert "chunk step 2 of 4 backward / copy bandwidth" in names
     # CPU default: no torch.compile (it takes ~50 s on the tiny model), and the table says so.
     assert rows["transformer"]["compile"]["used"] == "eager" and rows["transformer"]["compile"]["compiled_s"] is None
     assert rows["transformer"]["step_s"] == rows["transformer"]["compile"]["eager_s"]

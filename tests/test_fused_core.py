@@ -343,14 +343,17 @@ def _fused_node(loss):
 def test_fused_core_saves_only_narrow_per_step_vectors(case):
     """Per step the forward keeps the normalised inputs of layers after the first, their rms and
     the write's three gates, besides references to its own input u and output P; everything else
-    (layer 0's input included) is recomputed per chunk. M is kept once per chunk (the chunk form
-    also keeps a reference to the window's last M, its output)."""
-    model = make(**CASES[case.removesuffix("_chunk")], memory_form="chunk" if case.endswith("_chunk") else "step")
+    (layer 0's input included) is recomputed per chunk. M is kept once per chunk. The chunk form
+    also keeps each step's reads, the write's error and delta (H d_v each), which its backward
+    takes as they were, and a reference to the window's last M, its output."""
+    chunked = case.endswith("_chunk")
+    model = make(**CASES[case.removesuffix("_chunk")], memory_form="chunk" if chunked else "step")
     cfg, (B, T) = model.config, (2, 21)
     S = _fused_node(model(torch.randint(0, ODD.vocab_size, (B, T))).loss).S
     tensors = [x for v in vars(S).values() for x in (v if isinstance(v, list) else [v]) if isinstance(x, torch.Tensor)]
     per_step = sum(x.numel() for x in tensors if x.dim() and x.shape[0] == T and x is not S.P and x is not S.u)
-    assert per_step == T * B * ((cfg.n_layers - 1) * (cfg.d_state + 1) + (3 * cfg.n_heads if cfg.memory else 0))
+    memory = 3 * cfg.n_heads + (cfg.n_layers + 2) * cfg.n_heads * cfg.d_val * chunked if cfg.memory else 0
+    assert per_step == T * B * ((cfg.n_layers - 1) * (cfg.d_state + 1) + memory)
     assert S.P.shape == S.u.shape == (T, B, cfg.d_state)
     if cfg.memory:
         assert len(S.M) == -(-T // cfg.core_chunk)

@@ -84,6 +84,10 @@ def test_dry_graph_stage_compared_every_gradient_with_graphs_replayed(dry):
     # the backward graph runs for forwards that were replayed: all but the first
     assert stats["backward"] == {"eager": 1, "captured": 1, "replayed": calls - 2, "failed": 0}
     assert g["eager_model_has_graphs"] is False
+    c = g["chunk_form"]  # the memory's chunk form, held to eager the same way
+    assert c["memory_form"] == "chunk" and g["memory_form"] == "step"
+    assert all(e == 0 for e in c["max_rel_error"].values()) and c["losses"]["graphs"] == c["losses"]["eager"]
+    assert all(s["params_compared"] == len(names) for s in c["per_step"]) and c["graph_stats"] == stats
 
 
 @pytest.mark.slow
@@ -91,11 +95,11 @@ def test_dry_kernel_bench_and_engine_stages_report_what_they_ran(dry):
     _, report, out = dry
     k = report["stages"]["kernels"]
     assert k["passed"] == k["total"] > 0 and k["failed"] == k["errors"] == 0
-    assert "tests/test_kernels.py" in k["files"] and (out / "kernel_tests.xml").is_file()
+    assert {"tests/test_kernels.py", "tests/test_kernels_memory_chunk.py"} <= set(k["files"]) and (out / "kernel_tests.xml").is_file()
     assert ("tests/test_kernels_accuracy.py" in k["files"]) == (ROOT / "tests" / "test_kernels_accuracy.py").is_file()
 
     b = report["stages"]["bench"]
-    assert set(b["rows"]) == {"gpn_m_triton", "gpn_m_eager", "gpn_m_torch", "naive", "transformer"}
+    assert set(b["rows"]) == {"gpn_m_triton", "gpn_m_chunk", "gpn_m_eager", "gpn_m_torch", "naive", "transformer"}
     assert b["rows"]["gpn_m_triton"]["cuda_graphs"]["forward"]["replayed"] > 0
     assert b["rows"]["transformer"]["compile"]["used"] == "eager"  # the dry bench does not compile
     assert b["ratio_table"][0].startswith("ratio") and len(b["ratio_table"]) == len(b["ratios"]) + 1

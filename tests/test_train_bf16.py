@@ -26,8 +26,15 @@ def data(tmp_path_factory):
     return root
 
 
-def start(data, family, run_dir, *overrides, resume=False) -> subprocess.Popen:
+# A variant is a family's tiny config with overrides: GPN+M also in the memory's chunk form.
+VARIANTS = {"gpn_m": ("gpn_m", ()), "gpn_m_chunk": ("gpn_m", ("model.memory_form=chunk", "model.core_chunk=4")),
+            "transformer": ("transformer", ()), "gdn": ("gdn", ())}
+
+
+def start(data, variant, run_dir, *overrides, resume=False) -> subprocess.Popen:
     """A one-process run (one thread); its stderr goes to a file beside the run."""
+    family, extra = VARIANTS[variant]
+    overrides = (*extra, *overrides)
     cmd = [sys.executable, "-m", "gpn_scale", "train", str(ROOT / "configs" / "train" / f"{family}_tiny.yaml"),
            f"run.dir={run_dir}", f"data.train={data / 'train'}", "data.val=null", "zero.stage=2", *overrides]
     log = Path(f"{run_dir}.{'resume' if resume else 'train'}.stderr")
@@ -54,7 +61,7 @@ def losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-FAMILIES = ("gpn_m", "transformer", "gdn")
+FAMILIES = ("gpn_m", "gpn_m_chunk", "transformer", "gdn")
 RESUME_STEPS = ("train.total_steps=6", "train.save_every=3", "precision=bf16")
 
 
@@ -85,17 +92,22 @@ def test_bf16_resume_bitwise(data, bf16_runs, tmp_path, family):
 
 @pytest.mark.slow
 def test_bf16_loss_curve_tracks_fp32(data, tmp_path):
+    """bf16 against fp32 over 200 steps, with the memory in its step form and in its chunk form
+    (whose bf16 curve is held to the same fp32 one)."""
     steps = [f"train.total_steps={LONG}", f"train.save_every={LONG}", "train.warmup_steps=20", "train.lr=3e-3"]
-    for precision in ("fp32", "bf16"):
-        train(data, "gpn_m", tmp_path / precision, *steps, f"precision={precision}")
-    fp32, bf16 = losses(tmp_path / "fp32"), losses(tmp_path / "bf16")
-    assert sorted(bf16) == list(range(1, LONG + 1))
-    assert bf16 != fp32  # bf16 is in effect
+    for variant, precision in (("gpn_m", "fp32"), ("gpn_m", "bf16"), ("gpn_m_chunk", "bf16")):
+        train(data, variant, tmp_path / f"{variant}_{precision}", *steps, f"precision={precision}")
+    fp32 = losses(tmp_path / "gpn_m_fp32")
 
     def means(curve):
         return [sum(curve[s] for s in range(i, i + 10)) / 10 for i in range(1, LONG + 1, 10)]
 
-    gaps = [abs(b - f) / f for b, f in zip(means(bf16), means(fp32))]
-    print(f"bf16 vs fp32, 10-step means: largest relative gap {max(gaps):.4f}, final losses {bf16[LONG]:.4f} / {fp32[LONG]:.4f}")
     assert means(fp32)[-1] < 0.8 * means(fp32)[0]  # the run learns, so the curves compare something
-    assert max(gaps) < CURVE_TOLERANCE
+    for variant in ("gpn_m", "gpn_m_chunk"):
+        bf16 = losses(tmp_path / f"{variant}_bf16")
+        assert sorted(bf16) == list(range(1, LONG + 1))
+        assert bf16 != fp32  # bf16 is in effect
+        gaps = [abs(b - f) / f for b, f in zip(means(bf16), means(fp32))]
+        print(f"{variant} bf16 vs fp32, 10-step means: largest relative gap {max(gaps):.4f}, final losses "
+              f"{bf16[LONG]:.4f} / {fp32[LONG]:.4f}")
+        assert max(gaps) < CURVE_TOLERANCE, variant

@@ -176,7 +176,8 @@ class Saved:
       (2, B, H, dv); BETA, GAMMA, DECAY: the write's gates (T, B, H); M: M before every chunk
       (B, H, dk, dv) each; x_prev, r_prev: the incoming previous state normalised (B, d) and its
       rms (B, 1); k0, k0n: the first step's key (B, H, dk) and its norm (B, H, 1). The chunk form
-      also keeps M_end, the window's last M (its phi = <dL/dM, M> starts the sweep).
+      keeps O and E for every step (T rows), and DELTA (T, B, H, dv), the write's beta e, and
+      M_end, the window's last M (its phi = <dL/dM, M> starts the sweep).
     """
 
     X: list
@@ -201,6 +202,7 @@ class Saved:
     r_prev: torch.Tensor | None = None
     k0: torch.Tensor | None = None
     k0n: torch.Tensor | None = None
+    DELTA: torch.Tensor | None = None
     M_end: torch.Tensor | None = None
 
 
@@ -353,8 +355,12 @@ def _buffers(spec: Spec, layers, T, B, like, gate_rows):
         heads = [2] + [1] * (len(layers) - 1)
         S.NQ = [ring(h, H, dk) for h in heads]
         S.NN = [ring(h, H, 1) for h in heads]
-        S.O = [ring(H * dv) for _ in layers]  # raw reads
-        S.E = ring(H, dv)  # the write's error
+        # The chunk form keeps each step's raw reads, error and delta (its backward takes them as
+        # they were, instead of forming them again from M_c); the step form only the current step's.
+        kept = new if spec.chunked else ring
+        S.O = [kept(H * dv) for _ in layers]  # raw reads
+        S.E = kept(H, dv)  # the write's error
+        S.DELTA = new(H, dv) if spec.chunked else None  # beta e
         S.BETA, S.GAMMA, S.DECAY = (like.new_empty((gate_rows, B, H)) for _ in range(3))  # the write's gates
         S.M = []  # M before every chunk
     return S
@@ -405,7 +411,8 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
         E, BETA, GAMMA, DECAY = _steps(S.E), _steps(S.BETA), _steps(S.GAMMA), _steps(S.DECAY)
         if spec.chunked:  # the chunk's keys and deltas, kept as it goes (kernels/memory_chunk)
             chunk, C = spec.backend.chunk, max(c1 - c0 for c0, c1 in chunks.items())
-            Kc, Dc = M.new_empty((C, B, H, dk)), M.new_empty((C, B, H, spec.dv))
+            Kc = M.new_empty((C, B, H, dk))
+            Dc = None if save else M.new_empty((C, B, H, spec.dv))  # saved: the chunk's rows of S.DELTA
         S.x_prev, S.r_prev = ew.rms_hat(g_prev)
         k_col = cols[0]["k"]
         kpre = ew.mm(S.x_prev, layers[0].W[:, k_col], bias=layers[0].b[k_col])
@@ -428,7 +435,9 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
                 S.M.append(M)
             if spec.chunked:
                 decays = S.DECAY[c0:c1] if save else S.DECAY[: c1 - c0]
+                deltas = S.DELTA[c0:c1] if save else Dc
         gs = s if save or not spec.chunked else t - c0  # the slot of the write's gates
+        vs = s if spec.chunked else w  # the slot of the reads and the write's error
         c = g
         for i, (L, v) in enumerate(zip(packed, V)):
             ew.mm(v.x[w if i == 0 else s], L.W, v.y[w], L.b)
@@ -444,14 +453,14 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
                                             out_o=v.o[w], out_y=v.z_read[w], out_M=out_M)
                 else:  # M is written at the chunk's last step only, into a buffer other than M_c
                     out_M = out_M if t in ends else None
-                    chunk.step(M_c, Kc, Dc, decays, t - c0, k, v.v[w], BETA[gs], v.q[w], v.gate[w], out_e=E[w],
-                               out_o=v.o[w], out_y=v.z_read[w], out_M=out_M)
+                    chunk.step(M_c, Kc, deltas, decays, t - c0, k, v.v[w], BETA[gs], v.q[w], v.gate[w], out_e=E[vs],
+                               out_o=v.o[vs], out_y=v.z_read[w], out_M=out_M)
                     M = M if out_M is None else out_M
                 k = v0.next_key[w]
             else:
                 ew.post_projection(v.h1[w], v.h2[w], v.z_ffn[w], v.heads[w], v.nq[w], v.nn[w])
                 if spec.chunked:
-                    chunk.read(M_c, Kc, Dc, decays, t - c0, v.q[w], v.gate[w], out_o=v.o[w], out_y=v.z_read[w])
+                    chunk.read(M_c, Kc, deltas, decays, t - c0, v.q[w], v.gate[w], out_o=v.o[vs], out_y=v.z_read[w])
                 else:
                     mem.memory_read(M, v.q[w], v.gate[w], out_o=v.o[w], out_y=v.z_read[w])
             last = i == nl - 1
@@ -491,7 +500,7 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
     GEMMs. Buffers live for one chunk, so the backward's working memory is a chunk's, not T's.
     GPN+M: the keys and queries are normalised again from the recomputed projections (k_first:
     the key of the chunk's first step, which the step before projected); the reads and the
-    write's errors are left to the rebuild of M (`_rebuild`, or the chunk form's `_chunk_algebra`). X0, R0, XP, RP, fg: the
+    write's errors are left to the rebuild of M (`_rebuild`; the chunk form kept them). X0, R0, XP, RP, fg: the
     chunk's layer-0 inputs, normalised predictions and fuse gates (`_grounded_rows`). work: the
     per-layer buffers of `_workspace`, of which the chunk uses its first L rows.
     """
@@ -520,7 +529,7 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
             # The heads and the read's gate feed torch's elementwise ops: widened to the state's dtype.
             nq, norms = l2n_relu(Y[..., col["heads"]].to(sd).view(L, B, nh, H, dk))
             gate = Y[..., col["gate"]].to(sd)
-            O = empty(L, B, H * spec.dv)
+            O = S.O[i][sl] if spec.chunked else empty(L, B, H * spec.dv)  # the chunk form kept its reads
             c.update(nq=_steps(nq), q_full=nq[:, :, -1], q=_steps(nq[:, :, -1]), nq_mask=_steps((nq > 0) / norms), gate_full=gate,
                      gate=_steps(gate), O_full=O, o=_steps(O), z_read=_steps(Z[..., Fd:]),
                      dgate=_steps(dY[..., col["gate"]]), dheads=_steps(dY[..., col["heads"]], nh, H, dk))
@@ -539,7 +548,7 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
             da_fac = da_fac * S.DECAY[sl]
         dBD = empty(L, 2, B, H)  # (dL/dbeta, dL/ddecay)
         dKQ = empty(L, 2, B, H, dk)  # dL/d(normalised [next key | query]) of layer 0
-        E = empty(L, B, H, spec.dv)  # the write's errors, from the rebuild
+        E = S.E[sl] if spec.chunked else empty(L, B, H, spec.dv)  # the write's errors: kept, or from the rebuild
         G.update(E_full=E, e=_steps(E), gate_fac=_steps(torch.stack([S.BETA[sl] * (1 - S.BETA[sl]), da_fac], 2)),
                  dBD_full=dBD, dBD=_steps(dBD.transpose(1, 2)),
                  dbeta=_steps(dBD[:, 0]), ddecay=_steps(dBD[:, 1]), dgates=_steps(dY0[..., col0["beta"].start : col0["a"].stop], 2, H),
@@ -638,19 +647,14 @@ class ChunkSweep(NamedTuple):
 
 def _chunk_algebra(spec: Spec, S, ci: int, C: list[ChunkLayer], G: ChunkShared, sl: slice, dM_end, read_grads,
                    phi) -> ChunkSweep:
-    """The chunk form's once-per-chunk work before the sweep: the write's deltas and errors and
-    every layer's reads formed again from the chunk's saved start (one pass over it), the read
-    outputs and factors, and dM_end's products the sweep reads."""
-    L, B = sl.stop - sl.start, S.P.shape[1]
+    """The chunk form's once-per-chunk work before the sweep: the C x C algebra of the chunk's
+    keys (its deltas, errors and reads are the forward's), the read outputs and factors, and
+    dM_end's products the sweep reads."""
     keys = torch.stack(C[0].keys)
-    values = torch.stack(C[0].v).to(S.P.dtype)
     queries = torch.stack([c.q_full for c in C])
     beta = S.BETA[sl]
-    r = algebra.rebuild(S.M[ci], keys, values, beta, S.DECAY[sl], queries)
-    G.E_full, G.e, G.delta = r.e, _steps(r.e), _steps(r.delta)
-    for c, o in zip(C, r.reads):
-        c.O_full = o.reshape(L, B, -1)
-        c.o = _steps(c.O_full)
+    r = algebra.from_forward(keys, beta, S.DECAY[sl], S.DELTA[sl], G.E_full, [c.O_full for c in C])
+    G.delta = _steps(r.delta)
     _read_outputs(spec, C, C)
     co = algebra.coefficients(*spec.backend.chunk.dm_products(dM_end, keys, r.delta), keys, r, beta, queries)
     return ChunkSweep(spec.backend.chunk, S.M[ci], keys, queries, r, co, read_grads, phi)

@@ -25,16 +25,17 @@ import torch
 
 
 class Rebuilt(NamedTuple):
-    """A chunk's forward values formed again from M_c (`rebuild`), time-major.
+    """A chunk's forward values, as its steps made them (kept by the forward: `from_forward`) or
+    formed again from M_c (`rebuild`), time-major.
 
-    delta, e: (n, B, H, dv) the write's beta e and error; reads: (layers, n, B, H, dv) the raw
-    reads M_j^T q_j; gam: (B, H, n + 1, n) G(a, b) at row a + 1, zero where a > b; T: (B, H, n, n)
+    delta, e: (n, B, H, dv) the write's beta e and error; reads: (layers, n, B, H, dv), or a list
+    of them, the raw reads M_j^T q_j; gam: (B, H, n + 1, n) G(a, b) at row a + 1, zero where a > b; T: (B, H, n, n)
     the UT transform's L^-1; KK: (B, H, n, n) the keys' Gram matrix.
     """
 
     delta: torch.Tensor
     e: torch.Tensor
-    reads: torch.Tensor
+    reads: torch.Tensor | list
     gam: torch.Tensor
     T: torch.Tensor
     KK: torch.Tensor
@@ -93,18 +94,34 @@ def _strict_weights(gam: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(up[..., :1, :]), up.transpose(-1, -2)[..., :-1, :]], -2)
 
 
-def rebuild(M_c, keys, values, beta, decays, queries) -> Rebuilt:
-    """The chunk's deltas, errors and reads from M_c and its steps' vectors: keys (n, B, H, dk),
-    values (n, B, H, dv), beta and decays (n, B, H), queries (layers, n, B, H, dk). One GEMM over
-    M_c for all of them, then the deltas by one triangular solve:
-    (I + diag(beta) (W o KK)) Delta = diag(beta) (V - G(-1, j-1) K M_c)."""
-    K, beta_ = _bh(keys), _bh(beta)
+def _structure(K, beta_, decays):
+    """(decay products, W o KK, L, T = L^-1, KK) of a chunk: its C x C algebra, from its keys
+    (B, H, n, dk), betas (B, H, n) and decays (n, B, H)."""
     n = K.shape[-2]
     gam = decay_products(decays)
     KK = K @ K.transpose(-1, -2)
     Ls = _strict_weights(gam) * KK  # (W o KK)
     eye = torch.eye(n, dtype=K.dtype, device=K.device)
     L = eye + beta_.unsqueeze(-1) * Ls
+    T = torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False, unitriangular=True)
+    return gam, Ls, L, T, KK
+
+
+def from_forward(keys, beta, decays, delta, e, reads) -> Rebuilt:
+    """A chunk's values as its forward steps made them (delta, e (n, B, H, dv); reads (layers, n,
+    B, H, dv) or a list of them), with the C x C algebra of its keys, betas and decays."""
+    gam, _, _, T, KK = _structure(_bh(keys), _bh(beta), decays)
+    return Rebuilt(delta, e, reads, gam, T, KK)
+
+
+def rebuild(M_c, keys, values, beta, decays, queries) -> Rebuilt:
+    """The chunk's deltas, errors and reads formed again from M_c and its steps' vectors: keys
+    (n, B, H, dk), values (n, B, H, dv), beta and decays (n, B, H), queries (layers, n, B, H, dk).
+    One GEMM over M_c for all of them, then the deltas by one triangular solve:
+    (I + diag(beta) (W o KK)) Delta = diag(beta) (V - G(-1, j-1) K M_c)."""
+    K, beta_ = _bh(keys), _bh(beta)
+    n = K.shape[-2]
+    gam, Ls, L, T, KK = _structure(K, beta_, decays)
     Qs = [_bh(q) for q in queries]
     MKQ = torch.cat([K, *Qs], -2) @ M_c  # (B, H, n (1 + layers), dv): one pass over M_c
     MK = MKQ[..., :n, :]
@@ -117,7 +134,6 @@ def rebuild(M_c, keys, values, beta, decays, queries) -> Rebuilt:
         MQ = MKQ[..., n * (1 + layer): n * (2 + layer), :]
         KQ = K @ Q.transpose(-1, -2)  # [i, j] = k_i . q_j
         reads.append(_time_major(gam[..., 0, :].unsqueeze(-1) * MQ + (up * KQ).transpose(-1, -2) @ delta))
-    T = torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False, unitriangular=True)
     return Rebuilt(_time_major(delta), _time_major(e), torch.stack(reads), gam, T, KK)
 
 
