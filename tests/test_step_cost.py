@@ -172,16 +172,72 @@ def test_indexed_and_metadata_only_ops_count_what_they_touch():
     assert [(x.name, x.read, x.written) for x in counter.launches] == [("new_zeros", 0, rows * 2 * f32)]
 
 
+@pytest.fixture(scope="module")
+def tiny_chunk():
+    """The tiny GPN+M in the memory's chunk form (chunks of 4) under bf16 with the Triton kernels,
+    a whole chunk's steps counted (windows of 5 and 1 steps) at batches 2 and 3."""
+    with pytest.MonkeyPatch.context() as mp:
+        if INTERPRET:
+            mp.setenv("TRITON_INTERPRET", "1")
+        args = step_cost.parse_args(["--config", "gpn_m_tiny", "--device", DEVICE, "memory_form=chunk", "core_chunk=4"])
+        model, cfg = step_cost.build(args)
+        costs = step_cost.step_costs(model, [2, 3], (1, 1 + cfg.core_chunk), "bf16", torch.device(DEVICE))
+    return cfg, costs
+
+
+def test_chunk_form_reads_M_once_per_step_and_writes_it_once_per_chunk(tiny_chunk):
+    """Per step the chunk form's kernels read M_c once each way (and the chunk's rows, which are
+    a few vectors per step), the step form's kernels are gone, and what passes over M and dL/dM
+    once per chunk is counted per step at 1 / chunk length."""
+    cfg, costs = tiny_chunk
+    C, B = cfg.core_chunk, 3
+    per_step, _ = costs[B]
+    m = B * cfg.n_heads * cfg.d_key * cfg.d_val * 4
+    triton = {(k.phase, k.name): t for k, t in per_step.items() if k.kind == "triton"}
+    assert not {name for _, name in triton} & {"_step_fwd", "_step_bwd", "_head_sums", "_read_fwd", "_read_bwd"}
+    for key in (("forward", "_chunk_step_fwd"), ("backward", "_chunk_step_bwd")):
+        assert triton[key].count == 1, key
+    for key in (("backward", "_chunk_dm_products"), ("backward", "_chunk_carry_back")):
+        assert triton[key].count == pytest.approx(1 / C), key
+    fwd, bwd = triton[("forward", "_chunk_step_fwd")], triton[("backward", "_chunk_step_bwd")]
+    # M_c read once; beyond it only the chunk's rows (keys, queries, deltas, read gradients), a
+    # step's own vectors and rows of its C x C matrices
+    dk, dv = cfg.d_key, cfg.d_val
+    rows = B * cfg.n_heads * 4 * (C * 2 * (dk + dv) + 8 * dv + 4 * C * C)
+    assert m <= fwd.read < m + rows and m / C <= fwd.written < m  # M written at the chunk's end alone
+    assert m <= bwd.read < m + rows and bwd.written < m / 2  # no M-sized write
+    carry = triton[("backward", "_chunk_carry_back")]
+    assert carry.written == pytest.approx(m / C) and carry.read >= m / C  # dM_end in, dL/dM_c out, once per chunk
+    assert triton[("backward", "_chunk_dm_products")].read >= m / C
+    # the memory's launches are summed apart, and hold these kernels' bytes
+    memory = sum(t.memory for t in per_step.values())
+    assert memory >= fwd.read + fwd.written + bwd.read + bwd.written + carry.read + carry.written
+
+
+def test_flash_attention_costs_are_the_stated_formula():
+    B, H, T, D = 2, 3, 16, 8
+    fwd, bwd = step_cost.flash_attention("forward", B, H, T, D), step_cost.flash_attention("backward", B, H, T, D)
+    qkv, stats = B * H * T * D * 2, B * H * T * 4
+    assert (fwd.read, fwd.written, fwd.flops) == (3 * qkv, qkv + stats, 2 * B * H * T * T * D)
+    assert (bwd.read, bwd.written, bwd.flops) == (5 * qkv + 2 * stats, 3 * qkv, 5 * B * H * T * T * D)
+
+
 def test_command_line_table_json_and_bad_config(tmp_path, capsys):
     out = tmp_path / "cost.json"
-    assert step_cost.main(["--config", "gpn_m_tiny", "--kernel", "torch", "--device", "cpu", "--batch", "8",
-                           "--json", str(out)]) == 0
+    assert step_cost.main(["--config", "gpn_m_tiny", "--kernel", "torch", "--device", "cpu", "--batch", "8", "core_chunk=4",
+                           "--baseline", "transformer_tiny", "--baseline-seq-len", "16", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "measured at batch 2 and 3, extrapolated linearly" in printed and "T=3 minus T=2" in printed
+    assert "measured at batch 2 and 3, extrapolated linearly" in printed and "(window of T=5 minus T=1) / 4" in printed
     result = json.loads(out.read_text())
     assert result["batch"] == 8 and set(result["phases"]) == {"forward", "backward"}
     assert result["memory_floor"]["m_bytes"] == 4 * 4 * 16 * 16
     assert result["tokens_per_s"]["graph"] > result["tokens_per_s"]["eager"] > 0
+    base = result["baseline"]
+    assert base["config"] == "transformer_tiny" and base["seq_len"] == 16 and base["tokens_per_s"] > 0
+    assert result["over_baseline"]["graph"] == pytest.approx(result["tokens_per_s"]["graph"] / base["tokens_per_s"])
+    assert "GPN estimate / Transformer++ estimate" in printed
+    assert step_cost.main(["--config", "transformer_tiny", "--baseline-seq-len", "16"]) == 0  # the baseline alone
+    assert "transformer_tiny: a window of 32 x 16 tokens" in capsys.readouterr().out
     assert step_cost.main(["--config", "no_such_model"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "no_such_model" in err[0]
