@@ -1,10 +1,10 @@
 """GPU cost of one time step of GPN+M's fused core, counted on any device: launches, bytes, FLOPs, and a roofline for one H200.
 
-    PYTHONPATH=. python bench/step_cost.py                           # gpn_m_130m_1l, batch 32, bf16, Triton kernels
+    PYTHONPATH=. python bench/step_cost.py                           # gpn_m_130m_1l, batch 32, bf16, Triton kernels, chunk form
     PYTHONPATH=. python bench/step_cost.py --kernel torch --batch 256 --json step_cost.json
     PYTHONPATH=. python bench/step_cost.py --config gpn_m_tiny d_state=96   # any configs/models/*.yaml, key=value overrides
     PYTHONPATH=. python bench/step_cost.py --device cuda              # the same count on a GPU
-    PYTHONPATH=. python bench/step_cost.py memory_form=chunk          # the memory's chunk form
+    PYTHONPATH=. python bench/step_cost.py memory_form=step           # the memory's step form (default: as on a GPU, chunk)
     PYTHONPATH=. python bench/step_cost.py --config transformer_130m  # the Transformer++ baseline alone
 
 A GPN+M step is a strictly sequential chain of kernels, repeated T times forward and again in the
@@ -653,8 +653,11 @@ def build(args):
     cfg = model_config(args.config, parse_overrides(args.overrides))
     if getattr(cfg, "family", None) not in ("gpn", "gpn_m"):
         raise SystemExit(f"error: {args.config}: family: step_cost counts the GPN / GPN+M fused core, got {cfg.family!r}")
-    # Launched one by one (a graph's replay launches nothing the counter could see).
+    # Launched one by one (a graph's replay launches nothing the counter could see), the memory in
+    # the form a GPU runs (memory_form auto: chunk).
     cfg = dataclasses.replace(cfg, core="fused", kernel=args.kernel, cuda_graphs=False)
+    if cfg.memory:
+        cfg = dataclasses.replace(cfg, memory_form=cfg.memory_form_on("cuda"))
     torch.manual_seed(0)
     return build_model(cfg).to(args.device), cfg
 

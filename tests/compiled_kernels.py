@@ -56,10 +56,11 @@ ARITH = {
     "_ce_lse": {"LSE"},
     "_ce_grad": {"LSE"},  # the logits' gradient may be bf16, the next GEMMs' input
     # the memory's chunk form: the chunk buffers of keys and deltas are the state's, written by the step
-    "_chunk_step_fwd": {"MC", "KC", "DC", "M_OUT", "E", "O"},
-    "_chunk_read_fwd": {"MC", "O"},
-    "_chunk_read_bwd": {"MC", "PHI", "DQ"},
-    "_chunk_step_bwd": {"MC", "PHI", "DV_OUT", "DQ", "DK_OUT", "DBETA", "DGAMMA"},
+    # (M_c itself may be read in a narrower dtype: an input, converted on load)
+    "_chunk_step_fwd": {"KC", "DC", "M_OUT", "E", "O"},
+    "_chunk_read_fwd": {"O"},
+    "_chunk_read_bwd": {"PHI", "DQ"},
+    "_chunk_step_bwd": {"PHI", "DV_OUT", "DQ", "DK_OUT", "DBETA", "DGAMMA"},
     "_chunk_dm_products": {"DM", "U0", "V0"},
     "_chunk_carry_back": {"DM", "OUT"},
 }
@@ -90,7 +91,7 @@ INDICES = {"TGT"}  # pointers to integer indices (the cross-entropy's targets)
 CONSTEXPRS = {"BK": 128, "BV": 16, "BN": 1024, "BF": 1024, "BH": 16, "BHEADS": 32, "HEADS": True, "GATES": True,
               "HAS_HAT": True, "HAS_EXTRA": True, "HAS_LOW": True, "HAS_LOW_FAC": True, "L2EPS": 1e-12,
               "STEP": True,  # `_head_sums` for the step's backward: its code holds the read's as a part
-              "BC": 32, "CLOSE": True, "BL": 2, "BR": 32}  # the chunk form at chunks of 32, its last step (which writes M)
+              "BC": 32, "CLOSE": True, "BL": 2, "BR": 32, "APART": True}  # the chunk form at chunks of 32, its last step (which writes M)
 TARGET = GPUTarget("cuda", 90, 32)
 knobs.nvidia.dump_ptxas_log = True  # ptxas -v's report, printed to stdout
 knobs.compilation.always_compile = True  # a kernel from Triton's cache runs no ptxas

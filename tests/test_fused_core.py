@@ -181,6 +181,28 @@ def test_bf16_autocast_keeps_state_in_float32_and_is_as_accurate_as_naive(form):
         assert err <= 2 * naive_err + 0.01 * exact[name].norm(), name
 
 
+def test_chunk_reads_in_the_compute_dtype_stay_within_bf16_of_float32_reads():
+    """memory_reads: compute (the chunk form's per-step products read a bf16 copy of M_c, made
+    once per chunk) under bf16 autocast: the loss and gradients within bf16's rounding of the
+    float32 reads', M itself still float32; without autocast it changes nothing at all."""
+    tokens = torch.randint(0, ODD.vocab_size, (4, 21))
+    model = make(**CASES["gpn_m_2l"], memory_form="chunk", core_chunk=7)
+    out32, exact = loss_and_grads(model, tokens, "fused")
+    low = copy.deepcopy(model)
+    low.config = dataclasses.replace(model.config, memory_reads="compute")
+    out, grads = loss_and_grads(low, tokens, "fused")
+    assert out.loss == out32.loss and all(torch.equal(grads[n], exact[n]) for n in exact)  # float32: nothing to narrow
+    results = {}
+    for m in (model, low):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results[m.config.memory_reads] = loss_and_grads(m, tokens, "fused")
+    (state, g_state), (compute, g_compute) = results["state"], results["compute"]
+    assert compute.state.M.dtype == torch.float32 and compute.loss != state.loss  # the option is in effect
+    assert rel_err(compute.loss, out32.loss) < 0.01 and rel_err(compute.state.M, out32.state.M) < 0.05
+    for name in exact:  # as far from float32 as bf16 reads of M_c are, no further than bf16 GEMMs already take it
+        assert (g_compute[name] - exact[name]).norm() <= 2 * (g_state[name] - exact[name]).norm() + 0.01 * exact[name].norm(), name
+
+
 class NewTensors(TorchDispatchMode):
     """Records the shape of every tensor an op returns in storage that none of its inputs (nor
     its out= argument) holds: the tensors it allocated."""
@@ -238,6 +260,17 @@ def test_core_is_validated():
         GPNConfig(core_chunk=0)
     with pytest.raises(ValueError, match="memory_form: expected one of"):
         GPNConfig(memory_form="chunked")
+
+
+def test_memory_form_auto_is_the_chunk_form_on_cuda_and_the_step_form_elsewhere():
+    auto = GPNConfig()
+    assert auto.memory_form == "auto"
+    assert auto.memory_form_on("cuda") == "chunk" and auto.memory_form_on("cpu") == "step"
+    for form in ("step", "chunk"):
+        assert GPNConfig(memory_form=form).memory_form_on("cuda") == GPNConfig(memory_form=form).memory_form_on("cpu") == form
+    tokens = torch.randint(0, ODD.vocab_size, (2, 9))
+    node = _fused_node(make(**CASES["gpn_m_1l"])(tokens).loss)  # auto, on the CPU
+    assert node.spec.chunked is False and node.S.DELTA is None
 
 
 # ---- the memory step's torch implementation: the contract a kernel keeps ----------------------

@@ -86,23 +86,24 @@ def backward(impl, x, r, co, dM_end, M_end, dys, gate_fac, io_dtype):
     """The chunk's sweep: later layers' reads, then the write and layer 0's read, step by step
     back, into NaN out= buffers (dv and the gates' gradients in io_dtype, as the core's GEMM
     rows). Returns the outputs in order, phi after each step, and the read gradients."""
-    M, keys = x["M"], x["keys"].to(x["M"].dtype).contiguous()
+    M, state = x["M"], r.delta.dtype
+    keys = x["keys"].to(state).contiguous()
     n, (B, H, dk, dv) = keys.shape[0], M.shape
-    queries = torch.stack(x["queries"]).to(M.dtype).contiguous()
-    phi = torch.linalg.vecdot(dM_end.flatten(2), M_end.flatten(2))
-    read_grads = nan(len(x["queries"]), n + 1, B, H, dv, dtype=M.dtype)
+    queries = torch.stack(x["queries"]).to(state).contiguous()
+    phi = torch.linalg.vecdot(dM_end.flatten(2), M_end.flatten(2)).to(state)
+    read_grads = nan(len(x["queries"]), n + 1, B, H, dv, dtype=state)
     got = []
     for j in reversed(range(n)):
         for layer in reversed(range(1, len(queries))):
             o = r.reads[layer][j]
-            f = read_factors(o.reshape(B, -1), x["gates"][layer][j].to(M.dtype))
+            f = read_factors(o.reshape(B, -1), x["gates"][layer][j].to(state))
             got += impl.read_backward(M, keys, r.delta, r, j, o, f, dys[layer][j], read_grads[layer], phi,
-                                      out_dq=nan(B, H, dk, dtype=M.dtype))
+                                      out_dq=nan(B, H, dk, dtype=state))
             got.append(phi.clone())
         o = r.reads[0][j]
-        f = read_factors(o.reshape(B, -1), x["gates"][0][j].to(M.dtype))
-        outs = dict(out_dk=nan(B, H, dk, dtype=M.dtype), out_dq=nan(B, H, dk, dtype=M.dtype), out_dbeta=nan(B, H, dtype=M.dtype),
-                    out_dgamma=nan(B, H, dtype=M.dtype), out_dgate=nan(B, H * dv, dtype=M.dtype),
+        f = read_factors(o.reshape(B, -1), x["gates"][0][j].to(state))
+        outs = dict(out_dk=nan(B, H, dk, dtype=state), out_dq=nan(B, H, dk, dtype=state), out_dbeta=nan(B, H, dtype=state),
+                    out_dgamma=nan(B, H, dtype=state), out_dgate=nan(B, H * dv, dtype=state),
                     out_dv=nan(B, H, dv, dtype=io_dtype), gate_fac=gate_fac, out_dgates=nan(B, 2, H, dtype=io_dtype))
         got += impl.step_backward(M, keys, r.delta, r, co, j, x["beta"][j], r.e[j], x["values"][j], queries, o, f, dys[0][j],
                                   read_grads, phi, **outs)
@@ -151,6 +152,45 @@ def test_chunk_kernels_match_twin(shape, n, layers, dtype, monkeypatch):
         a, b = torch.stack(got[i::per_step]), torch.stack(want[i::per_step])
         assert_close(a, b, BF16_OUT if a.dtype == torch.bfloat16 else TOL[dtype], f"backward output {i}")
     assert_close(rg_got, rg_want, TOL[dtype], "read gradients")
+
+
+def test_products_of_M_c_in_bf16_match_twin(monkeypatch):
+    """memory_reads: compute: the per-step products read a bf16 copy of M_c (forward `M_read`, the
+    backward's M_c argument), the arithmetic and the chunk's end M in float32."""
+    monkeypatch.setattr(memory_triton, "TILE", 64)
+    n, B, H, dk, dv = 5, 2, 3, 7, 33
+    x = chunk_inputs(n, 2, B, H, dk, dv, torch.float32, seed=4)
+    low = x["M"].to(torch.bfloat16)
+    outputs = {}
+    for name, impl in (("triton", K), ("twin", T)):
+        Kb, Db, end = nan(n, B, H, dk, dtype=torch.float32), nan(n, B, H, dv, dtype=torch.float32), torch.full_like(x["M"], float("nan"))
+        got = []
+        for j in range(n):
+            got += impl.step(x["M"], Kb, Db, x["decays"], j, x["keys"][j], x["values"][j], x["beta"][j], x["queries"][0][j],
+                             x["gates"][0][j], out_M=end if j == n - 1 else None, M_read=low)
+            got += impl.read(x["M"], Kb, Db, x["decays"], j, x["queries"][1][j], x["gates"][1][j], M_read=low)
+        outputs[name] = (got, end)
+    for i, (a, b) in enumerate(zip(*(outputs[n][0] for n in ("triton", "twin")))):
+        assert_close(a, b, TOL[torch.float32], f"forward output {i}")
+        assert a.dtype == torch.float32
+    assert_close(outputs["triton"][1], outputs["twin"][1], TOL[torch.float32], "M at the chunk's end")
+    _, _, _, end32 = forward(T, x)
+    assert 0 < (outputs["twin"][1] - end32).abs().max() < 1e-2 * end32.abs().max()  # bf16 reads, float32 M
+
+    g = torch.Generator().manual_seed(7)
+    dys = [torch.randn(n, B, H * dv, generator=g) for _ in range(2)]
+    dM_end, gate_fac = torch.randn(x["M"].shape, generator=g), torch.rand(B, 2, H, generator=g)
+    queries = torch.stack(x["queries"])
+    r = algebra.rebuild(x["M"], x["keys"], x["values"], x["beta"], x["decays"], queries)
+    co = algebra.coefficients(*T.dm_products(dM_end, x["keys"], r.delta), x["keys"], r, x["beta"], queries)
+    low_x = dict(x, M=low)
+    got, _ = backward(K, low_x, r, co, dM_end, end32, dys, gate_fac, torch.float32)
+    want, _ = backward(T, low_x, r, co, dM_end, end32, dys, gate_fac, torch.float32)
+    per_step = len(got) // n
+    for i in range(per_step):
+        a, b = torch.stack(got[i::per_step]), torch.stack(want[i::per_step])
+        assert a.dtype == b.dtype and a.dtype == torch.float32, i
+        assert_close(a, b, TOL[torch.float32], f"backward output {i}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -74,11 +74,12 @@ def check_hand_count(per_step):
 
 @pytest.fixture(scope="module")
 def tiny():
-    """The tiny GPN+M under bf16 with the Triton kernels, counted at batches 2, 3 and 4."""
+    """The tiny GPN+M (the memory's step form) under bf16 with the Triton kernels, counted at
+    batches 2, 3 and 4."""
     with pytest.MonkeyPatch.context() as mp:
         if INTERPRET:
             mp.setenv("TRITON_INTERPRET", "1")
-        args = step_cost.parse_args(["--config", "gpn_m_tiny", "--device", DEVICE, "--batch", "4"])
+        args = step_cost.parse_args(["--config", "gpn_m_tiny", "--device", DEVICE, "--batch", "4", "memory_form=step"])
         model, cfg = step_cost.build(args)
         costs = step_cost.step_costs(model, [2, 3, 4], STEPS, "bf16", torch.device(DEVICE))
     return model, cfg, costs

@@ -70,6 +70,7 @@ class Spec(NamedTuple):
     compute_dtype: torch.dtype
     backend: Backend  # the step's memory and elementwise implementation (kernels.backend)
     chunked: bool = False  # the memory's chunk form (kernels/memory_chunk) rather than its step form
+    low_reads: bool = False  # the chunk form's per-step products read M_c in compute_dtype (memory_reads: compute)
 
 
 def bounds(spec: Spec, T: int) -> list[tuple[int, int]]:
@@ -436,6 +437,7 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
             if spec.chunked:
                 decays = S.DECAY[c0:c1] if save else S.DECAY[: c1 - c0]
                 deltas = S.DELTA[c0:c1] if save else Dc
+                M_read = M_c.to(spec.compute_dtype) if spec.low_reads else None  # once per chunk
         gs = s if save or not spec.chunked else t - c0  # the slot of the write's gates
         vs = s if spec.chunked else w  # the slot of the reads and the write's error
         c = g
@@ -454,13 +456,14 @@ def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bo
                 else:  # M is written at the chunk's last step only, into a buffer other than M_c
                     out_M = out_M if t in ends else None
                     chunk.step(M_c, Kc, deltas, decays, t - c0, k, v.v[w], BETA[gs], v.q[w], v.gate[w], out_e=E[vs],
-                               out_o=v.o[vs], out_y=v.z_read[w], out_M=out_M)
+                               out_o=v.o[vs], out_y=v.z_read[w], out_M=out_M, M_read=M_read)
                     M = M if out_M is None else out_M
                 k = v0.next_key[w]
             else:
                 ew.post_projection(v.h1[w], v.h2[w], v.z_ffn[w], v.heads[w], v.nq[w], v.nn[w])
                 if spec.chunked:
-                    chunk.read(M_c, Kc, deltas, decays, t - c0, v.q[w], v.gate[w], out_o=v.o[vs], out_y=v.z_read[w])
+                    chunk.read(M_c, Kc, deltas, decays, t - c0, v.q[w], v.gate[w], out_o=v.o[vs], out_y=v.z_read[w],
+                               M_read=M_read)
                 else:
                     mem.memory_read(M, v.q[w], v.gate[w], out_o=v.o[w], out_y=v.z_read[w])
             last = i == nl - 1
@@ -657,7 +660,8 @@ def _chunk_algebra(spec: Spec, S, ci: int, C: list[ChunkLayer], G: ChunkShared, 
     G.delta = _steps(r.delta)
     _read_outputs(spec, C, C)
     co = algebra.coefficients(*spec.backend.chunk.dm_products(dM_end, keys, r.delta), keys, r, beta, queries)
-    return ChunkSweep(spec.backend.chunk, S.M[ci], keys, queries, r, co, read_grads, phi)
+    M_c = S.M[ci].to(spec.compute_dtype) if spec.low_reads else S.M[ci]  # what the step's products read
+    return ChunkSweep(spec.backend.chunk, M_c, keys, queries, r, co, read_grads, phi)
 
 
 def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, c0: int, c1: int, T: int, carry: Carry,
@@ -944,8 +948,9 @@ def fused_recurrence(model, u: torch.Tensor, state):
     device = u.device.type
     cd = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else g.dtype
     backend = model.backend(device)
+    chunked = cfg.memory and cfg.memory_form_on(device) == "chunk"
     spec = Spec(cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.memory, cfg.core_chunk, cfg.bptt, cd, backend,
-                cfg.memory and cfg.memory_form == "chunk")
+                chunked, chunked and cfg.memory_reads == "compute" and cd != g.dtype)
     graphs = None if backend.graphs is None else core_graphs(model, _forward_flat, _backward_flat, backend.graphs)
     A_log = model.write_A_log if cfg.memory else None
     u = u.transpose(0, 1)

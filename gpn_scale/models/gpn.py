@@ -30,7 +30,8 @@ from kernels.step.reference import OPS as ce_twin
 
 FAMILIES = ("gpn", "gpn_m")
 CORES = ("fused", "naive")
-MEMORY_FORMS = ("step", "chunk")
+MEMORY_FORMS = ("auto", "step", "chunk")
+MEMORY_READS = ("state", "compute")
 
 
 @dataclass
@@ -48,7 +49,12 @@ class GPNConfig:
     # Execution only: none of these change the math.
     core: str = "fused"  # the time loop: "fused" (custom backward, see core.py) or "naive" (autograd)
     core_chunk: int = 32  # fused core: M is kept every this many steps and rebuilt in between
-    memory_form: str = "step"  # fused core's memory: "step" (M read and written every step) or "chunk" (docs/core.md)
+    # fused core's memory: "step" (M read and written every step), "chunk" (M read once per step and written once
+    # per chunk: docs/core.md), or "auto" (chunk on CUDA, where M's traffic sets the speed; step elsewhere)
+    memory_form: str = "auto"
+    # chunk form under autocast: its per-step products read M_c in the state's dtype (float32), or in the compute
+    # dtype (bf16; a copy made once per chunk: half the traffic of the step's largest read). M itself stays float32.
+    memory_reads: str = "state"
     checkpoint_every: int = 0  # naive core: recompute activations in time segments of this length (0: off)
     bptt: int = 0  # truncate backprop through time every this many steps (0: full window)
     ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once
@@ -67,6 +73,8 @@ class GPNConfig:
             raise ValueError(f"kernel: expected one of {KERNELS}, got {self.kernel!r}")
         if self.memory_form not in MEMORY_FORMS:
             raise ValueError(f"memory_form: expected one of {MEMORY_FORMS}, got {self.memory_form!r}")
+        if self.memory_reads not in MEMORY_READS:
+            raise ValueError(f"memory_reads: expected one of {MEMORY_READS}, got {self.memory_reads!r}")
         positive = ["vocab_size", "d_state", "d_emb", "d_ffn", "n_layers", "ce_chunk", "core_chunk"]
         if self.memory:
             positive += ["n_heads", "d_key", "d_val"]
@@ -80,6 +88,12 @@ class GPNConfig:
     @property
     def memory(self) -> bool:
         return self.family == "gpn_m"
+
+    def memory_form_on(self, device_type: str) -> str:
+        """The memory form the fused core runs on a device type: "step" or "chunk"."""
+        if self.memory_form != "auto":
+            return self.memory_form
+        return "chunk" if device_type == "cuda" else "step"
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -15,7 +15,9 @@ phi = <dL/dM_j, M_j> per (sequence, head) in a (B, H) buffer, from which the dec
 follows without M_j: dL/d gamma_j = phi_j - k_j . (dL/dM_j delta_j) (gamma = log decay).
 
 Outputs and their `out_*` buffers follow kernels/memory/reference.py's contract (the read's
-output y = silu(gate) o / rms(o), the gates' gradients times their factors).
+output y = silu(gate) o / rms(o), the gates' gradients times their factors). The products with
+M_c may read it in a narrower dtype than the state's (`GPNConfig.memory_reads: compute`: the
+backward's M_c argument, the forward's `M_read`); the arithmetic stays in the state's dtype.
 """
 
 from __future__ import annotations
@@ -37,13 +39,13 @@ def _column(decays, j: int) -> torch.Tensor:
 
 
 def _m_times(M_c, x):
-    """M_c^T x per head: x (B, H, dk) -> (B, H, dv)."""
-    return torch.einsum("bhkv,bhk->bhv", M_c, x)
+    """M_c^T x per head: x (B, H, dk) -> (B, H, dv), in x's dtype (M_c widened)."""
+    return torch.einsum("bhkv,bhk->bhv", M_c.to(x.dtype), x)
 
 
 def _m_apply(M_c, x):
-    """M_c x per head: x (B, H, dv) -> (B, H, dk)."""
-    return torch.einsum("bhkv,bhv->bhk", M_c, x)
+    """M_c x per head: x (B, H, dv) -> (B, H, dk), in x's dtype (M_c widened)."""
+    return torch.einsum("bhkv,bhv->bhk", M_c.to(x.dtype), x)
 
 
 def _rows_dot(rows, x):
@@ -66,15 +68,17 @@ def _finish(x, out):
     return x if out is None else out.copy_(x.view(out.shape))
 
 
-def step(M_c, K, D, decays, j: int, k, v, beta, q, gate, *, out_e=None, out_o=None, out_y=None, out_M=None):
+def step(M_c, K, D, decays, j: int, k, v, beta, q, gate, *, out_e=None, out_o=None, out_y=None, out_M=None, M_read=None):
     """Step j of the chunk: e = v - M_{j-1}^T k, delta = beta e, o = M_j^T q and the read's output.
     Writes k into K[j] and delta into D[j]. With `out_M` (the chunk's last step) also writes
-    M_j, the chunk's end, there. Returns (e, o, y)."""
+    M_j, the chunk's end, there. The products read `M_read` when given (M_c in a narrower dtype;
+    M_j is formed from M_c itself). Returns (e, o, y)."""
     B, H, n_k, n_v = M_c.shape
+    M_read = M_c if M_read is None else M_read
     K[j].copy_(k.view(B, H, n_k))
     col = _column(decays, j)  # G(i, j)
     prev = _column(decays, j - 1) if j > 0 else torch.ones_like(col[:1])  # G(i, j-1), i = -1..j-1
-    mk, mq = _m_times(M_c, K[j]), _m_times(M_c, q.view(B, H, n_k))
+    mk, mq = _m_times(M_read, K[j]), _m_times(M_read, q.view(B, H, n_k))
     e = v.view(B, H, n_v) - prev[0].unsqueeze(-1) * mk
     if j > 0:
         e = e - _combine(prev[1:] * _rows_dot(K[:j], K[j]), D[:j])
@@ -85,11 +89,13 @@ def step(M_c, K, D, decays, j: int, k, v, beta, q, gate, *, out_e=None, out_o=No
     return _finish(e, out_e), _finish(o.view(B, H * n_v), out_o), _read_out(o, gate, out_y)
 
 
-def read(M_c, K, D, decays, j: int, q, gate, *, out_o=None, out_y=None):
-    """A later layer's read of M_j at step j (after `step` wrote D[j]). Returns (o, y)."""
+def read(M_c, K, D, decays, j: int, q, gate, *, out_o=None, out_y=None, M_read=None):
+    """A later layer's read of M_j at step j (after `step` wrote D[j]). Returns (o, y). The
+    products read `M_read` when given."""
     B, H, n_k, n_v = M_c.shape
+    M_c = M_c if M_read is None else M_read
     col = _column(decays, j)
-    q = q.view(B, H, n_k)
+    q = q.view(B, H, n_k).to(K.dtype)
     o = col[0].unsqueeze(-1) * _m_times(M_c, q) + _combine(col[1:] * _rows_dot(K[: j + 1], q), D[: j + 1])
     return _finish(o.view(B, H * n_v), out_o), _read_out(o, gate, out_y)
 

@@ -64,19 +64,22 @@ def _rows(X, ci, bh, BH, d, idx, rmask, imask):
 
 
 @triton.jit
-def _chunk_step_fwd(MC, KC, DC, DEC, K, V, Q, BETA, E, O, K_OUT, D_OUT, M_OUT, j, sdt, sk, sv, sq, sbeta, se, so, H, DK,
-                    DV, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, CLOSE: tl.constexpr):
+def _chunk_step_fwd(MC, MC_END, KC, DC, DEC, K, V, Q, BETA, E, O, K_OUT, D_OUT, M_OUT, j, sdt, sk, sv, sq, sbeta, se, so, H,
+                    DK, DV, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, CLOSE: tl.constexpr,
+                    APART: tl.constexpr):
     """Step j for one block of columns, from the chunk's rows before it (KC, DC: rows 0..j-1;
     DEC: the decays of rows 0..j): e = v - M_{j-1}^T k, delta = beta e (into D_OUT, and k into
-    K_OUT: row j of the chunk buffers), o = M_j^T q; with CLOSE also M_j, the chunk's end, into M_OUT."""
+    K_OUT: row j of the chunk buffers), o = M_j^T q; with CLOSE also M_j, the chunk's end, into
+    M_OUT. The products read MC (M_c, or with APART its copy in a narrower dtype); M_j is formed
+    from MC_END, M_c itself (APART), in the outputs' dtype."""
     bh = tl.program_id(0).to(tl.int64)
     BH = tl.num_programs(0)
     b, h = bh // H, bh % H
     rows, cols, ci = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV), tl.arange(0, BC)
     rmask, cmask = rows < DK, cols < DV
     tile = rows[:, None] * DV + cols[None, :]
-    m = tl.load(MC + bh * DK * DV + tile, mask=rmask[:, None] & cmask[None, :], other=0.0)
-    dt = MC.dtype.element_ty
+    dt = E.dtype.element_ty
+    m = tl.load(MC + bh * DK * DV + tile, mask=rmask[:, None] & cmask[None, :], other=0.0).to(dt)
     k = tl.load(K + b * sk + h * DK + rows, mask=rmask, other=0.0).to(dt)
     q = tl.load(Q + b * sq + h * DK + rows, mask=rmask, other=0.0).to(dt)
     v = tl.load(V + b * sv + h * DV + cols, mask=cmask, other=0.0).to(dt)
@@ -98,6 +101,8 @@ def _chunk_step_fwd(MC, KC, DC, DEC, K, V, Q, BETA, E, O, K_OUT, D_OUT, M_OUT, j
     o = start * mq + tl.sum((g * kq)[:, None] * dc, 0) + tl.sum(k * q, 0) * delta
     tl.store(O + b * so + h * DV + cols, o, mask=cmask)
     if CLOSE:  # M_j = G(-1, j) M_c + sum_{i <= j} G(i, j) k_i delta_i^T
+        if APART:
+            m = tl.load(MC_END + bh * DK * DV + tile, mask=rmask[:, None] & cmask[None, :], other=0.0).to(dt)
         acc = start * m + k[:, None] * delta[None, :]
         for i in range(0, j):
             g_i = tl.sum(tl.where(ci == i, g, 0.0), 0)
@@ -117,8 +122,8 @@ def _chunk_read_fwd(MC, KC, DC, DEC, Q, O, j, sdt, sq, so, H, DK, DV, BK: tl.con
     b, h = bh // H, bh % H
     rows, cols, ci = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV), tl.arange(0, BC)
     rmask, cmask = rows < DK, cols < DV
-    m = tl.load(MC + bh * DK * DV + rows[:, None] * DV + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-    dt = MC.dtype.element_ty
+    dt = O.dtype.element_ty
+    m = tl.load(MC + bh * DK * DV + rows[:, None] * DV + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(dt)
     q = tl.load(Q + b * sq + h * DK + rows, mask=rmask, other=0.0).to(dt)
     g, start = _decays_to(DEC, sdt, bh, j, ci, dt)
     upto = ci <= j
@@ -149,14 +154,15 @@ def _chunk_read_bwd(MC, KC, DC, G_J, DO, O, PHI, DQ, j, N, sdo, so, sdq, H, DK, 
     b, h = bh // H, bh % H
     rows, ci = tl.arange(0, BK), tl.arange(0, BC)
     rmask, upto = rows < DK, ci <= j
-    dt = MC.dtype.element_ty
+    dt = DQ.dtype.element_ty
     m_do = tl.zeros([BK], dtype=dt)
     w_do = tl.zeros([BC], dtype=dt)
     do_o = tl.zeros([BV], dtype=dt)
     for c0 in range(0, DV, BV):
         cols = c0 + tl.arange(0, BV)
         cmask = cols < DV
-        m = tl.load(MC + bh * DK * DV + rows[:, None] * DV + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        m = tl.load(MC + bh * DK * DV + rows[:, None] * DV + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                    other=0.0).to(dt)
         do = tl.load(DO + b * sdo + h * DV + cols, mask=cmask, other=0.0).to(dt)
         dc = _rows(DC, ci, bh, BH, DV, cols, upto, cmask).to(dt)
         m_do += tl.sum(m * do[None, :], 1)
@@ -190,7 +196,7 @@ def _chunk_step_bwd(MC, KC, DC, QS, RG, CC, U, VC, G_J, G_P, G_ROW, HH, BM, E, V
     b, h = bh // H, bh % H
     rows, ci, li = tl.arange(0, BK), tl.arange(0, BC), tl.arange(0, BL)
     rmask = rows < DK
-    dt = MC.dtype.element_ty
+    dt = DQ.dtype.element_ty
     later, after, upto = ci < N - j, ci < N - j - 1, ci <= j  # rows j + ci, j + 1 + ci, ci
     beta = tl.load(BETA + b * sbeta + h).to(dt)
     c_rows = tl.load(CC + (li[:, None] * BH + bh) * N * N + ci[None, :], mask=(li < NL)[:, None] & later[None, :],
@@ -214,7 +220,8 @@ def _chunk_step_bwd(MC, KC, DC, QS, RG, CC, U, VC, G_J, G_P, G_ROW, HH, BM, E, V
             d_delta += tl.sum(c_row[:, None] * rg, 0)
             a_rows += tl.where((li == layer)[:, None], tl.sum(rg * delta[None, :], 1)[None, :], 0.0)
         tl.store(DV_OUT + b * sdv + h * DV + cols, _rounded(beta * d_delta, DV_OUT.dtype.element_ty), mask=cmask)
-        m = tl.load(MC + bh * DK * DV + rows[:, None] * DV + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        m = tl.load(MC + bh * DK * DV + rows[:, None] * DV + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                    other=0.0).to(dt)
         do = tl.load(RG + bh * DV + cols, mask=cmask, other=0.0).to(dt)
         dc = _rows(DC, ci, bh, BH, DV, cols, upto, cmask).to(dt)
         m_do += tl.sum(m * do[None, :], 1)
@@ -336,10 +343,13 @@ def _rows_block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def step(M_c, K, D, decays, j: int, k, v, beta, q, gate, *, out_e=None, out_o=None, out_y=None, out_M=None):
-    """Step j of the chunk: returns (e, o, y); k into K[j], beta e into D[j]; with `out_M`, M_j."""
+def step(M_c, K, D, decays, j: int, k, v, beta, q, gate, *, out_e=None, out_o=None, out_y=None, out_M=None, M_read=None):
+    """Step j of the chunk: returns (e, o, y); k into K[j], beta e into D[j]; with `out_M`, M_j.
+    The products read `M_read` when given (M_c in the compute dtype)."""
     M_c = _check_m(M_c)
     B, H, n_k, n_v = M_c.shape
+    apart = M_read is not None
+    M_read = _check_m(M_read) if apart else M_c
     bk, bv = _blocks(n_k, n_v)
     K, D = _chunk_buffer(K, "K"), _chunk_buffer(D, "D")
     k, sk = layout.rows(k, H * n_k)
@@ -350,22 +360,25 @@ def step(M_c, K, D, decays, j: int, k, v, beta, q, gate, *, out_e=None, out_o=No
     o_w, o, so = layout.out(out_o, H * n_v, M_c, (B, H * n_v))
     close = out_M is not None
     M_out = _check_m(out_M) if close else M_c[:0]  # never touched without CLOSE
+    M_end = M_c if close and apart else M_c[:0]  # read only to form M at the chunk's end, apart from M_read
     _chunk_step_fwd[(B * H, triton.cdiv(n_v, bv))](
-        M_c, K[:j], D[:j], decays[: j + 1], k, v, q, beta, e_w, o_w, K[j], D[j], M_out, j, _decay_rows(decays), sk, sv, sq,
-        sbeta, se, so, H, n_k, n_v, BK=bk, BV=bv, BC=_rows_block(K.shape[0]), CLOSE=close, num_warps=layout.warps(bk * bv))
+        M_read, M_end, K[:j], D[:j], decays[: j + 1], k, v, q, beta, e_w, o_w, K[j], D[j], M_out, j, _decay_rows(decays), sk, sv,
+        sq, sbeta, se, so, H, n_k, n_v, BK=bk, BV=bv, BC=_rows_block(K.shape[0]), CLOSE=close, APART=apart,
+        num_warps=layout.warps(bk * bv))
     layout.finish(e_w, e)
     layout.finish(o_w, o)
     return e, o, _gated_rms(o, gate, out_y)
 
 
-def read(M_c, K, D, decays, j: int, q, gate, *, out_o=None, out_y=None):
-    """A later layer's read of M_j at step j. Returns (o, y)."""
-    M_c = _check_m(M_c)
+def read(M_c, K, D, decays, j: int, q, gate, *, out_o=None, out_y=None, M_read=None):
+    """A later layer's read of M_j at step j. Returns (o, y). The products read `M_read` when given."""
+    o_like = M_c
+    M_c = _check_m(M_c if M_read is None else M_read)
     B, H, n_k, n_v = M_c.shape
     bk, bv = _blocks(n_k, n_v)
     K, D = _chunk_buffer(K, "K"), _chunk_buffer(D, "D")
     q, sq = layout.rows(q, H * n_k)
-    o_w, o, so = layout.out(out_o, H * n_v, M_c, (B, H * n_v))
+    o_w, o, so = layout.out(out_o, H * n_v, o_like, (B, H * n_v))
     _chunk_read_fwd[(B * H, triton.cdiv(n_v, bv))](M_c, K[: j + 1], D[: j + 1], decays[: j + 1], q, o_w, j, _decay_rows(decays),
                                                    sq, so, H, n_k, n_v, BK=bk, BV=bv, BC=_rows_block(K.shape[0]),
                                                    num_warps=layout.warps(bk * bv))
@@ -375,7 +388,7 @@ def read(M_c, K, D, decays, j: int, q, gate, *, out_o=None, out_y=None):
 
 def read_backward(M_c, K, D, r: Rebuilt, j: int, o, f: ReadFactors, dy, read_grad, phi, *, out_dq=None, out_dgate=None):
     """A later layer's read at step j backwards: do (into read_grad[j]), dq = M_j do, dgate;
-    phi += do . o. Returns (dq, dgate)."""
+    phi += do . o. Returns (dq, dgate). M_c may be in a narrower dtype than the state's (K's)."""
     M_c = _check_m(M_c)
     B, H, n_k, n_v = M_c.shape
     bk, bv = _blocks(n_k, n_v)
@@ -383,7 +396,7 @@ def read_backward(M_c, K, D, r: Rebuilt, j: int, o, f: ReadFactors, dy, read_gra
     n = gam.shape[-1]
     do, dgate = _read_grad(f, dy, out_dgate, out_do=read_grad[j])
     o, so = layout.rows(o, H * n_v)
-    dq_w, dq, sdq = layout.out(out_dq, H * n_k, M_c, (B, H, n_k))
+    dq_w, dq, sdq = layout.out(out_dq, H * n_k, K, (B, H, n_k))
     _chunk_read_bwd[(B * H,)](M_c, K[: j + 1], D[: j + 1], gam[..., j], do, o, phi, dq_w, j, n, do.stride(0), so, sdq, H, n_k,
                               n_v, BK=bk, BV=bv, BC=_rows_block(n), num_warps=layout.warps(bk * bv))
     return layout.finish(dq_w, dq), dgate
@@ -392,7 +405,8 @@ def read_backward(M_c, K, D, r: Rebuilt, j: int, o, f: ReadFactors, dy, read_gra
 def step_backward(M_c, K, D, r: Rebuilt, co: Coefficients, j: int, beta, e, v, queries, o, f: ReadFactors, dy,
                   read_grads, phi, *, out_dk=None, out_dq=None, out_dbeta=None, out_dgamma=None, out_dgate=None,
                   out_dv=None, gate_fac=None, out_dgates=None):
-    """Step j backwards (the twin's contract). Returns (dk, dv, dbeta, dgamma, dq, dgate)."""
+    """Step j backwards (the twin's contract). Returns (dk, dv, dbeta, dgamma, dq, dgate). M_c may be
+    in a narrower dtype than the state's (K's)."""
     M_c = _check_m(M_c)
     B, H, n_k, n_v = M_c.shape
     bk, bv = _blocks(n_k, n_v)
@@ -405,14 +419,14 @@ def step_backward(M_c, K, D, r: Rebuilt, co: Coefficients, j: int, beta, e, v, q
     e, se = layout.rows(e, H * n_v)
     v, sv = layout.rows(v, H * n_v)
     o, so = layout.rows(o, H * n_v)
-    dv_w, dv, sdv = layout.out(out_dv, H * n_v, M_c, (B, H, n_v))
-    dq_w, dq, sdq = layout.out(out_dq, H * n_k, M_c, (B, H, n_k))
-    dk_w, dk, sdk = layout.out(out_dk, H * n_k, M_c, (B, H, n_k))
-    db_w, dbeta, sdb = layout.out(out_dbeta, H, M_c, (B, H))
-    dg_w, dgamma, sdg = layout.out(out_dgamma, H, M_c, (B, H))
+    dv_w, dv, sdv = layout.out(out_dv, H * n_v, K, (B, H, n_v))
+    dq_w, dq, sdq = layout.out(out_dq, H * n_k, K, (B, H, n_k))
+    dk_w, dk, sdk = layout.out(out_dk, H * n_k, K, (B, H, n_k))
+    db_w, dbeta, sdb = layout.out(out_dbeta, H, K, (B, H))
+    dg_w, dgamma, sdg = layout.out(out_dgamma, H, K, (B, H))
     gates = gate_fac is not None  # without it, dq_w stands in for GF and DG, which GATES=False never touches
     gate_fac, sgf = layout.rows(gate_fac, 2 * H) if gates else (dq_w, 0)
-    dgs_w, dgates, sdgs = layout.out(out_dgates, 2 * H, M_c, (B, 2, H)) if gates else (dq_w, None, 0)
+    dgs_w, dgates, sdgs = layout.out(out_dgates, 2 * H, K, (B, 2, H)) if gates else (dq_w, None, 0)
     g_p = gam[..., max(j - 1, 0)]  # unread at j = 0 (the chunk's start: G(-1, -1) = 1)
     _chunk_step_bwd[(B * H,)](
         M_c, K[:n], D[: j + 1], queries[:, j:n], read_grads[:, j:n], c[..., j, j:], co.U[j], co.V[j], gam[..., j], g_p,
