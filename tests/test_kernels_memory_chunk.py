@@ -205,7 +205,7 @@ def test_the_passes_over_dM_match_twin(dtype, monkeypatch):
     dM, keys, deltas = r(B, H, dk, dv), r(n, B, H, dk), r(n, B, H, dv)
     for name, a, b in zip(("U0", "V0"), K.dm_products(dM, keys, deltas), T.dm_products(dM, keys, deltas)):
         assert_close(a, b, TOL[dtype], name)
-    terms = algebra.CarryBack(torch.rand(B, H, generator=g, dtype=dtype).to(DEVICE), r(R, B, H, dk), r(R, B, H, dv))
+    terms = algebra.CarryBack(torch.rand(B, H, generator=g, dtype=dtype).to(DEVICE), r(B, H, R, dk), r(B, H, R, dv))
     dM_before = dM.clone()
     out = torch.full_like(dM, float("nan"))
     assert K.carry_back(dM, terms, out=out) is out

@@ -45,8 +45,8 @@ class Coefficients(NamedTuple):
     """What the reverse sweep reads of dL/dM at the chunk's end (dM_end) and of the chunk's later
     steps, per step j (`coefficients`).
 
-    U: (n, B, H, dv) dM_end's share of d_delta_j = G_j^T k_j; V: (n, B, H, dk) its share of
-    G_j delta_j; c: (layers, B, H, n, n), c[j, s] = k_j . (A_{j+1} ... A_s q_s) for s >= j, the
+    U: (B, H, n, dv) dM_end's share of d_delta_j = G_j^T k_j; V: (B, H, n, dk) its share of
+    G_j delta_j (row j of (sequence, head) for step j); c: (layers, B, H, n, n), c[j, s] = k_j . (A_{j+1} ... A_s q_s) for s >= j, the
     weight of step s's read gradient in d_delta_j; h: (layers, B, H, n, n), h[m, s] =
     sum_{m <= i <= s} T[i, m] G(i, s) k_i . q_s, the UT form's coefficients of the reads; Bm:
     (B, H, n, n), Bm[m, j] = beta_m G(j, m-1) for m > j; U0: (B, H, n, dv) the rows k_i^T dM_end
@@ -158,19 +158,20 @@ def coefficients(U0, V0, keys, r: Rebuilt, beta, queries) -> Coefficients:
     X = (r.T @ (Bm * r.KK)).transpose(-1, -2)  # X[j, i] = sum_m T[i, m] Bm[m, j] k_m . k_j
     U = ((eye - X) * g_end.unsqueeze(-2)) @ U0
     Z = r.T.transpose(-1, -2) @ (g_end.unsqueeze(-1) * (U0 @ D.transpose(-1, -2)))
-    V = g_end.unsqueeze(-1) * V0 - (Bm * Z).transpose(-1, -2) @ K
+    V = torch.baddbmm((g_end.unsqueeze(-1) * V0).flatten(0, 1), (Bm * Z).transpose(-1, -2).flatten(0, 1), K.flatten(0, 1),
+                      alpha=-1).view(V0.shape)
     cs, hs = [], []
     for q in queries:
         GKQ = up * (K @ _bh(q).transpose(-1, -2))  # G(i, s) k_i . q_s for i <= s
         cs.append(GKQ - X @ GKQ)
         hs.append(r.T.transpose(-1, -2) @ GKQ)
-    return Coefficients(_time_major(U), _time_major(V), torch.stack(cs), torch.stack(hs), Bm.contiguous(), U0)
+    return Coefficients(U, V, torch.stack(cs), torch.stack(hs), Bm.contiguous(), U0)
 
 
 class CarryBack(NamedTuple):
     """dL/dM_c = scale dM_end + sum_r rows_r^T weights_r per (sequence, head) (`finish`): scale
-    (B, H), rows (R, B, H, dk) the chunk's queries of every layer, then its keys; weights (R, B,
-    H, dv). `ChunkOps.carry_back` makes it, in one pass over dM_end."""
+    (B, H), rows (B, H, R, dk) the chunk's queries of every layer, then its keys; weights (B, H,
+    R, dv). `ChunkOps.carry_back` makes it, in one pass over dM_end."""
 
     scale: torch.Tensor
     rows: torch.Tensor
@@ -184,12 +185,13 @@ def finish(keys, r: Rebuilt, co: Coefficients, beta, queries, read_grads) -> Car
     K, beta_ = _bh(keys), _bh(beta)
     n = K.shape[-2]
     g0 = r.gam[..., 0, :]  # G(-1, s)
-    inner = r.T.transpose(-1, -2) @ (r.gam[..., 1:, n - 1].unsqueeze(-1) * co.U0)
-    weights = []
-    for h, do in zip(co.h, read_grads):
+    # inner = T^T diag(G(., n-1)) U0 + sum_layers h do: one product, then accumulated in place
+    inner = (r.T.transpose(-1, -2) * r.gam[..., 1:, n - 1].unsqueeze(-2)) @ co.U0
+    weights = K.new_empty((*K.shape[:2], n * (len(read_grads) + 1), co.U0.shape[-1]))  # each block written once
+    for layer, (h, do) in enumerate(zip(co.h, read_grads)):
         do = _bh(do)
-        inner = inner + h @ do
-        weights.append(g0.unsqueeze(-1) * do)
-    weights.append(-(beta_ * _previous_column(r.gam)).unsqueeze(-1) * inner)
-    rows = torch.cat([*(q for q in queries), keys])
-    return CarryBack(g0[..., n - 1].contiguous(), rows.contiguous(), torch.cat([_time_major(w) for w in weights]))
+        inner.view(-1, n, inner.shape[-1]).baddbmm_(h.flatten(0, 1), do.flatten(0, 1))
+        torch.mul(g0.unsqueeze(-1), do, out=weights[..., layer * n : (layer + 1) * n, :])
+    torch.mul(-(beta_ * _previous_column(r.gam)).unsqueeze(-1), inner, out=weights[..., -n:, :])
+    rows = torch.cat([*(_bh(q) for q in queries), K], -2)
+    return CarryBack(g0[..., n - 1].contiguous(), rows, weights)

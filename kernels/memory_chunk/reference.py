@@ -139,7 +139,7 @@ def step_backward(M_c, K, D, r: Rebuilt, co: Coefficients, j: int, beta, e, v, q
     phi.add_(torch.linalg.vecdot(do, o.view(B, H, n_v)))
     dq = _m_j_times(M_c, K, D, _g_column(r, j), do)
     # d_delta = G_j^T k_j and G_j delta_j: dM_end's share (co.U, co.V), then the chunk's later reads
-    d_delta, g_delta = co.U[j].clone(), co.V[j].clone()
+    d_delta, g_delta = co.U[:, :, j].clone(), co.V[:, :, j].clone()
     later = r.gam[:, :, j + 1, j:].movedim(-1, 0)  # G(j, s), s = j..n-1
     betas = co.Bm[:, :, j + 1 :, j].movedim(-1, 0)  # beta_m G(j, m-1), m = j+1..n-1
     for q, c, h, g in zip(queries, co.c, co.h, read_grads):
@@ -171,7 +171,7 @@ def dm_products(dM_end, K, D):
 
 def carry_back(dM_end, c: CarryBack, *, out=None):
     """dL/dM_c = scale dM_end + sum_r rows_r^T weights_r, into `out` (a buffer other than dM_end)."""
-    x = c.scale[..., None, None] * dM_end + torch.einsum("rbhk,rbhv->bhkv", c.rows, c.weights)
+    x = c.scale[..., None, None] * dM_end + torch.einsum("bhrk,bhrv->bhkv", c.rows, c.weights)
     return x if out is None else out.copy_(x)
 
 

@@ -177,12 +177,13 @@ def _chunk_read_bwd(MC, KC, DC, G_J, DO, O, PHI, DQ, j, N, sdo, so, sdq, H, DK, 
 
 @triton.jit
 def _chunk_step_bwd(MC, KC, DC, QS, RG, CC, U, VC, G_J, G_P, G_ROW, HH, BM, E, V, O, BETA, PHI, DV_OUT, DQ, DK_OUT, DBETA,
-                    DGAMMA, GF, DG, j, N, NL, sq_l, srg_l, se, sv, so, sbeta, sdv, sdq, sdk, sdbeta, sdgamma, sgf, sdg, H,
-                    DK, DV, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, BL: tl.constexpr, GATES: tl.constexpr):
+                    DGAMMA, GF, DG, j, N, NL, sq_l, srg_l, su, svc, se, sv, so, sbeta, sdv, sdq, sdk, sdbeta, sdgamma, sgf, sdg,
+                    H, DK, DV, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, BL: tl.constexpr,
+                    GATES: tl.constexpr):
     """Step j backwards for one (sequence, head). KC: the chunk's keys (all N rows); DC: its
     deltas of rows 0..j; QS: every layer's queries of rows j..N-1; RG: every layer's read
     gradients of rows j..N-1 (row j of layer 0's too, written by earlier launches); CC: row j of
-    each layer's c from column j; U, VC: row j of U and V; G_J, G_P: columns j and j-1 of the
+    each layer's c from column j; U, VC: row j of U and V (strides su, svc between (sequence, head)); G_J, G_P: columns j and j-1 of the
     decay products; G_ROW: G(j, s) from s = j; HH: each layer's h from [j+1, j]; BM: Bm's column
     j from row j+1. Over the column tiles: d_delta = U_j + sum_layers sum_{s >= j} c[j, s] do_s
     (dv = beta d_delta into DV_OUT), a_s = do_s . delta_j, and the M_c products and row dots;
@@ -213,7 +214,7 @@ def _chunk_step_bwd(MC, KC, DC, QS, RG, CC, U, VC, G_J, G_P, G_ROW, HH, BM, E, V
         cols = c0 + tl.arange(0, BV)
         cmask = cols < DV
         delta = tl.load(DC + (j * BH + bh) * DV + cols, mask=cmask, other=0.0).to(dt)
-        d_delta = _row(U, bh, DV, cols, cmask).to(dt)
+        d_delta = tl.load(U + bh * su + cols, mask=cmask, other=0.0).to(dt)
         for layer in range(0, NL):
             rg = _rows(RG + layer * srg_l, ci, bh, BH, DV, cols, later, cmask).to(dt)
             c_row = tl.sum(tl.where((li == layer)[:, None], c_rows, 0.0), 0)
@@ -242,7 +243,7 @@ def _chunk_step_bwd(MC, KC, DC, QS, RG, CC, U, VC, G_J, G_P, G_ROW, HH, BM, E, V
     start_p = tl.load(G_P + bh * (N + 1) * N, mask=j > 0, other=1.0).to(dt)  # G(-1, j-1); 1 at j = 0
     g_later = tl.load(G_ROW + bh * (N + 1) * N + ci, mask=later, other=0.0).to(dt)  # G(j, j + ci)
     bm = tl.load(BM + bh * N * N + ci * N, mask=after, other=0.0).to(dt)  # beta_m G(j, m-1), m = j + 1 + ci
-    g_delta = _row(VC, bh, DK, rows, rmask).to(dt)  # V_j, then each layer's queries
+    g_delta = tl.load(VC + bh * svc + rows, mask=rmask, other=0.0).to(dt)  # V_j, then each layer's queries
     ha = tl.zeros([BC], dtype=dt)  # sum over layers of (h a)_m, m = j + 1 + ci
     for layer in range(0, NL):
         a = tl.sum(tl.where((li == layer)[:, None], a_rows, 0.0), 0) * g_later
@@ -307,17 +308,17 @@ def _chunk_dm_products(DM, KC, DC, U0, V0, N, DK, DV, BK: tl.constexpr, BV: tl.c
 def _chunk_carry_back(DM, SCALE, ROWS, W, OUT, NR, DK, DV, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
     """One block of columns of dL/dM_c = scale dM_end + rows^T weights, per (sequence, head)."""
     bh = tl.program_id(0).to(tl.int64)
-    BH = tl.num_programs(0)
     rows, cols = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV)
     rmask, cmask = rows < DK, cols < DV
     tile = bh * DK * DV + rows[:, None] * DV + cols[None, :]
     mask = rmask[:, None] & cmask[None, :]
     dt = DM.dtype.element_ty
     acc = tl.load(SCALE + bh).to(dt) * tl.load(DM + tile, mask=mask, other=0.0)
-    for r0 in range(0, NR, BR):
+    for r0 in range(0, NR, BR):  # rows and weights are (B, H, NR, d): (sequence, head) bh's from bh NR
         ri = r0 + tl.arange(0, BR)
-        rt = _rows(ROWS, ri, bh, BH, DK, rows, ri < NR, rmask).to(dt)
-        wt = _rows(W, ri, bh, BH, DV, cols, ri < NR, cmask).to(dt)
+        rt = tl.load(ROWS + (bh * NR + ri[:, None]) * DK + rows[None, :], mask=(ri < NR)[:, None] & rmask[None, :], other=0.0)
+        wt = tl.load(W + (bh * NR + ri[:, None]) * DV + cols[None, :], mask=(ri < NR)[:, None] & cmask[None, :], other=0.0)
+        rt, wt = rt.to(dt), wt.to(dt)
         acc += tl.dot(tl.trans(rt), wt, input_precision="ieee")
     tl.store(OUT + tile, acc, mask=mask)
 
@@ -429,9 +430,10 @@ def step_backward(M_c, K, D, r: Rebuilt, co: Coefficients, j: int, beta, e, v, q
     dgs_w, dgates, sdgs = layout.out(out_dgates, 2 * H, K, (B, 2, H)) if gates else (dq_w, None, 0)
     g_p = gam[..., max(j - 1, 0)]  # unread at j = 0 (the chunk's start: G(-1, -1) = 1)
     _chunk_step_bwd[(B * H,)](
-        M_c, K[:n], D[: j + 1], queries[:, j:n], read_grads[:, j:n], c[..., j, j:], co.U[j], co.V[j], gam[..., j], g_p,
+        M_c, K[:n], D[: j + 1], queries[:, j:n], read_grads[:, j:n], c[..., j, j:], co.U[:, :, j], co.V[:, :, j], gam[..., j], g_p,
         gam[..., j + 1, j:], h[..., j + 1 :, j:], Bm[..., j + 1 :, j], e, v, o, beta, phi, dv_w, dq_w, dk_w, db_w, dg_w, gate_fac,
-        dgs_w, j, n, layers, queries.stride(0), read_grads.stride(0), se, sv, so, sbeta, sdv, sdq, sdk, sdb, sdg, sgf, sdgs, H,
+        dgs_w, j, n, layers, queries.stride(0), read_grads.stride(0), co.U.stride(1), co.V.stride(1), se, sv, so, sbeta, sdv,
+        sdq, sdk, sdb, sdg, sgf, sdgs, H,
         n_k, n_v, BK=bk, BV=bv, BC=_rows_block(n), BL=triton.next_power_of_2(layers), GATES=gates,
         num_warps=layout.warps(bk * bv))
     for w, out in ((dk_w, dk), (dq_w, dq), (db_w, dbeta), (dg_w, dgamma), (dv_w, dv)) + (((dgs_w, dgates),) if gates else ()):
@@ -463,7 +465,7 @@ def carry_back(dM_end, c: CarryBack, *, out=None):
     bk, bv = _blocks(n_k, n_v)
     rows, weights = _chunk_buffer(c.rows, "rows"), _chunk_buffer(c.weights, "weights")
     out = layout.empty(dM_end, dM_end.shape) if out is None else _check_m(out)
-    _chunk_carry_back[(B * H, triton.cdiv(n_v, bv))](dM_end, _chunk_buffer(c.scale, "scale"), rows, weights, out, rows.shape[0],
+    _chunk_carry_back[(B * H, triton.cdiv(n_v, bv))](dM_end, _chunk_buffer(c.scale, "scale"), rows, weights, out, rows.shape[2],
                                                      n_k, n_v, BK=bk, BV=bv, BR=CARRY_ROWS, num_warps=layout.warps(bk * bv))
     return out
 
