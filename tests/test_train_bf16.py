@@ -28,6 +28,7 @@ def data(tmp_path_factory):
 
 # A variant is a family's tiny config with overrides: GPN+M also in the memory's chunk form.
 VARIANTS = {"gpn_m": ("gpn_m", ()), "gpn_m_chunk": ("gpn_m", ("model.memory_form=chunk", "model.core_chunk=4")),
+            "gpn_m_chunk_bf16_reads": ("gpn_m", ("model.memory_form=chunk", "model.core_chunk=4", "model.memory_reads=compute")),
             "transformer": ("transformer", ()), "gdn": ("gdn", ())}
 
 
@@ -92,10 +93,10 @@ def test_bf16_resume_bitwise(data, bf16_runs, tmp_path, family):
 
 @pytest.mark.slow
 def test_bf16_loss_curve_tracks_fp32(data, tmp_path):
-    """bf16 against fp32 over 200 steps, with the memory in its step form and in its chunk form
-    (whose bf16 curve is held to the same fp32 one)."""
+    """bf16 against fp32 over 200 steps, with the memory in its step form, in its chunk form, and
+    in its chunk form with M_c read in bf16 (each bf16 curve held to the same fp32 one)."""
     steps = [f"train.total_steps={LONG}", f"train.save_every={LONG}", "train.warmup_steps=20", "train.lr=3e-3"]
-    for variant, precision in (("gpn_m", "fp32"), ("gpn_m", "bf16"), ("gpn_m_chunk", "bf16")):
+    for variant, precision in (("gpn_m", "fp32"), ("gpn_m", "bf16"), ("gpn_m_chunk", "bf16"), ("gpn_m_chunk_bf16_reads", "bf16")):
         train(data, variant, tmp_path / f"{variant}_{precision}", *steps, f"precision={precision}")
     fp32 = losses(tmp_path / "gpn_m_fp32")
 
@@ -103,7 +104,7 @@ def test_bf16_loss_curve_tracks_fp32(data, tmp_path):
         return [sum(curve[s] for s in range(i, i + 10)) / 10 for i in range(1, LONG + 1, 10)]
 
     assert means(fp32)[-1] < 0.8 * means(fp32)[0]  # the run learns, so the curves compare something
-    for variant in ("gpn_m", "gpn_m_chunk"):
+    for variant in ("gpn_m", "gpn_m_chunk", "gpn_m_chunk_bf16_reads"):
         bf16 = losses(tmp_path / f"{variant}_bf16")
         assert sorted(bf16) == list(range(1, LONG + 1))
         assert bf16 != fp32  # bf16 is in effect
