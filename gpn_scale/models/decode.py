@@ -80,18 +80,33 @@ class GPNDecodeState(NamedTuple):
     key: torch.Tensor | None
 
 
-class _Work(NamedTuple):
-    """Per-batch-size buffers a step writes and reads within the step (never carried)."""
+class _LayerWork(NamedTuple):
+    """One layer's buffers for a batch size, written and read within a step (never carried), and
+    the views of them the step's kernels take, made once: slicing costs microseconds a view."""
 
-    Y: list  # per layer: the fused projection's output (B, N_i)
-    Z: list  # per layer: the second GEMM's input (B, F [+ H*dv])
-    X: list  # per layer: the normalised layer input (B, d), layer 0's from the grounding
-    R: list  # and its rms (B, 1)
-    NN: list  # per layer: the norms of the normalised heads
-    NQ: list  # per layer after the first: the normalised query (B, 1, H, dk)
-    O: list  # per layer: the raw read (B, H*dv)
+    x: torch.Tensor  # (B, d): the normalised layer input (layer 0's: the grounded state's)
+    r: torch.Tensor  # (B, 1): its rms
+    y: torch.Tensor  # (B, N): the fused projection's output (core.columns' blocks)
+    h1: torch.Tensor  # its SwiGLU blocks
+    h2: torch.Tensor
+    pg: torch.Tensor  # the predict gate's block
+    z: torch.Tensor  # (B, F [+ H*dv]): the second GEMM's input [silu(h1) h2 | read output]
+    z_ffn: torch.Tensor
+    z_read: torch.Tensor | None
+    heads: torch.Tensor | None  # (B, 2 or 1, H, dk): [next key |] query, before normalising
+    gate: torch.Tensor | None  # the read's gate block
+    norms: torch.Tensor | None  # the normalised heads' norms
+    q: torch.Tensor | None  # (B, 1, H, dk): a later layer's normalised query
+    o: torch.Tensor | None  # (B, H*dv): the raw read
+    v: torch.Tensor | None = None  # layer 0 of GPN+M: the write's value (B, H, dv), gates' blocks
+    beta: torch.Tensor | None = None
+    a: torch.Tensor | None = None
+
+
+class _Work(NamedTuple):
+    layers: list  # _LayerWork per layer
     out: torch.Tensor  # (B, d): the second GEMM's output
-    fg: torch.Tensor  # (B, d): the fuse gate
+    fg: torch.Tensor  # (B, d): the fuse gate's pre-activation, then the gate
     rp: torch.Tensor  # (B, 1): rms of the prediction
     gates: torch.Tensor | None  # (3, B, H): the write's beta, gamma, decay
     e: torch.Tensor | None  # (B, H, dv): the write's error
@@ -134,19 +149,24 @@ class GPNDecoder:
     def _buffers(self, B: int) -> _Work:
         work = self._work.get(B)
         if work is None:
-            cfg, sd = self.cfg, self.dtype
-            new = lambda *shape: torch.empty(shape, dtype=sd, device=self.device)  # noqa: E731
-            n, H, dk = cfg.n_layers, cfg.n_heads, cfg.d_key
-            mem = cfg.memory
-            work = self._work[B] = _Work(
-                Y=[new(B, w) for w in self.widths],
-                Z=[new(B, cfg.d_ffn + (H * cfg.d_val if mem else 0)) for _ in range(n)],
-                X=[new(B, cfg.d_state) for _ in range(n)], R=[new(B, 1) for _ in range(n)],
-                NN=[new(B, 2 if i == 0 else 1, H, 1) for i in range(n)] if mem else [],
-                NQ=[None] + [new(B, 1, H, dk) for _ in range(n - 1)] if mem else [],
-                O=[new(B, H * cfg.d_val) for _ in range(n)] if mem else [],
-                out=new(B, cfg.d_state), fg=new(B, cfg.d_state), rp=new(B, 1),
-                gates=new(3, B, H) if mem else None, e=new(B, H, cfg.d_val) if mem else None)
+            cfg = self.cfg
+            new = lambda *shape: torch.empty(shape, dtype=self.dtype, device=self.device)  # noqa: E731
+            Fd, H, dk, mem = cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.memory
+            layers = []
+            for i, (width, col) in enumerate(zip(self.widths, self.cols)):
+                y, z = new(B, width), new(B, Fd + (H * cfg.d_val if mem else 0))
+                ffn = y[:, col["ffn"]]
+                views = dict(x=new(B, cfg.d_state), r=new(B, 1), y=y, h1=ffn[:, :Fd], h2=ffn[:, Fd:], pg=y[:, col["pg"]],
+                             z=z, z_ffn=z[:, :Fd], z_read=None, heads=None, gate=None, norms=None, q=None, o=None)
+                if mem:
+                    nh = 2 if i == 0 else 1
+                    views.update(z_read=z[:, Fd:], heads=y[:, col["heads"]].view(B, nh, H, dk), gate=y[:, col["gate"]],
+                                 norms=new(B, nh, H, 1), q=None if i == 0 else new(B, 1, H, dk), o=new(B, H * cfg.d_val))
+                    if i == 0:
+                        views.update(v=y[:, col["v"]].view(B, H, cfg.d_val), beta=y[:, col["beta"]], a=y[:, col["a"]])
+                layers.append(_LayerWork(**views))
+            work = self._work[B] = _Work(layers, new(B, cfg.d_state), new(B, cfg.d_state), new(B, 1),
+                                         new(3, B, H) if mem else None, new(B, H, cfg.d_val) if mem else None)
         return work
 
     @torch.no_grad()
@@ -167,7 +187,7 @@ class GPNDecoder:
         if self.cfg.memory:  # the first write's key, from the state's previous grounded state
             x_prev, _ = ew.rms_hat(state.prev_s.to(self.dtype))
             key, _ = ew.l2n_relu(ew.mm(x_prev, self.key_W, bias=self.key_b).view(B, self.cfg.n_heads, -1))
-        self.ops.rms_hat(s, work.X[0], work.R[0])
+        self.ops.rms_hat(s, work.layers[0].x, work.layers[0].r)
         return self._predict(state, s, key, work)
 
     @torch.no_grad()
@@ -178,40 +198,36 @@ class GPNDecoder:
         x_emb, _ = ew.rms_hat(self.emb[tokens.to(self.device)])
         u = ew.mm(x_emb, self.u_W)
         ew.mm(ds.c_hat, self.fg_W, work.fg, self.fg_b)
-        s = ew.ground(work.fg, ds.c, u, work.fg, work.X[0], work.R[0])  # g = u + sigmoid(.) c, normalised into X[0]
+        first = work.layers[0]
+        s = ew.ground(work.fg, ds.c, u, work.fg, first.x, first.r)  # g = u + sigmoid(.) c, normalised for layer 0
         return self._predict(GPNState(s, ds.state.s, ds.M), s, ds.key, work)
 
     def _predict(self, state: GPNState, s, key, work: _Work):
         """The write (GPN+M) and the predict layers from s = state.s, whose normalised form is in
-        work.X[0]; then the logits of the prediction."""
+        layer 0's input buffer; then the logits of the prediction."""
         cfg, ew, mem = self.cfg, self.ops, self.mem
-        B, Fd, H, dk = s.shape[0], cfg.d_ffn, cfg.n_heads, cfg.d_key
         M, next_key, c, c_hat = state.M, None, s, None
-        for i, (L, col) in enumerate(zip(self.layers, self.cols)):
-            y, z = work.Y[i], work.Z[i]
-            ew.mm(work.X[i], L.W, y, L.b)
-            h1, h2 = y[:, col["ffn"]][:, :Fd], y[:, col["ffn"]][:, Fd:]
+        last = cfg.n_layers - 1
+        for i, (L, w) in enumerate(zip(self.layers, work.layers)):
+            ew.mm(w.x, L.W, w.y, L.b)
             if not cfg.memory:
-                ew.post_projection(h1, h2, z[:, :Fd])
+                ew.post_projection(w.h1, w.h2, w.z_ffn)
             elif i == 0:
-                heads = torch.empty(B, 2, H, dk, dtype=s.dtype, device=s.device)  # [next key | query], the key carried
+                heads = torch.empty_like(w.heads)  # [next key | query]: the key is carried to the next step
                 beta, gamma, decay = work.gates
-                ew.post_projection(h1, h2, z[:, :Fd], y[:, col["heads"]].view(B, 2, H, dk), heads, work.NN[0],
-                                   y[:, col["beta"]], y[:, col["a"]], self.A, beta, gamma, decay)
-                M, *_ = mem.memory_step(state.M.contiguous(), key, y[:, col["v"]].view(B, H, -1), beta, decay,
-                                        heads[:, 1], y[:, col["gate"]], out_e=work.e, out_o=work.O[0],
-                                        out_y=z[:, Fd:], out_M=torch.empty_like(state.M, memory_format=torch.contiguous_format))
+                ew.post_projection(w.h1, w.h2, w.z_ffn, w.heads, heads, w.norms, w.beta, w.a, self.A, beta, gamma, decay)
+                M, *_ = mem.memory_step(state.M.contiguous(), key, w.v, beta, decay, heads[:, 1], w.gate, out_e=work.e,
+                                        out_o=w.o, out_y=w.z_read, out_M=torch.empty_like(M, memory_format=torch.contiguous_format))
                 next_key = heads[:, 0]
             else:
-                ew.post_projection(h1, h2, z[:, :Fd], y[:, col["heads"]].view(B, 1, H, dk), work.NQ[i], work.NN[i])
-                mem.memory_read(M, work.NQ[i][:, 0], y[:, col["gate"]], out_o=work.O[i], out_y=z[:, Fd:])
-            last = i == cfg.n_layers - 1
-            if last:
+                ew.post_projection(w.h1, w.h2, w.z_ffn, w.heads, w.q, w.norms)
+                mem.memory_read(M, w.q[:, 0], w.gate, out_o=w.o, out_y=w.z_read)
+            if i == last:
                 c_hat = torch.empty_like(s)
                 x_next, r_next, out = c_hat, work.rp, torch.empty_like(s)
             else:
-                x_next, r_next, out = work.X[i + 1], work.R[i + 1], None
-            c = ew.residual_rms(ew.mm(z, L.W2o, work.out), y[:, col["pg"]], c, out, x_next, r_next)
+                x_next, r_next, out = work.layers[i + 1].x, work.layers[i + 1].r, None
+            c = ew.residual_rms(ew.mm(w.z, L.W2o, work.out), w.pg, c, out, x_next, r_next)
         h = ew.mm(c_hat, self.dec_W, bias=self.dec_b)
         logits = at_least_f32(h @ self.emb_T)
         return logits, GPNDecodeState(state, c, c_hat, M, next_key)
