@@ -155,14 +155,26 @@ def test_baseline_decoders_equal_the_forward_in_float64(family):
     with torch.no_grad():
         full = model(tokens, return_logits=True)
     for prompt in (0, 6):
-        dec = decoder(model, 2)
-        dec.RESERVE = 3  # the transformer's cache doubles several times on the way
+        dec = decoder(model, 2, new_tokens=3)  # the transformer's cache doubles several times on the way
         logits, ds = dec.prefill(tokens[:, :prompt])
         out = [logits]
         for t in range(prompt, tokens.shape[1] - 1):
             logits, ds = dec.step(ds, tokens[:, t])
             out.append(logits)
         torch.testing.assert_close(torch.stack(out, 1), full.logits[:, prompt:], rtol=1e-12, atol=1e-12)
+
+
+def test_the_kv_cache_has_room_for_the_planned_tokens_and_grows_past_them():
+    torch.manual_seed(0)
+    model = build_model(model_config("transformer_tiny", {"vocab_size": 61})).eval()
+    dec = decoder(model, new_tokens=5)
+    logits, cache = dec.prefill(torch.randint(0, 61, (1, 7)))
+    storage = cache.keys[0].data_ptr()
+    for _ in range(5):
+        logits, cache = dec.step(cache, logits.argmax(-1))
+    assert cache.length == 1 + 7 + 5 and cache.keys[0].data_ptr() == storage  # start, the prompt, the steps: in place
+    logits, cache = dec.step(cache, logits.argmax(-1))
+    assert cache.keys[0].data_ptr() != storage and cache.keys[0].shape[2] >= cache.length
 
 
 class OpShapes(TorchDispatchMode):

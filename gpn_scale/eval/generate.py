@@ -54,7 +54,7 @@ def generate_tokens(model, prompt: list[int], max_new_tokens: int, temperature: 
         return
     device = model_device(model)
     generator = torch.Generator().manual_seed(seed)  # sampling runs on the CPU: the same text on any device
-    dec = decoder(model)
+    dec = decoder(model, new_tokens=max_new_tokens)
     logits, state = dec.prefill(torch.tensor([prompt], dtype=torch.long, device=device))
     for i in range(max_new_tokens):
         probs = sampling_probs(logits[0].cpu(), temperature, top_p, top_k)

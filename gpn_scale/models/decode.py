@@ -15,8 +15,9 @@ with its fused weights built once per decoder and the step kernels of the model'
 (`kernels.step`, `kernels.memory`). A step grounds the previous prediction with the token, writes
 M and runs the predict layers: per token constant time and memory, whatever came before.
 
-Transformer++ (`TransformerDecoder`): a KV cache allocated ahead and doubled when full, so a step
-appends its keys and values in place and attends over the cache (no copy of the cache per token).
+Transformer++ (`TransformerDecoder`): a KV cache allocated ahead for the planned tokens (doubled
+if they are exceeded), so a step appends its keys and values in place and attends over the cache
+(no copy of the cache per token).
 
 Gated DeltaNet (`LayeredDecoder`): its forward on one token with the state carried; a layered
 model's state after a placeholder is the state after the token before it, so the placeholder's
@@ -43,13 +44,14 @@ from gpn_scale.models.transformer import Transformer, rotary
 PLACEHOLDER = 0  # any id: a forward's logits at a position do not depend on the token fed there
 
 
-def decoder(model, batch: int = 1):
+def decoder(model, batch: int = 1, new_tokens: int | None = None):
     """The decoder of a model's family, its weights prepared for `batch` rows (a smaller batch, as
-    rows finish, works too)."""
+    rows finish, works too). `new_tokens`: how many steps are planned, where it matters (a KV cache
+    is allocated for them at once; it grows when they are exceeded)."""
     if isinstance(model, GPN):
         return GPNDecoder(model, batch)
     if isinstance(model, Transformer):
-        return TransformerDecoder(model)
+        return TransformerDecoder(model, new_tokens)
     if isinstance(model, GatedDeltaNet):
         return LayeredDecoder(model)
     raise TypeError(f"no decoder for {type(model).__name__}")
@@ -250,11 +252,12 @@ class KVCache(NamedTuple):
 class TransformerDecoder:
     """Transformer++ with a KV cache filled in place (module docstring)."""
 
-    RESERVE = 256  # positions allocated beyond the prompt at first; the cache doubles when full
+    RESERVE = 256  # positions allocated beyond the prompt when the number of new tokens is not given
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, new_tokens: int | None = None):
         self.model = model
         self.device = _device(model)
+        self.reserve = self.RESERVE if new_tokens is None else max(1, new_tokens)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, state=None):
@@ -272,14 +275,14 @@ class TransformerDecoder:
         if state is None:
             like = model.embedding
             n_heads = model.config.n_heads
-            shape = (batch, n_heads, self.RESERVE, model.config.d_model // n_heads)
+            shape = (batch, n_heads, 1 + self.reserve, model.config.d_model // n_heads)  # `start`'s and the steps'
             keys = [like.new_empty(shape) for _ in model.layers]
             values = [like.new_empty(shape) for _ in model.layers]
             return self.step(KVCache(keys, values, 0, None), None)
         past = state.kv[0][0].shape[2]
         keys, values = [], []
         for k, v in state.kv:
-            room = k.new_empty(k.shape[:2] + (past + self.RESERVE, k.shape[3]))
+            room = k.new_empty(k.shape[:2] + (past + 1 + self.reserve, k.shape[3]))  # the last token's and the steps'
             keys.append(room), values.append(torch.empty_like(room))
             keys[-1][:, :, :past], values[-1][:, :, :past] = k, v
         return self.step(KVCache(keys, values, past, None), state.last_token)
