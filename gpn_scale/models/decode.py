@@ -189,7 +189,7 @@ class GPNDecoder:
         if self.cfg.memory:  # the first write's key, from the state's previous grounded state
             x_prev, _ = ew.rms_hat(state.prev_s.to(self.dtype))
             key, _ = ew.l2n_relu(ew.mm(x_prev, self.key_W, bias=self.key_b).view(B, self.cfg.n_heads, -1))
-        self.ops.rms_hat(s, work.layers[0].x, work.layers[0].r)
+        ew.rms_hat(s, work.layers[0].x, work.layers[0].r)
         return self._predict(state, s, key, work)
 
     @torch.no_grad()
@@ -218,8 +218,9 @@ class GPNDecoder:
                 heads = torch.empty_like(w.heads)  # [next key | query]: the key is carried to the next step
                 beta, gamma, decay = work.gates
                 ew.post_projection(w.h1, w.h2, w.z_ffn, w.heads, heads, w.norms, w.beta, w.a, self.A, beta, gamma, decay)
-                M, *_ = mem.memory_step(state.M.contiguous(), key, w.v, beta, decay, heads[:, 1], w.gate, out_e=work.e,
-                                        out_o=w.o, out_y=w.z_read, out_M=torch.empty_like(M, memory_format=torch.contiguous_format))
+                M = state.M.contiguous()
+                M, *_ = mem.memory_step(M, key, w.v, beta, decay, heads[:, 1], w.gate, out_e=work.e, out_o=w.o,
+                                        out_y=w.z_read, out_M=torch.empty_like(M))  # M_{t+1}: carried
                 next_key = heads[:, 0]
             else:
                 ew.post_projection(w.h1, w.h2, w.z_ffn, w.heads, w.q, w.norms)
