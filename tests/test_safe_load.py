@@ -201,7 +201,7 @@ def test_resume_refuses_a_planted_gadget(runs, tmp_path, stage):
     reseal(tag_dir)
     proc = gpn_scale(*train_args(runs / "data", run, stage), "--resume", "auto", expect=2)
     assert_refused(proc, tag_dir / name, marker)
-    assert "resumed from" not in proc.stderr
+    assert "resumed from" not in proc.stdout
 
 
 @pytest.mark.parametrize("command, stage, name, plant", [
@@ -253,7 +253,7 @@ def test_an_untouched_checkpoint_resumes_and_evaluates_and_an_old_rng_file_still
                tag_dir / "rng_rank0.pt")
     ckpt.write_manifest(tag_dir)
     proc = gpn_scale(*train_args(runs / "data", run, 2), "--resume", "auto", expect=0)
-    assert f"resumed from {tag_dir} at step 1" in proc.stderr
+    assert f"resumed from {tag_dir} at step 1" in proc.stdout
     proc = gpn_scale("eval", run, "--data", runs / "data" / "val", "--json", "--out", tmp_path / "out", expect=0)
     assert json.loads(proc.stdout.splitlines()[-1])["windows"] == 8
 

@@ -1,5 +1,6 @@
 """`gpn-scale train`: real DeepSpeed (CPU accelerator, gloo), real MDS streams, real processes."""
 
+import fcntl
 import glob
 import json
 import os
@@ -7,8 +8,11 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
+import threading
 import time
 from pathlib import Path
 
@@ -151,7 +155,7 @@ def test_graphed_core_trains_as_the_eager_one(data, reference_runs, tmp_path, st
     # eager, then capture (its replay counted); every later micro-batch replays (12 / 2 per rank, per step)
     micro_batches = TOTAL * 12 // (2 * 2)
     assert (f"fused core graphs: forward 1 eager, 1 captured, {micro_batches - 1} replayed, 0 failed"
-            in proc.stderr), proc.stderr[-3000:]
+            in proc.stdout), proc.stdout[-3000:]
 
 
 @pytest.mark.slow
@@ -159,7 +163,8 @@ def test_sigterm_on_one_rank_checkpoints_and_resumes_exactly(data, reference_run
     import psutil
 
     run = tmp_path / "run"
-    proc = subprocess.Popen(train_cmd(data, run, 2, *BATCH, "zero.stage=2"), env=env(), stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(train_cmd(data, run, 2, *BATCH, "zero.stage=2"), env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
@@ -168,9 +173,9 @@ def test_sigterm_on_one_rank_checkpoints_and_resumes_exactly(data, reference_run
     ranks = psutil.Process(proc.pid).children()
     assert len(ranks) == 2
     ranks[1].send_signal(signal.SIGTERM)  # one rank only: the other learns at the step boundary
-    _, stderr = proc.communicate(timeout=300)
+    stdout, stderr = proc.communicate(timeout=300)
     assert f"exitcode  : {EXIT_PREEMPTED}" in stderr or proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
-    assert "SIGTERM received: checkpointed at step" in stderr
+    assert "SIGTERM received: checkpointed at step" in stdout
     stopped_at = max(losses(run))
     assert 2 <= stopped_at < TOTAL
     assert (run / "checkpoints" / f"step_{stopped_at:08d}" / "manifest.json").is_file()
@@ -199,7 +204,7 @@ def test_world_size_changes_keep_the_sample_order_and_the_losses(data, reference
     for i, world in enumerate(WORLD_CHAIN):
         proc = train(data, run, world, *BATCH, f"zero.stage={stage}", f"train.stop_at_step={2 * (i + 2)}",
                      resume="auto")
-        assert f"world size {(2, *WORLD_CHAIN)[i]} -> {world}: converting" in proc.stderr
+        assert f"world size {(2, *WORLD_CHAIN)[i]} -> {world}: converting" in proc.stdout
     assert samples(run) == samples(ref)[:CHAIN_STEPS]  # the same global order, step by step
     flat = sum(samples(run), [])
     assert len(flat) == len(set(flat)) == CHAIN_STEPS * 12  # nothing repeated or skipped
@@ -225,7 +230,7 @@ def test_corrupted_newest_checkpoint_falls_back_to_the_previous(data, tmp_path):
     assert len(warnings) == 2
     assert "step_00000009 skipped: incomplete" in warnings[0]
     assert "step_00000006 skipped:" in warnings[1] and "xxh3_128 hash (corrupted)" in warnings[1]
-    assert f"resumed from {ckpts / 'step_00000003'} at step 3" in proc.stderr
+    assert f"resumed from {ckpts / 'step_00000003'} at step 3" in proc.stdout
     assert sorted(losses(run)) == list(range(1, 8))
 
 
@@ -319,3 +324,88 @@ def test_off_a_terminal_progress_is_plain_lines_not_a_redrawn_bar(tmp_path, caps
     assert "\r" not in out + err  # pytest's capture is not a terminal: no bar
     # the last step always, then every 30 s
     assert out.splitlines() == ["step 3/3 | loss 1.0000 | 12,345 tok/s | 1.0 GiB | 3m elapsed, ETA 0s"]
+
+
+def _steps(log, n):
+    from gpn_scale.train.metrics import StepMetrics
+
+    for step in range(1, n + 1):
+        log.progress(StepMetrics(step=step, loss=4.0 - step, lr=1e-3, grad_norm=1.0, tokens=step, tokens_per_s=12345.0,
+                                 step_time_s=1.0, peak_mem_bytes=2**30, elapsed_s=60.0 * step, eta_s=60.0 * (n - step),
+                                 mfu=None))
+
+
+class Terminal:
+    """A pseudo-terminal whose output is collected while a process writes to it (a pty's buffer
+    is small: unread, it would block the writer)."""
+
+    def __init__(self):
+        self.master, self.slave = os.openpty()
+        fcntl.ioctl(self.slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a window's size, not 0 x 0
+        self.chunks = []
+        self.reader = threading.Thread(target=self._drain, daemon=True)
+        self.reader.start()
+
+    def _drain(self):
+        while True:
+            try:
+                data = os.read(self.master, 65536)
+            except OSError:  # EIO: every writer has closed the other end
+                return
+            if not data:
+                return
+            self.chunks.append(data)
+
+    def text(self) -> str:
+        """What the terminal showed, once its writers have closed; the pty's own \r\n as \n."""
+        self.reader.join(timeout=60)
+        os.close(self.master)
+        return b"".join(self.chunks).decode(errors="replace").replace("\r\n", "\n")
+
+
+def test_on_a_terminal_progress_is_a_bar_and_no_lines(tmp_path):
+    from gpn_scale.train.metrics import MetricsLog
+
+    term = Terminal()
+    with os.fdopen(term.slave, "w") as out:
+        log = MetricsLog(tmp_path, {}, "disabled", "p", "n", start_step=0, total_steps=3, enabled=True, out=out)
+        _steps(log, 3)
+        log.write("resumed from somewhere")
+        log.close()
+        log.write("done at step 3")
+    shown = term.text()
+    assert "3/3" in shown and "\r" in shown  # the bar, redrawn
+    assert "step 3/3 | loss" not in shown  # no plain lines beside it
+    assert shown.count("resumed from somewhere") == shown.count("done at step 3") == 1
+
+
+def test_progress_and_summary_reach_tee_and_the_terminal_shows_them_once(data, tmp_path):
+    """`gpn-scale train ... | tee train.log` on a terminal: the log keeps the progress lines and the
+    closing summary (with DeepSpeed's stdout); the terminal, which has both tee's copy of stdout and
+    stderr, shows each once and no bar."""
+    run, log = tmp_path / "run", tmp_path / "train.log"
+    cmd = " ".join(map(str, train_cmd(data, run, 1, "train.total_steps=4", "eval.every=2")))
+    term = Terminal()
+    proc = subprocess.Popen(["bash", "-c", f"set -o pipefail; {cmd} | tee {log}"], stdin=subprocess.DEVNULL,
+                            stdout=term.slave, stderr=term.slave, env=env())
+    os.close(term.slave)
+    code = proc.wait(timeout=600)
+    shown = term.text()
+    assert code == 0, shown[-5000:]
+    kept = log.read_text()
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    final = [r for r in rows if "loss" in r][-1]
+    val = [r for r in rows if "val_loss" in r][-1]
+    progress = f"step 4/4 | loss {final['loss']:.4f} | "
+    done = f"done at step 4: checkpoint {run / 'checkpoints' / 'step_00000004'}, metrics {run / 'metrics.jsonl'}"
+    summary = re.search(r"^train loss (\S+) \(step 4\) \| val loss (\S+), PPL (\S+) \(step 4\) \| ([\d,]+) tok/s \| "
+                        r"wall time (\d+)s$", kept, re.M)
+    assert progress in kept and done in kept and summary, kept[-3000:]
+    assert float(summary[1]) == pytest.approx(final["loss"], abs=1e-4)
+    assert float(summary[2]) == pytest.approx(val["val_loss"], abs=1e-4)
+    step_time = sum(r["step_time_s"] for r in rows if "loss" in r)
+    assert int(summary[4].replace(",", "")) == pytest.approx(final["tokens"] / step_time, rel=0.01, abs=1)
+    assert kept.index("training gpn_m (") < kept.index(progress) < kept.index(done) < kept.index(summary[0])
+    for line in (progress, done, summary[0]):  # once on the terminal: tee's copy, nothing of it on stderr
+        assert shown.count(line) == 1, shown[-3000:]
+    assert "\r" not in shown  # no bar redrawn beside the lines

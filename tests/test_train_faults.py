@@ -69,7 +69,7 @@ def schedule(step: int, lr=6e-4, warmup=2, total=STEPS, floor=0.1) -> float:
 
 def changes_applied(proc) -> set[str]:
     """The settings a resume reported as changed ("key old -> new"; a moved run.dir by its key)."""
-    [line] = [l for l in proc.stderr.splitlines() if l.startswith("resuming with changed settings: ")]
+    [line] = [l for l in proc.stdout.splitlines() if l.startswith("resuming with changed settings: ")]
     items = line.split(": ", 1)[1].split(", ")
     return {"run.dir" if item.startswith("run.dir ") else item for item in items}
 
@@ -142,12 +142,12 @@ def test_a_taken_run_dir_refuses_and_sigint_checkpoints(data, run):
         second = train(data, run, "train.total_steps=400", resume="auto", expect=2)
         assert f"is in use by pid {first.pid} on {socket.gethostname()}" in error_line(second)
         first.send_signal(signal.SIGINT)
-        _, stderr = first.communicate(timeout=300)
+        stdout, stderr = first.communicate(timeout=300)
     finally:
         first.kill()
     assert first.returncode == EXIT_INTERRUPTED, stderr[-3000:]
     stopped = max(losses(run))
-    assert f"SIGINT received: checkpointed at step {stopped}" in stderr
+    assert f"SIGINT received: checkpointed at step {stopped}" in stdout
     assert ckpt.verify(run / "checkpoints" / ckpt.tag_for(stopped)) is None
     assert json.loads((run / "status.json").read_text())["status"] == "interrupted"
     assert not (run / "trainer.lock").exists()
@@ -164,11 +164,11 @@ def test_rotation_keeps_what_it_just_wrote(data, run):
     for tag in ("step_00000004", "step_00000006"):
         corrupt(ckpts / tag / "mp_rank_00_model_states.pt")
     proc = train(data, run, "train.keep_last=1", "train.stop_at_step=4", resume="auto")
-    assert f"resumed from {ckpts / 'step_00000002'}" in proc.stderr
+    assert f"resumed from {ckpts / 'step_00000002'}" in proc.stdout
     assert logged_lr(run) == pytest.approx({s: schedule(s) for s in range(1, 5)}, rel=1e-12)  # after the resume too
     latest = (ckpts / "latest").read_text()
     assert latest == "step_00000004" and ckpt.verify(ckpts / latest) is None
-    assert f"done at step 4: checkpoint {ckpts / latest}" in proc.stderr
+    assert f"done at step 4: checkpoint {ckpts / latest}" in proc.stdout
     assert not (ckpts / "step_00000002").exists()  # replaced by a newer verified one
     assert (ckpts / "step_00000006").exists()  # newer than this run: left for its saves to replace
 

@@ -16,7 +16,8 @@ from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import loop, optim
 from gpn_scale.train.config import load_train_config
 from gpn_scale.train.engine import deepspeed_config
-from gpn_scale.train.metrics import RunClock, StepMetrics, duration, flops_per_token, progress_line
+from gpn_scale.train.metrics import (RunClock, RunSummary, StepMetrics, clock_time, duration, flops_per_token,
+                                     progress_line, summary_line)
 
 TINY = {"gpn": "gpn_tiny", "gpn_m": "gpn_m_tiny", "transformer": "transformer_tiny", "gdn": "gdn_tiny"}
 
@@ -198,6 +199,17 @@ def test_progress_line_for_a_log_file():
     m = StepMetrics(step=100, loss=3.21, lr=1e-3, grad_norm=1.0, tokens=10, tokens_per_s=12345.6, step_time_s=0.1,
                     peak_mem_bytes=3 * 2**30, elapsed_s=725.0, eta_s=1440.0, mfu=None)
     assert progress_line(m, 300) == "step 100/300 | loss 3.2100 | 12,346 tok/s | 3.0 GiB | 12m elapsed, ETA 24m"
+
+
+def test_summary_line_for_the_end_of_a_run():
+    s = RunSummary(step=300, train_loss=3.21, val_loss=3.3, val_ppl=math.exp(3.3), val_step=300, tokens=300 * 4096,
+                   step_seconds=100.0, wall_seconds=3600 + 5 * 60 + 12.4)
+    assert summary_line(s) == "train loss 3.2100 (step 300) | val loss 3.3000, PPL 27.11 (step 300) | 12,288 tok/s | wall time 1h05m12s"
+    resumed_at_the_end = RunSummary(step=300, train_loss=None, val_loss=None, val_ppl=None, val_step=None, tokens=0,
+                                    step_seconds=0.0, wall_seconds=4.0)
+    assert summary_line(resumed_at_the_end) == ("train loss - | val loss - (not evaluated in this run) | - tok/s | "
+                                                "wall time 4s")
+    assert [clock_time(s) for s in (0.4, 59.6, 61, 3599, 3600)] == ["0s", "1m00s", "1m01s", "59m59s", "1h00m00s"]
 
 
 def _gpn_params(V, E, d, F, L, H, dk, dv, memory):

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from gpn_scale.errors import UserError
-from gpn_scale.eval.generate import PLACEHOLDER, sampling_probs
+from gpn_scale.eval.generate import draw, sampling_probs
 from gpn_scale.eval.heldout import model_device
+from gpn_scale.models.decode import decoder
 
 STATEFUL_FAMILIES = ("gpn", "gpn_m", "gdn")
 
@@ -154,26 +155,29 @@ class Generation:
 def generate_batch(model, requests: Sequence[Generation], decode: Callable[[list[int]], str], eos_id: int | None,
                    seed: int = 0) -> list[str]:
     """Each request's continuation text, the rows decoded together one token at a time from their
-    context's state; a row leaves the batch at a stop string, EOS or its token limit."""
+    context's state (one decode step per token, gpn_scale/models/decode.py); a row leaves the batch
+    at a stop string, EOS or its token limit."""
     model.eval()
     device = model_device(model)
     generator = torch.Generator().manual_seed(seed)
     texts = [""] * len(requests)
     with_context = [i for i, r in enumerate(requests) if r.context]
     states = dict(zip(with_context, final_states(model, [requests[i].context for i in with_context])))
+    dec = decoder(model, batch=len(requests))
     for rows in (with_context, [i for i, r in enumerate(requests) if not r.context]):
         active = [i for i in rows if requests[i].max_new_tokens > 0]
-        state = stack_rows([states[i] for i in active]) if active and requests[active[0]].context else None
+        if not active:
+            continue
+        state = stack_rows([states[i] for i in active]) if requests[active[0]].context else None
+        logits, state = dec.resume(state, len(active))
         generated: dict[int, list[int]] = {i: [] for i in active}
         while active:
-            placeholder = torch.full((len(active), 1), PLACEHOLDER, dtype=torch.long, device=device)
-            logits = model(placeholder, state=state, return_logits=True).logits[:, -1].cpu()
+            logits = logits.cpu()
             chosen, keep = [], []
             for k, i in enumerate(active):
                 request = requests[i]
                 probs = sampling_probs(logits[k], request.temperature, request.top_p)
-                token = int(torch.multinomial(probs, 1, generator=generator))
-                chosen.append(token)
+                token = draw(probs, generator)
                 if token == eos_id:
                     continue
                 generated[i].append(token)
@@ -182,6 +186,8 @@ def generate_batch(model, requests: Sequence[Generation], decode: Callable[[list
                 texts[i] = text if cut < 0 else text[:cut]
                 if cut < 0 and len(generated[i]) < request.max_new_tokens:
                     keep.append(k)
-            state = model(torch.tensor(chosen, device=device)[:, None], state=state).state
-            active, state = [active[k] for k in keep], take_rows(state, keep) if keep else None
+                    chosen.append(token)
+            if keep:
+                logits, state = dec.step(take_rows(state, keep), torch.tensor(chosen, device=device))
+            active = [active[k] for k in keep]
     return texts

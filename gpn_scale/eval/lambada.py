@@ -8,8 +8,11 @@ does), so the word's first subword is the one a reader would predict after the c
 accuracy = share of examples whose first target subword is the top-1 prediction given the context;
 PPL = exp of the mean over examples of the mean CE over that example's target subwords.
 Per example, the target's summed log-likelihood is kept too (what lm-evaluation-harness reports).
-Only the model interface `model(tokens, return_logits=True)` -> (loss, token_losses, state, logits)
-is used, with logits[:, t] and token_losses[:, t] predicting token t from tokens before it.
+
+Each context is run once through the forward (a batch in segments between its lengths, the state
+carried: `harness.final_states`); the target is then read off the model's decoder
+(gpn_scale/models/decode.py): its first step's distribution is the prediction after the context,
+and each target token fed gives the next one. No logits are kept for the context's positions.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from pathlib import Path
 import torch
 
 from gpn_scale.errors import UserError
+from gpn_scale.eval.harness import final_states, stack_rows
 from gpn_scale.eval.heldout import model_device
+from gpn_scale.models.decode import decoder
 
 
 @dataclass
@@ -77,24 +82,36 @@ def make_examples(texts: list[str], encode, bos_id: int | None = None, where: st
 
 @torch.no_grad()
 def score_lambada(model, examples: list[Example], batch: int = 8) -> dict:
-    """accuracy, perplexity and the per-example results. Examples are batched by length and padded on
-    the right: a causal model's outputs at a position never depend on the padding after it."""
+    """accuracy, perplexity and the per-example results. A batch's contexts run together in segments
+    between their lengths; its targets are decoded together from the states of the rows whose
+    contexts have one length (so the states stack for every family: a Transformer's KV caches too)."""
     model.eval()
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i].context) + len(examples[i].target))
+    device = model_device(model)
+    order = sorted(range(len(examples)), key=lambda i: (len(examples[i].context), len(examples[i].target)))
     correct, word_ce, word_logprob = [False] * len(examples), [0.0] * len(examples), [0.0] * len(examples)
+    dec = decoder(model, batch)
     for start in range(0, len(order), batch):
-        group = [examples[i] for i in order[start : start + batch]]
-        length = max(len(e.context) + len(e.target) for e in group)
-        tokens = torch.zeros(len(group), length, dtype=torch.long)
-        for row, e in enumerate(group):
-            ids = e.context + e.target
-            tokens[row, : len(ids)] = torch.tensor(ids)
-        out = model(tokens.to(model_device(model)), return_logits=True)
-        for row, (i, e) in enumerate(zip(order[start : start + batch], group)):
-            first, end = len(e.context), len(e.context) + len(e.target)
-            correct[i] = int(out.logits[row, first].argmax()) == e.target[0]
-            losses = out.token_losses[row, first:end].double()
-            word_ce[i], word_logprob[i] = float(losses.mean()), -float(losses.sum())
+        rows = order[start : start + batch]
+        ran = [i for i in rows if examples[i].context]
+        states = dict(zip(ran, final_states(model, [examples[i].context for i in ran])))
+        for length in sorted({len(examples[i].context) for i in rows}):
+            group = [i for i in rows if len(examples[i].context) == length]
+            logits, state = dec.resume(stack_rows([states[i] for i in group]) if length else None, len(group))
+            targets = torch.zeros(len(group), max(len(examples[i].target) for i in group), dtype=torch.long)
+            for r, i in enumerate(group):
+                targets[r, : len(examples[i].target)] = torch.tensor(examples[i].target)
+            hits = logits.argmax(-1).cpu() == targets[:, 0]
+            logprobs = []  # per target position: (rows,) log-probability of the target token
+            for t in range(targets.shape[1]):
+                logprobs.append(torch.log_softmax(logits.double().cpu(), -1).gather(1, targets[:, t : t + 1])[:, 0])
+                if t + 1 < targets.shape[1]:
+                    logits, state = dec.step(state, targets[:, t].to(device))
+            logprobs = torch.stack(logprobs, 1)
+            for r, i in enumerate(group):
+                n = len(examples[i].target)
+                correct[i] = bool(hits[r])
+                word_logprob[i] = float(logprobs[r, :n].sum())
+                word_ce[i] = -word_logprob[i] / n
     mean_ce = sum(word_ce) / len(word_ce)
     return {"lambada_acc": sum(correct) / len(correct), "lambada_ppl": math.exp(mean_ce),
             "lambada_examples": len(examples), "per_example": {"correct": correct, "word_ce": word_ce, "word_logprob": word_logprob}}

@@ -221,7 +221,7 @@ class GatedDeltaMixer(nn.Module):
         kernel = _fla_chunk_kernel() if self.cfg.kernel == "auto" and q.is_cuda else None
         if kernel is not None:  # q is already scaled; fla wants S as (B, H, K, V) float32, like ours
             return kernel(q, k, v, g, beta, scale=1.0, initial_state=S, output_final_state=True)
-        if self.cfg.core == "recurrent":
+        if self.cfg.core == "recurrent" or q.shape[1] == 1:  # one token (decoding): the chunk form would pad it to a chunk
             return recurrent_gated_delta_rule(q, k, v, g, beta, S)
         return chunk_gated_delta_rule(q, k, v, g, beta, S, self.cfg.chunk_size)
 

@@ -41,7 +41,8 @@ from gpn_scale.train.config import TrainConfig, config_changes, load_train_confi
 from gpn_scale.train.gc import GarbageCollection
 from gpn_scale.train.lock import RunLock
 from gpn_scale.train.loop import Audit, Outcome
-from gpn_scale.train.metrics import MetricsLog, RunClock, StepMetrics, flops_per_token, peak_flops, peak_memory_bytes
+from gpn_scale.train.metrics import (MetricsLog, RunClock, RunSummary, StepMetrics, flops_per_token, peak_flops,
+                                     peak_memory_bytes, summary_line)
 from kernels.graph import graphs_of
 
 EXIT_PREEMPTED = 75
@@ -78,6 +79,7 @@ def deepspeed_config(cfg: TrainConfig, grad_accum: int, universal: bool) -> dict
 class Trainer:
     def __init__(self, cfg: TrainConfig, resume: str, data: preflight.DataInfo | None = None,
                  allow_config_change: bool = False):
+        self.launched = time.monotonic()
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.ckpt_root = self.run_dir / "checkpoints"
@@ -96,6 +98,17 @@ class Trainer:
     # ---- setup ---------------------------------------------------------------------------------
 
     def _say(self, message: str) -> None:
+        """A line of the run's report (its start, resume, end) on rank 0's stdout: with DeepSpeed's log
+        and the progress, where `| tee` and SLURM's output file keep it."""
+        if not self.is_main:
+            return
+        if getattr(self, "log", None) is not None:
+            self.log.write(message)
+        else:
+            print(message, flush=True)
+
+    def _warn(self, message: str) -> None:
+        """A warning or an error, on rank 0's stderr."""
         if self.is_main:
             print(message, file=sys.stderr, flush=True)
 
@@ -119,7 +132,7 @@ class Trainer:
             return None
         if resume == "auto":
             rejected = []
-            tag = checkpoints.newest_complete(self.ckpt_root, warn=self._say, rejected=rejected)
+            tag = checkpoints.newest_complete(self.ckpt_root, warn=self._warn, rejected=rejected)
             if tag is None and rejected:
                 listed = "; ".join(f"{t}: {why}" for t, why in rejected)
                 raise UserError(f"--resume auto: no checkpoint in {self.ckpt_root} can be resumed from ({listed}); "
@@ -349,7 +362,8 @@ class Trainer:
         self._build()
         self._write_status("running")
         self.stop_at = t.stop_at_step or t.total_steps
-        self.start_step = self.step
+        self.start_step, self.start_tokens = self.step, self.tokens
+        self.last_loss, self.last_eval, self.step_seconds = None, None, 0.0  # this launch's, for its summary
         self.audit = Audit(t.nonfinite_patience)
         self.clock = RunClock(self.stop_at)
         self.peak_flops = peak_flops(cfg.logging.peak_tflops)
@@ -372,6 +386,8 @@ class Trainer:
             self.samples_file = JsonLines(self.run_dir / "samples.jsonl")
 
     def _log(self, metrics: StepMetrics) -> None:
+        self.last_loss = metrics.loss
+        self.step_seconds += metrics.step_time_s
         if self.cfg.data.log_sample_ids:
             every_rank = dist_utils.gather_objects(self.step_samples)
             if self.samples_file:
@@ -381,7 +397,13 @@ class Trainer:
 
     def _eval_if_due(self) -> None:
         if loop.due(self.step, self.cfg.eval.every, self.cfg.train.total_steps):
-            self.log.log({"step": self.step, **self.evaluate()})
+            self._record_eval()
+
+    def _record_eval(self) -> None:
+        result = self.evaluate()
+        self.log.log({"step": self.step, **result})
+        if result:
+            self.last_eval = {"step": self.step, **result}
 
     def _save_if_due(self) -> None:
         if loop.due(self.step, self.cfg.train.save_every, self.stop_at) and self.audit.clean:
@@ -399,7 +421,7 @@ class Trainer:
             tag_dir = self.ckpt_root / checkpoints.tag_for(self.step)
         else:
             if self.step >= t.total_steps:
-                self.log.log({"step": self.step, **self.evaluate()})
+                self._record_eval()
             tag_dir = self.save()
         if self.samples_file:
             self.samples_file.close()
@@ -408,20 +430,30 @@ class Trainer:
         self._write_status(outcome.value)
         if outcome is Outcome.DIVERGED:
             good = checkpoints.committed(self.ckpt_root)
-            self._say(f"error: step {self.step}: {self.audit.reason}: the run diverged; nothing saved after it"
-                      + (f", the newest checkpoint is {self.ckpt_root / good[0]}" if good else "")
-                      + f" (lower train.lr or raise train.warmup_steps; train.nonfinite_patience={t.nonfinite_patience})")
+            self._warn(f"error: step {self.step}: {self.audit.reason}: the run diverged; nothing saved after it"
+                       + (f", the newest checkpoint is {self.ckpt_root / good[0]}" if good else "")
+                       + f" (lower train.lr or raise train.warmup_steps; train.nonfinite_patience={t.nonfinite_patience})")
+            self._say(self._summary())
             return EXIT_DIVERGED
         if outcome is not Outcome.FINISHED:
             code = EXIT_INTERRUPTED if outcome is Outcome.INTERRUPTED else EXIT_PREEMPTED
             self._say(f"{self.stop_flag.signal_name} received: checkpointed at step {self.step} "
                       f"in {tag_dir}; exiting with {code} (resume with --resume auto)")
+            self._say(self._summary())
             return code
         graphs = graphs_of(self.model)
         if graphs is not None:
             self._say(f"fused core graphs: {graphs.summary()}")
         self._say(f"done at step {self.step}: checkpoint {tag_dir}, metrics {self.run_dir / 'metrics.jsonl'}")
+        self._say(self._summary())
         return 0
+
+    def _summary(self) -> str:
+        e = self.last_eval or {}
+        return summary_line(RunSummary(
+            step=self.step, train_loss=self.last_loss, val_loss=e.get("val_loss"), val_ppl=e.get("val_ppl"),
+            val_step=e.get("step"), tokens=self.tokens - self.start_tokens, step_seconds=self.step_seconds,
+            wall_seconds=time.monotonic() - self.launched))
 
 
 def main(argv: list[str]) -> int:

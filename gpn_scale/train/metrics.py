@@ -1,5 +1,10 @@
 """What a run measures at each step, and where it goes: `metrics.jsonl`, wandb, and a progress
-bar or progress lines (all on rank 0)."""
+bar or progress lines, then a closing summary (all on rank 0).
+
+Progress goes to stdout, where DeepSpeed's log goes too, so `gpn-scale train ... | tee train.log`
+and a SLURM output file keep it: on a terminal a redrawn bar, elsewhere (a pipe, a file) a plain
+line every `LINE_EVERY_S` and at the last step. Only stdout decides: under `| tee` the terminal
+shows the lines tee copies, and no bar on stderr beside them."""
 
 from __future__ import annotations
 
@@ -113,6 +118,40 @@ class StepMetrics:
         return dataclasses.asdict(self)
 
 
+def clock_time(seconds: float) -> str:
+    """45s, 24m13s, 3h05m12s: a wall time to the second."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
+
+
+@dataclass
+class RunSummary:
+    """What a launch of the training loop did, for its closing line."""
+
+    step: int  # where it stopped
+    train_loss: float | None  # the last step's (None: no step ran in this launch)
+    val_loss: float | None  # the newest evaluation's in this launch (None: none ran)
+    val_ppl: float | None
+    val_step: int | None
+    tokens: int  # trained in this launch, over all ranks
+    step_seconds: float  # the sum of this launch's step times
+    wall_seconds: float  # this launch, from the trainer's start to its end
+
+
+def summary_line(s: RunSummary) -> str:
+    """`train loss 3.2100 (step 300) | val loss 3.3000, PPL 27.11 (step 300) | 12,346 tok/s | wall time 24m13s`;
+    tok/s is the mean over this launch's steps."""
+    train = "train loss -" if s.train_loss is None else f"train loss {s.train_loss:.4f} (step {s.step})"
+    val = ("val loss - (not evaluated in this run)" if s.val_loss is None
+           else f"val loss {s.val_loss:.4f}, PPL {s.val_ppl:.2f} (step {s.val_step})")
+    rate = f"{s.tokens / s.step_seconds:,.0f} tok/s" if s.step_seconds > 0 else "- tok/s"
+    return f"{train} | {val} | {rate} | wall time {clock_time(s.wall_seconds)}"
+
+
 def progress_line(m: StepMetrics, total_steps: int) -> str:
     eta = "" if m.eta_s is None else f", ETA {duration(m.eta_s)}"
     return (f"step {m.step}/{total_steps} | loss {m.loss:.4f} | {m.tokens_per_s:,.0f} tok/s | "
@@ -121,8 +160,10 @@ def progress_line(m: StepMetrics, total_steps: int) -> str:
 
 class MetricsLog:
     def __init__(self, run_dir: Path, config: dict, wandb_mode: str, project: str, name: str,
-                 start_step: int, total_steps: int, enabled: bool):
+                 start_step: int, total_steps: int, enabled: bool, out=None):
+        """`out`: where progress and messages go (default: stdout)."""
         self.enabled = enabled
+        self.out = sys.stdout if out is None else out
         self.path = run_dir / "metrics.jsonl"
         self.wandb = None
         self.bar = None
@@ -143,11 +184,12 @@ class MetricsLog:
             id_file.write_text(run_id)
             self.wandb = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(run_dir),
                                     mode=wandb_mode, config=config)
-        if not sys.stderr.isatty():
+        if not self.out.isatty():
             return
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, mininterval=1.0)
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, mininterval=1.0,
+                        file=self.out)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -164,17 +206,23 @@ class MetricsLog:
             self.bar.refresh()
         elif self.enabled and (time.monotonic() - self.last_line >= LINE_EVERY_S or m.step == self.total_steps):
             self.last_line = time.monotonic()
-            print(progress_line(m, self.total_steps), flush=True)
+            print(progress_line(m, self.total_steps), file=self.out, flush=True)
 
     def write(self, message: str) -> None:
-        if self.enabled:
-            (self.bar.write if self.bar is not None else print)(message)
+        """A line of the run's report, beside the progress (above a bar, which is redrawn under it)."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(message, file=self.out)
+        else:
+            print(message, file=self.out, flush=True)
 
     def close(self) -> None:
         if not self.enabled:
             return
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
         self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
