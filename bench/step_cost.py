@@ -468,10 +468,9 @@ def flash_attention(phase: str, batch: int, heads: int, seq: int, head_dim: int)
     return Tally(1, 5 * qkv + 2 * rows, 3 * qkv, 2.5 * fwd_flops)
 
 
-def baseline_window(args, hw: Hardware) -> dict:
-    """Transformer++'s training window at the roofline: per-window tallies (attention replaced by
-    FlashAttention's costs) extrapolated to --batch, its time and tokens/s, and the bound of its
-    GEMMs and attention alone."""
+def baseline_tallies(args) -> dict[int, dict[Key, Tally]]:
+    """Transformer++'s training window (--baseline) counted at the measured batches, attention
+    replaced by FlashAttention's costs."""
     from gpn_scale.config import model_config
     from gpn_scale.models import build_model
 
@@ -492,14 +491,21 @@ def baseline_window(args, hw: Hardware) -> dict:
                 x = Launch(x.phase, "attention", "flash_attention", "bfloat16", 0, fa.read, fa.written, fa.flops)
             kept.append(x)
         at[b] = tally(kept)
-    window_tally = extrapolate(at, args.batch)
+    return at
+
+
+def baseline_window(args, at: dict[int, dict[Key, Tally]], batch: int, hw: Hardware) -> dict:
+    """The baseline's window at `batch` on the roofline (from `baseline_tallies`): its time and
+    tokens/s, and the bound of its GEMMs and attention alone."""
+    T = args.baseline_seq_len
+    window_tally = extrapolate(at, batch)
     seconds = sum(kernel_seconds(k, t, hw) for k, t in window_tally.items())
     launches_n = sum(t.count for t in window_tally.values())
     graph_s = seconds + launches_n * hw.graph_launch_s
     core = {k: t for k, t in window_tally.items() if k.kind in ("gemm", "attention")}
     core_s = sum(kernel_seconds(k, t, hw) for k, t in core.items())
-    tokens = args.batch * T
-    return dict(config=args.baseline, seq_len=T, batch=args.batch, launches=launches_n,
+    tokens = batch * T
+    return dict(config=args.baseline, seq_len=T, batch=batch, launches=launches_n,
                 bytes=sum(t.read + t.written for t in window_tally.values()), flops=sum(t.flops for t in window_tally.values()),
                 device_s=seconds, graph_s=graph_s, tokens_per_s=tokens / graph_s,
                 gemm_attention_s=core_s, gemm_attention_tokens_per_s=tokens / core_s)
@@ -508,26 +514,26 @@ def baseline_window(args, hw: Hardware) -> dict:
 # ---- report ----------------------------------------------------------------------------------
 
 
-def report(args, cfg, per_step, fixed, hw: Hardware, baseline: dict | None = None) -> dict:
+def report(args, cfg, batch: int, per_step, fixed, hw: Hardware, baseline: dict | None = None) -> dict:
     phases = {p: phase_cost(per_step, p, hw) for p in PHASES}
     eager = sum(c.eager_s for c in phases.values())
     graph = sum(c.graph_s for c in phases.values())
-    memory = {p: sum(t.memory for k, t in per_step.items() if k.phase == p) / args.batch for p in PHASES}
+    memory = {p: sum(t.memory for k, t in per_step.items() if k.phase == p) / batch for p in PHASES}
     memory_s = sum(kernel_seconds(k, Tally(t.count, t.memory, 0, 0, t.programs), hw) for k, t in per_step.items() if t.memory)
     rows = [dict(k._asdict(), **dataclasses.asdict(t), seconds=kernel_seconds(k, t, hw))
             for k, t in sorted(per_step.items(), key=lambda kv: (PHASES.index(kv[0].phase), KINDS.index(kv[0].kind), kv[0][2:]))]
     floor = memory_floor(cfg, hw)
-    return dict(config=args.config, overrides=args.overrides, batch=args.batch, dtype=args.dtype, kernel=args.kernel,
+    return dict(config=args.config, overrides=args.overrides, batch=batch, dtype=args.dtype, kernel=args.kernel,
                 device=args.device, steps=list(args.steps), measured_batches=args.measure_batches,
                 hardware=dataclasses.asdict(hw), phases={p: dataclasses.asdict(c) for p, c in phases.items()},
                 kernels=rows, once_per_window={p: sum(t.count for k, t in fixed.items() if k.phase == p) for p in PHASES},
-                tokens_per_s=dict(eager=args.batch / eager, graph=args.batch / graph), memory_floor=floor,
-                graph_over_floor=(args.batch / graph) / floor["tokens_per_s"] if floor else None,
+                tokens_per_s=dict(eager=batch / eager, graph=batch / graph), memory_floor=floor,
+                graph_over_floor=(batch / graph) / floor["tokens_per_s"] if floor else None,
                 memory_form=cfg.memory_form if cfg.memory else None, chunk=cfg.core_chunk,
                 memory_bytes_per_token=memory, memory_kernels_us=memory_s * 1e6, baseline=baseline,
                 over_baseline=None if baseline is None else dict(
-                    graph=(args.batch / graph) / baseline["tokens_per_s"],
-                    gemm_attention=(args.batch / graph) / baseline["gemm_attention_tokens_per_s"]))
+                    graph=(batch / graph) / baseline["tokens_per_s"],
+                    gemm_attention=(batch / graph) / baseline["gemm_attention_tokens_per_s"]))
 
 
 def print_report(r: dict, hw: Hardware) -> None:
@@ -608,7 +614,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="key=value model config overrides")
     p.add_argument("--config", default="gpn_m_130m_1l", help="a configs/models name or a model YAML file")
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", default="32", help="the batch to report, or several comma-separated (one measurement, "
+                   "each extrapolated; --json then holds a list of reports)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="bf16: autocast (state and M stay float32)")
     p.add_argument("--kernel", choices=["triton", "torch"], default="triton", help="the fused core's step kernels")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -636,10 +643,12 @@ def parse_args(argv):
         args.steps = ints("--steps", args.steps, (2,))
         if args.steps[0] >= args.steps[1]:
             p.error(f"--steps: expected two lengths, the shorter first, got {args.steps}")
+    args.batches = ints("--batch", args.batch, range(1, 9))
+    args.batch = args.batches[0]
+    if args.device != "cpu" and len(args.batches) > 1:
+        p.error("--batch: one batch on a GPU (it is measured there, not extrapolated)")
     default = "2,3" if args.device == "cpu" else str(args.batch)
     args.measure_batches = ints("--measure-batches", args.measure_batches or default, (1, 2))
-    if args.batch < 1:
-        p.error("--batch: expected a positive integer")
     if len(set(args.measure_batches)) != len(args.measure_batches) or (len(args.measure_batches) == 1 and args.measure_batches[0] != args.batch):
         p.error(f"--measure-batches: expected two different batches, or --batch ({args.batch}) alone")
     return args
@@ -662,23 +671,28 @@ def build(args):
     return build_model(cfg).to(args.device), cfg
 
 
-def run(args, hw: Hardware = H200) -> dict:
-    """The report of the command line's `args` (see parse_args)."""
+def run(args, hw: Hardware = H200) -> list[dict]:
+    """The reports of the command line's `args` (see parse_args), one per batch."""
     if args.threads:
         torch.set_num_threads(args.threads)
     from gpn_scale.config import model_config, parse_overrides
 
     if getattr(model_config(args.config, parse_overrides(args.overrides)), "family", None) == "transformer":
         args.baseline = args.config
-        return dict(config=args.config, baseline=baseline_window(args, hw))
+        at = baseline_tallies(args)
+        return [dict(config=args.config, baseline=baseline_window(args, at, b, hw)) for b in args.batches]
     model, cfg = build(args)
     if args.steps is None:
         args.steps = [1, cfg.core_chunk + 1]
     device = torch.device(args.device)
     costs = step_costs(model, args.measure_batches, tuple(args.steps), args.dtype, device)
-    per_step = extrapolate({b: c[0] for b, c in costs.items()}, args.batch)
-    baseline = None if args.baseline == "none" else baseline_window(args, hw)
-    return report(args, cfg, per_step, costs[args.measure_batches[0]][1], hw, baseline)
+    at = None if args.baseline == "none" else baseline_tallies(args)
+    reports = []
+    for b in args.batches:
+        per_step = extrapolate({m: c[0] for m, c in costs.items()}, b)
+        baseline = None if at is None else baseline_window(args, at, b, hw)
+        reports.append(report(args, cfg, b, per_step, costs[args.measure_batches[0]][1], hw, baseline))
+    return reports
 
 
 def main(argv=None) -> int:
@@ -688,21 +702,24 @@ def main(argv=None) -> int:
     from gpn_scale.errors import UserError
 
     try:
-        result = run(args)
+        results = run(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if "kernels" in result:
-        print_report(result, H200)
-    else:
-        b = result["baseline"]
-        print(f"{b['config']}: a window of {b['batch']} x {b['seq_len']} tokens at the {H200.name} roofline, "
-              f"{b['launches']:g} launches, {b['bytes'] / 1e9:.1f} GB, {b['flops'] / 1e12:.1f} TFLOP: "
-              f"{b['device_s'] * 1e3:.1f} ms of kernels, {b['graph_s'] * 1e3:.1f} ms replayed -> {b['tokens_per_s'] / 1e3:.1f}K tok/s "
-              f"(GEMMs and attention alone: {b['gemm_attention_tokens_per_s'] / 1e3:.1f}K tok/s)")
+    for i, result in enumerate(results):
+        if i:
+            print()
+        if "kernels" in result:
+            print_report(result, H200)
+        else:
+            b = result["baseline"]
+            print(f"{b['config']}: a window of {b['batch']} x {b['seq_len']} tokens at the {H200.name} roofline, "
+                  f"{b['launches']:g} launches, {b['bytes'] / 1e9:.1f} GB, {b['flops'] / 1e12:.1f} TFLOP: "
+                  f"{b['device_s'] * 1e3:.1f} ms of kernels, {b['graph_s'] * 1e3:.1f} ms replayed -> "
+                  f"{b['tokens_per_s'] / 1e3:.1f}K tok/s (GEMMs and attention alone: {b['gemm_attention_tokens_per_s'] / 1e3:.1f}K tok/s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(results[0] if len(results) == 1 else results, f, indent=1)
         print(f"wrote {args.json}")
     return 0
 

@@ -225,11 +225,13 @@ def test_flash_attention_costs_are_the_stated_formula():
 
 def test_command_line_table_json_and_bad_config(tmp_path, capsys):
     out = tmp_path / "cost.json"
-    assert step_cost.main(["--config", "gpn_m_tiny", "--kernel", "torch", "--device", "cpu", "--batch", "8", "core_chunk=4",
+    assert step_cost.main(["--config", "gpn_m_tiny", "--kernel", "torch", "--device", "cpu", "--batch", "8,16", "core_chunk=4",
                            "--baseline", "transformer_tiny", "--baseline-seq-len", "16", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "measured at batch 2 and 3, extrapolated linearly" in printed and "(window of T=5 minus T=1) / 4" in printed
-    result = json.loads(out.read_text())
+    result, at16 = json.loads(out.read_text())  # one measurement, a report per batch
+    assert at16["batch"] == 16 and "batch 16 (measured at batch 2 and 3" in printed
+    assert at16["memory_bytes_per_token"]["forward"] == pytest.approx(result["memory_bytes_per_token"]["forward"], rel=0.2)
     assert result["batch"] == 8 and set(result["phases"]) == {"forward", "backward"}
     assert result["memory_floor"]["m_bytes"] == 4 * 4 * 16 * 16
     assert result["tokens_per_s"]["graph"] > result["tokens_per_s"]["eager"] > 0
