@@ -634,9 +634,10 @@ def _read_outputs(spec: Spec, outputs: list, C: list) -> None:
 
 class ChunkSweep(NamedTuple):
     """The chunk form's state for one chunk of the reverse sweep (kernels/memory_chunk): its ops,
-    M_c, the chunk's keys (L, B, H, dk) and queries (layers, L, B, H, dk), the values formed again
-    from M_c (`algebra.Rebuilt`), dL/dM's products at the chunk's end (`Coefficients`), the read
-    gradients (layers, >= L, B, H, dv) the sweep fills, and phi (B, H)."""
+    M_c (in the compute dtype with `low_reads`), the chunk's keys (L, B, H, dk) and queries
+    (layers, L, B, H, dk), its forward values and C x C algebra (`algebra.Rebuilt`), dL/dM's
+    products at the chunk's end (`Coefficients`), the read gradients (layers, >= L, B, H, dv) the
+    sweep fills, and phi (B, H)."""
 
     ops: object
     M_c: torch.Tensor
@@ -644,7 +645,7 @@ class ChunkSweep(NamedTuple):
     queries: torch.Tensor
     r: algebra.Rebuilt
     co: algebra.Coefficients
-    read_grads: list
+    read_grads: torch.Tensor
     phi: torch.Tensor
 
 
@@ -812,17 +813,18 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
         col0 = cols[0]
         A = -torch.exp(A_log.to(sd))
         BETA, DECAY = _steps(S.BETA), _steps(S.DECAY)
-        dM = S.P.new_zeros((B, H, dk, spec.dv)) if dM is None else dM
+        no_dM = dM is None  # the window's last M sends no gradient back (a training window's)
+        dM = S.P.new_zeros((B, H, dk, spec.dv)) if no_dM else dM
         dMring = _steps(dM.new_empty((2,) + dM.shape))  # dL/dM, written into these in turn
-        # The memory after each step of a chunk, rebuilt into one buffer that every chunk reuses.
-        Mbuf = dM.new_empty((min(spec.chunk, T),) + dM.shape)
+        # The step form's memory after each step of a chunk, rebuilt into one buffer that every chunk reuses.
+        Mbuf = None if spec.chunked else dM.new_empty((min(spec.chunk, T),) + dM.shape)
         dk_next = S.P.new_zeros((B, H, dk))  # dL/d(normalised key) of the step after the chunk
         W_k, b_k = layers[0].W[:, col0["k"]], layers[0].b[col0["k"]]
         W_kT = W_k.T
         dA_log = torch.zeros_like(A)
         if spec.chunked:  # dL/d(each read) of a chunk's steps, and phi = <dL/dM, M> (kernels/memory_chunk)
             read_grads = dM.new_empty((nl, min(spec.chunk, T), B, H, spec.dv))
-            phi = torch.linalg.vecdot(dM.flatten(2), S.M_end.flatten(2))
+            phi = S.P.new_zeros((B, H)) if no_dM else torch.linalg.vecdot(dM.flatten(2), S.M_end.flatten(2))
     # The transposed weights of the sweep's GEMMs, in the layout they are read fastest.
     sw = Sweep(ew, mem, [ew.pack(L.W.T, T, B) for L in layers], [ew.pack(L.W2o.T, T, B) for L in layers],
                ew.pack(fg_W.T, T, B), _steps(du), (_steps(dP) if dP is not None else None), BETA, DECAY, dMring, W_kT,
