@@ -139,19 +139,42 @@ def test_hf_left_padded_batch_generates_as_each_prompt_alone(setup, capsys):
         assert out[row, -8:].tolist() == single[0, -8:].tolist()
 
 
-def test_hf_tokenizer_adds_bos_when_the_training_data_did(tmp_path):
+def test_hf_tokenizer_adds_no_special_token_and_names_the_start_of_text(tmp_path):
+    """With or without BOS in the training data, `tok(text)` is the text's ids alone (the start is the
+    model's initial state); BOS is named (the harness's prefix), pad is EOS, start_state says which start."""
     from transformers import AutoTokenizer
 
-    from gpn_scale.export.hf import write_tokenizer
+    from gpn_scale.export.hf import Specials, write_tokenizer
 
     tok = make_tokenizer(tmp_path / "tok.json")
     codec = Codec(tok)
-    specials = write_tokenizer(TokenizerSource(tok, add_bos=True), tmp_path)
-    bos = codec.encode("<|startoftext|>")  # trained tokenizers: <|startoftext|> is BOS, <|endoftext|> EOS
-    assert [specials["bos_id"]] == bos and [specials["eos_id"]] == codec.encode("<|endoftext|>")
-    hf_tok = AutoTokenizer.from_pretrained(tmp_path)
-    assert hf_tok(SENTENCES[1]).input_ids == bos + codec.encode(SENTENCES[1])
-    assert hf_tok.eos_token == "<|endoftext|>"
+    (bos,), (eos,) = codec.encode("<|startoftext|>"), codec.encode("<|endoftext|>")  # trained tokenizers' names
+    for add_bos, start in ((True, "bos"), (False, "empty")):
+        out = tmp_path / start
+        out.mkdir()
+        assert write_tokenizer(TokenizerSource(tok, add_bos=add_bos), out) == Specials(bos, eos, start)
+        hf_tok = AutoTokenizer.from_pretrained(out)
+        assert hf_tok(SENTENCES[1]).input_ids == codec.encode(SENTENCES[1])
+        assert (hf_tok.bos_token, hf_tok.eos_token, hf_tok.pad_token) == ("<|startoftext|>", "<|endoftext|>",
+                                                                          "<|endoftext|>")
+        assert hf_tok.padding_side == "left"
+
+
+def test_hf_tokenizer_without_bos_lets_eos_stand_for_the_start(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer
+
+    from gpn_scale.export.hf import Specials, write_tokenizer
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.train_from_iterator(corpus_texts(), trainers.BpeTrainer(vocab_size=280, special_tokens=["<|endoftext|>"]))
+    raw.save(str(tmp_path / "tok.json"))
+    out = tmp_path / "hf"
+    out.mkdir()
+    assert write_tokenizer(TokenizerSource(tmp_path / "tok.json"), out) == Specials(0, 0, "empty")
+    hf_tok = AutoTokenizer.from_pretrained(out)
+    assert hf_tok.bos_token == hf_tok.eos_token == "<|endoftext|>"
 
 
 def test_hf_sentencepiece_tokenizer(tmp_path):
@@ -288,8 +311,10 @@ def test_a_native_export_frames_prompts_as_the_training_data_did(setup, capsys, 
     code, _, err = run(capsys, "export", out, "--to", "hf", "--out", tmp_path / "hf")
     assert code == 0, err
     _, hf_tok = load_hf(tmp_path / "hf")
-    assert hf_tok(SENTENCES[0]).input_ids == [framing.bos_id] + Codec(tok).encode(SENTENCES[0])
-    assert hf_tok.eos_token_id == framing.eos_id
+    assert hf_tok(SENTENCES[0]).input_ids == Codec(tok).encode(SENTENCES[0])  # the BOS is in the initial state
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id) == (framing.bos_id, framing.eos_id)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["start_state"], config["bos_token_id"]) == ("bos", framing.bos_id)
 
     # An export written before tokenizer.yaml existed: its tokenizer file alone, no BOS
     from gpn_scale.manifest import write_manifest
@@ -306,16 +331,17 @@ def test_a_native_export_frames_prompts_as_the_training_data_did(setup, capsys, 
 
 
 def test_hf_tokenizer_takes_the_recorded_eos_over_the_usual_names(tmp_path):
-    """prep --eos-token X: the export's EOS is X, not the tokenizer's <|endoftext|>; BOS as recorded (none)."""
+    """prep --eos-token X: the export's EOS is X, not the tokenizer's <|endoftext|>; no BOS recorded: X stands
+    for the start of text too."""
     from transformers import AutoTokenizer
 
-    from gpn_scale.export.hf import write_tokenizer
+    from gpn_scale.export.hf import Specials, write_tokenizer
 
     tok = make_tokenizer(tmp_path / "tok.json")
     (start,) = Codec(tok).encode("<|startoftext|>")
-    assert write_tokenizer(TokenizerSource(tok, eos_id=start), tmp_path) == {"eos_id": start, "bos_id": None}
+    assert write_tokenizer(TokenizerSource(tok, eos_id=start), tmp_path) == Specials(start, start, "empty")
     hf_tok = AutoTokenizer.from_pretrained(tmp_path)
-    assert hf_tok.eos_token == "<|startoftext|>" and hf_tok.bos_token is None
+    assert hf_tok.eos_token == hf_tok.bos_token == "<|startoftext|>"
 
 
 @pytest.mark.parametrize("info, message", [
