@@ -8,8 +8,9 @@ once complete; an existing non-empty DIR is refused, never overwritten.
 
 - `hf`: Hugging Face transformers (`gpn_scale/export/hf.py`): config.json, model.safetensors, the
   self-contained modeling file, tokenizer files.
-- `reference`: the paper's `checkpoint.pkl` (parameters only) and JSON config
-  (`gpn_scale/export/reference.py`); `gpn-scale convert --from-reference` reads it back bit-exactly.
+- `reference`: the paper's `checkpoint.pkl` (parameters, the AdamW state in the paper's optax
+  structure, step, data position) and JSON config (`gpn_scale/export/reference.py`); the paper's
+  trainer resumes from it and `gpn-scale convert --from-reference` reads it back bit-exactly.
 - `native`: model.safetensors + model.yaml + the tokenizer, all listed in manifest.json.
 """
 
