@@ -32,6 +32,7 @@ The state and the memory are float32 whatever the parameters' dtype; the GEMMs r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -274,7 +275,7 @@ class GPNPreTrainedModel(PreTrainedModel):
         if isinstance(module, GPNMemoryWrite):
             H = module.A_log.shape[0]
             module.A_log.data.copy_(torch.empty(H).uniform_(1e-8, 16.0).log())
-            dt = torch.empty(H).uniform_(-6.9078, -2.3026).exp()  # log-uniform in [1e-3, 1e-1]
+            dt = torch.empty(H).uniform_(math.log(1e-3), math.log(1e-1)).exp()  # log-uniform in [1e-3, 1e-1]
             module.decay_proj.bias.data.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
 
