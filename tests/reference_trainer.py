@@ -66,15 +66,17 @@ def _gate(x, p, prefix):
 
 
 def loss_fn(params: dict, model_cfg: dict, tokens) -> jax.Array:
-    """Mean cross-entropy over every position of the windows (B, T), each from the empty state."""
+    """Mean cross-entropy over every position of the windows (B, T), each from the empty state; the time
+    loop is a `lax.scan` over the tokens, carrying the grounded states and the memory."""
     p = params
     memory = "write_W_k_k" in p
-    B, T = tokens.shape
-    d, H = p["fg_gate_b"].shape[0], model_cfg.get("n_heads", 0)
-    g = g_prev = jnp.zeros((B, d))
-    M = jnp.zeros((B, H, model_cfg["d_key"], model_cfg["d_val"])) if memory else None
-    losses = []
-    for t in range(T):
+    B = tokens.shape[0]
+    d, H = p["fg_gate_b"].shape[0], model_cfg.get("n_heads", 1)
+    zeros = jnp.zeros((B, d))
+    M0 = jnp.zeros((B, H, model_cfg["d_key"], model_cfg["d_val"]) if memory else (B, 1, 1, 1))
+
+    def step(carry, x):
+        g, g_prev, M = carry
         if memory:
             a_prev, a = _rms(g_prev, p["write_norm_w"]), _rms(g, p["write_norm_w"])
             k = _l2n(jax.nn.relu(a_prev @ p["write_W_k_k"] + p["write_W_k_b"]).reshape(B, H, -1))
@@ -99,10 +101,12 @@ def loss_fn(params: dict, model_cfg: dict, tokens) -> jax.Array:
         if "decode_bias" in p:
             h = h + p["decode_bias"]
         logits = h @ p["embedding"].T
-        losses.append(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, tokens[:, t, None], -1)[:, 0])
-        u = _rms(p["embedding"][tokens[:, t]], p["fuse_norm_w"]) @ p["fuse_proj_k"]
-        g_prev, g = g, _gate(c, p, "fg_") * c + u
-    return jnp.mean(jnp.stack(losses))
+        loss = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, x[:, None], -1)[:, 0]
+        u = _rms(p["embedding"][x], p["fuse_norm_w"]) @ p["fuse_proj_k"]
+        return (_gate(c, p, "fg_") * c + u, g, M), loss
+
+    _, losses = jax.lax.scan(step, (zeros, zeros, M0), tokens.T)
+    return jnp.mean(losses)
 
 
 class Trainer:
@@ -114,6 +118,13 @@ class Trainer:
         self.params = self.opt_state = None
         self.step = self.data_position = 0
 
+        def update(params, opt_state, tokens):  # one jitted training step, as a JAX trainer compiles it
+            loss, grads = jax.value_and_grad(loss_fn)(params, self.model_cfg, tokens)
+            updates, opt_state = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        self._update = jax.jit(update)
+
     def _load_checkpoint(self, ckpt_dir: str | Path) -> None:
         with open(Path(ckpt_dir) / "checkpoint.pkl", "rb") as f:
             ckpt = pickle.load(f)  # the paper's own load: a plain unpickle of its own file
@@ -123,9 +134,7 @@ class Trainer:
         self.data_position = ckpt["data_position"]
 
     def train_step(self, tokens) -> float:
-        loss, grads = jax.value_and_grad(loss_fn)(self.params, self.model_cfg, jnp.asarray(tokens))
-        updates, self.opt_state = self.optimizer.update(grads, self.opt_state, self.params)
-        self.params = optax.apply_updates(self.params, updates)
+        self.params, self.opt_state, loss = self._update(self.params, self.opt_state, jnp.asarray(tokens))
         self.step += 1
         return float(loss)
 
