@@ -18,8 +18,11 @@ before anything unpickles it (`gpn_scale.safe_load`).
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -118,6 +121,76 @@ def load_trained_model(path: str | Path, device: str | torch.device = "cpu", ver
         weights = safe_load.load(path / "mp_rank_00_model_states.pt")["module"]
     model.load_state_dict({k: v.float() for k, v in weights.items()})
     return model.to(device)
+
+
+@dataclass(frozen=True)
+class AdamState:
+    """AdamW's state in a training checkpoint, per native parameter name: the first and second
+    moments (float32, the parameter's shape) and the number of updates made."""
+
+    exp_avg: dict[str, torch.Tensor]
+    exp_avg_sq: dict[str, torch.Tensor]
+    step: int
+
+
+def _universal_tensor(path: Path) -> torch.Tensor:
+    """One state of one parameter in DeepSpeed's universal form: the tensor, or (ZeRO 1-2) a dict holding it as "param"."""
+    value = safe_load.load(path)
+    return value["param"] if isinstance(value, dict) else value
+
+
+def read_adam_state(path: Path, model: torch.nn.Module) -> AdamState:
+    """The AdamW moments of the training checkpoint `path` (a step directory) for `model`'s parameters.
+
+    ZeRO 1-3 (and bf16 at any stage) keep them in flat partitions per rank: DeepSpeed's universal
+    conversion, the one a resume on another world size makes, writes them per parameter, here into a
+    temporary directory (the checkpoint itself is not written to). ZeRO 0 in fp32 keeps torch's AdamW
+    state in the model-states file, its parameters numbered in the order of the family's parameter
+    groups (`ModelSpec.param_groups`: decayed, then not), as the trainer built the optimiser. Every
+    file is scanned before anything unpickles it.
+    """
+    import tempfile
+
+    from gpn_scale.models import MODEL_FAMILIES
+
+    safe_load.check_checkpoint(path)  # before DeepSpeed's conversion unpickles the shards unrestricted
+    names = {id(p): n for n, p in model.named_parameters()}
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    if not any(path.glob("*optim_states.pt")):  # ZeRO 0, fp32: torch's own optimiser state
+        saved = safe_load.load(path / "mp_rank_00_model_states.pt").get("optimizer")
+        if not saved or "state" not in saved:
+            raise UserError(f"{path / 'mp_rank_00_model_states.pt'}: holds no optimiser state")
+        groups = MODEL_FAMILIES[model.config.family].param_groups(model)
+        order = [names[id(p)] for p in [*groups.decay, *groups.no_decay]]
+        numbered = [i for group in saved["param_groups"] for i in group["params"]]
+        if len(numbered) != len(order):
+            raise UserError(f"{path}: the optimiser state has {len(numbered)} parameters, the model {len(order)}")
+        states = {order[k]: saved["state"].get(i, {}) for k, i in enumerate(numbered)}
+        moments = {key: {n: st[key].float().reshape(shapes[n]) for n, st in states.items() if key in st}
+                   for key in ("exp_avg", "exp_avg_sq")}
+        steps = {int(st["step"]) for st in states.values() if "step" in st}
+        return AdamState(moments["exp_avg"], moments["exp_avg_sq"], max(steps, default=0))
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    with tempfile.TemporaryDirectory(prefix="gpn-scale-adam-") as tmp:  # ours alone, gone after
+        out = Path(tmp) / "universal"
+        with contextlib.redirect_stdout(sys.stderr):  # its progress lines: stdout is the command's own
+            ds_to_universal(argparse.Namespace(input_folder=str(path), output_folder=str(out), num_extract_workers=1,
+                                               num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                               inject_missing_state=True))  # unpickles the shards: scanned above
+        moments = {key: {} for key in ("exp_avg", "exp_avg_sq")}
+        steps = set()
+        for name, shape in shapes.items():
+            folder = out / "zero" / name
+            for key in moments:
+                if (folder / f"{key}.pt").is_file():
+                    moments[key][name] = _universal_tensor(folder / f"{key}.pt").float().reshape(shape)
+            if (folder / "step.pt").is_file():
+                steps.add(int(_universal_tensor(folder / "step.pt")))
+        if not steps and (out / "zero" / "optimizer_state.pt").is_file():  # ZeRO-3: one count per group, kept there
+            common = safe_load.load(out / "zero" / "optimizer_state.pt").get("optimizer_state_dict") or {}
+            steps = {int(st["step"]) for st in common.get("state", {}).values() if "step" in st}
+    return AdamState(moments["exp_avg"], moments["exp_avg_sq"], max(steps, default=0))
 
 
 # ---- native checkpoints ----------------------------------------------------------------------

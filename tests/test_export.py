@@ -4,7 +4,6 @@ for bit) and to native from a training run's newest complete checkpoint; and the
 
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -13,12 +12,14 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a hub
 
+import numpy as np
 import pytest
 import torch
 from eval_fixtures import SENTENCES, corpus_texts, make_prep, make_tokenizer, tiny_model, train
 
-from gpn_scale.checkpoints import load_native, load_trained_model
+from gpn_scale.checkpoints import load_native, load_trained_model, read_trainer_state
 from gpn_scale.cli import main
+from gpn_scale.convert import load_reference_pickle, reference_name
 from gpn_scale.errors import UserError
 from gpn_scale.eval.codec import Codec
 from gpn_scale.eval.data import open_data, read_windows
@@ -139,19 +140,42 @@ def test_hf_left_padded_batch_generates_as_each_prompt_alone(setup, capsys):
         assert out[row, -8:].tolist() == single[0, -8:].tolist()
 
 
-def test_hf_tokenizer_adds_bos_when_the_training_data_did(tmp_path):
+def test_hf_tokenizer_adds_no_special_token_and_names_the_start_of_text(tmp_path):
+    """With or without BOS in the training data, `tok(text)` is the text's ids alone (the start is the
+    model's initial state); BOS is named (the harness's prefix), pad is EOS, start_state says which start."""
     from transformers import AutoTokenizer
 
-    from gpn_scale.export.hf import write_tokenizer
+    from gpn_scale.export.hf import Specials, write_tokenizer
 
     tok = make_tokenizer(tmp_path / "tok.json")
     codec = Codec(tok)
-    specials = write_tokenizer(TokenizerSource(tok, add_bos=True), tmp_path)
-    bos = codec.encode("<|startoftext|>")  # trained tokenizers: <|startoftext|> is BOS, <|endoftext|> EOS
-    assert [specials["bos_id"]] == bos and [specials["eos_id"]] == codec.encode("<|endoftext|>")
-    hf_tok = AutoTokenizer.from_pretrained(tmp_path)
-    assert hf_tok(SENTENCES[1]).input_ids == bos + codec.encode(SENTENCES[1])
-    assert hf_tok.eos_token == "<|endoftext|>"
+    (bos,), (eos,) = codec.encode("<|startoftext|>"), codec.encode("<|endoftext|>")  # trained tokenizers' names
+    for add_bos, start in ((True, "bos"), (False, "empty")):
+        out = tmp_path / start
+        out.mkdir()
+        assert write_tokenizer(TokenizerSource(tok, add_bos=add_bos), out) == Specials(bos, eos, start)
+        hf_tok = AutoTokenizer.from_pretrained(out)
+        assert hf_tok(SENTENCES[1]).input_ids == codec.encode(SENTENCES[1])
+        assert (hf_tok.bos_token, hf_tok.eos_token, hf_tok.pad_token) == ("<|startoftext|>", "<|endoftext|>",
+                                                                          "<|endoftext|>")
+        assert hf_tok.padding_side == "left"
+
+
+def test_hf_tokenizer_without_bos_lets_eos_stand_for_the_start(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer
+
+    from gpn_scale.export.hf import Specials, write_tokenizer
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.train_from_iterator(corpus_texts(), trainers.BpeTrainer(vocab_size=280, special_tokens=["<|endoftext|>"]))
+    raw.save(str(tmp_path / "tok.json"))
+    out = tmp_path / "hf"
+    out.mkdir()
+    assert write_tokenizer(TokenizerSource(tmp_path / "tok.json"), out) == Specials(0, 0, "empty")
+    hf_tok = AutoTokenizer.from_pretrained(out)
+    assert hf_tok.bos_token == hf_tok.eos_token == "<|endoftext|>"
 
 
 def test_hf_sentencepiece_tokenizer(tmp_path):
@@ -182,9 +206,8 @@ def test_reference_export_round_trips_bit_exactly_through_convert(setup, capsys,
         ref, back = tmp_path / f"{name}_ref", tmp_path / f"{name}_back"
         code, _, err = run(capsys, "export", root / name, "--to", "reference", "--out", ref)
         assert code == 0, err
-        with open(ref / "checkpoint.pkl", "rb") as f:
-            payload = pickle.load(f)  # our own file
-        assert set(payload) == {"step", "params"}  # no optimiser state
+        payload = load_reference_pickle(ref)  # as `convert` reads it: optax's classes stand-ins, no optax needed
+        assert set(payload) == {"step", "data_position", "params", "opt_state"}
         assert all(v.dtype.name == "float32" for v in payload["params"].values())
         model_fields = json.loads((ref / "config.json").read_text())["model"]
         assert ("n_heads" in model_fields) == (FAMILIES[name][0] == "gpn_m")
@@ -199,6 +222,48 @@ def test_reference_export_round_trips_bit_exactly_through_convert(setup, capsys,
         assert a.keys() == b.keys()
         for key in a:
             assert torch.equal(a[key], b[key]), key
+
+
+def paper_resume(ref: Path, train: dict, batch: np.ndarray, tmp: Path) -> tuple[dict, dict]:
+    """The paper's trainer (tests/reference_trainer.py, a process of its own) resumed from an `--to reference`
+    export and one step on `batch`: (what it restored and the step's loss, the parameters after the step)."""
+    import importlib.util
+
+    if importlib.util.find_spec("jax") is None or importlib.util.find_spec("optax") is None:
+        pytest.skip("the paper's stack (jax, optax: the [reference] extra) is not installed")
+    (tmp / "train.json").write_text(json.dumps(train))
+    np.save(tmp / "batch.npy", batch)
+    # XLA's cheapest code generation: the compile of one tiny step is most of the run, the numbers are the same
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "reference_trainer.py"), str(ref), "--train",
+                           str(tmp / "train.json"), "--batch", str(tmp / "batch.npy"), "--out", str(tmp / "result")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with np.load(tmp / "result.npz") as params:
+        return json.loads((tmp / "result.json").read_text()), dict(params)
+
+
+OPTAX_CLASSES = ["optax._src.base.EmptyState", "optax._src.transform.ScaleByAdamState",
+                 "optax.transforms._masking.MaskedState", "optax._src.transform.ScaleByScheduleState"]
+PAPER_TRAIN = dict(lr=6e-4, warmup_steps=100, total_steps=10000, min_lr_ratio=0.1, beta1=0.9, beta2=0.95,
+                   weight_decay=0.1, grad_clip=1.0)
+
+
+def test_reference_export_of_a_native_checkpoint_resumes_in_the_papers_trainer(setup, capsys, tmp_path):
+    """No optimiser state in a native checkpoint: the paper's chain state with zero moments and count 0,
+    which its loader restores (optax's classes, the structure `init` gives) and trains from."""
+    root, _, prep, models = setup
+    code, _, err = run(capsys, "export", root / "gpn_m_2l", "--to", "reference", "--out", tmp_path / "ref")
+    assert code == 0, err
+    windows = read_windows(open_data(prep / "train"), 2)[:, :12]
+    info, _ = paper_resume(tmp_path / "ref", PAPER_TRAIN, windows.numpy(), tmp_path)
+    restored, after = info["restored"], info["after"]
+    assert restored["structure_matches"] and restored["classes"] == OPTAX_CLASSES
+    assert restored["counts"] == [0, 0] and restored["mu_zero"] and (restored["step"], restored["data_position"]) == (0, 0)
+    with torch.no_grad():
+        ours = float(models["gpn_m_2l"](windows).loss)
+    assert after["loss"] == pytest.approx(ours, rel=1e-5)  # the paper's loss is ours
+    assert (after["step"], after["count"]) == (1, 1) and after["all_moved"]
 
 
 def test_other_families_are_refused_or_exported_native(setup, capsys, tmp_path):
@@ -288,8 +353,10 @@ def test_a_native_export_frames_prompts_as_the_training_data_did(setup, capsys, 
     code, _, err = run(capsys, "export", out, "--to", "hf", "--out", tmp_path / "hf")
     assert code == 0, err
     _, hf_tok = load_hf(tmp_path / "hf")
-    assert hf_tok(SENTENCES[0]).input_ids == [framing.bos_id] + Codec(tok).encode(SENTENCES[0])
-    assert hf_tok.eos_token_id == framing.eos_id
+    assert hf_tok(SENTENCES[0]).input_ids == Codec(tok).encode(SENTENCES[0])  # the BOS is in the initial state
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id) == (framing.bos_id, framing.eos_id)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["start_state"], config["bos_token_id"]) == ("bos", framing.bos_id)
 
     # An export written before tokenizer.yaml existed: its tokenizer file alone, no BOS
     from gpn_scale.manifest import write_manifest
@@ -306,16 +373,17 @@ def test_a_native_export_frames_prompts_as_the_training_data_did(setup, capsys, 
 
 
 def test_hf_tokenizer_takes_the_recorded_eos_over_the_usual_names(tmp_path):
-    """prep --eos-token X: the export's EOS is X, not the tokenizer's <|endoftext|>; BOS as recorded (none)."""
+    """prep --eos-token X: the export's EOS is X, not the tokenizer's <|endoftext|>; no BOS recorded: X stands
+    for the start of text too."""
     from transformers import AutoTokenizer
 
-    from gpn_scale.export.hf import write_tokenizer
+    from gpn_scale.export.hf import Specials, write_tokenizer
 
     tok = make_tokenizer(tmp_path / "tok.json")
     (start,) = Codec(tok).encode("<|startoftext|>")
-    assert write_tokenizer(TokenizerSource(tok, eos_id=start), tmp_path) == {"eos_id": start, "bos_id": None}
+    assert write_tokenizer(TokenizerSource(tok, eos_id=start), tmp_path) == Specials(start, start, "empty")
     hf_tok = AutoTokenizer.from_pretrained(tmp_path)
-    assert hf_tok.eos_token == "<|startoftext|>" and hf_tok.bos_token is None
+    assert hf_tok.eos_token == hf_tok.bos_token == "<|startoftext|>"
 
 
 @pytest.mark.parametrize("info, message", [
@@ -377,12 +445,13 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing(setup, capsys, tmp_pat
 
 @pytest.fixture(scope="module")
 def trained_run(setup, tmp_path_factory):
-    """A 4-step run of the tiny GPN+M on the prep output, checkpointed at steps 2 and 4."""
+    """A 5-step run of the tiny GPN+M on the prep output (ZeRO-2), checkpointed at steps 2, 4 and 5, its
+    validation loss measured every 2 steps, the samples of every step recorded."""
     _, _, prep, _ = setup
     run_dir = tmp_path_factory.mktemp("run") / "run"
     cmd = [sys.executable, "-m", "gpn_scale", "train", str(ROOT / "configs" / "train" / "gpn_m_tiny.yaml"),
-           f"run.dir={run_dir}", f"data.train={prep / 'train'}", f"data.val={prep / 'val'}", "train.total_steps=4",
-           "train.save_every=2"]
+           f"run.dir={run_dir}", f"data.train={prep / 'train'}", f"data.val={prep / 'val'}", "train.total_steps=5",
+           "train.save_every=2", "eval.every=2", "data.log_sample_ids=true"]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -395,10 +464,10 @@ def test_native_export_of_a_run_takes_its_newest_complete_checkpoint(setup, trai
 
     _, tok, prep, _ = setup
     ckpts = trained_run / "checkpoints"
-    assert (ckpts / "step_00000004").is_dir() and (ckpts / "step_00000002").is_dir()
+    assert all((ckpts / f"step_0000000{n}").is_dir() for n in (2, 4, 5))
     code, _, err = run(capsys, "export", trained_run, "--to", "native", "--out", tmp_path / "native")
     assert code == 0, err
-    exported, newest = load_native(tmp_path / "native"), load_trained_model(ckpts / "step_00000004")
+    exported, newest = load_native(tmp_path / "native"), load_trained_model(ckpts / "step_00000005")
     for key, value in newest.state_dict().items():
         assert torch.equal(exported.state_dict()[key], value), key
     assert (tmp_path / "native" / "tokenizer.json").read_bytes() == (prep / "tokenizer.json").read_bytes()
@@ -410,16 +479,14 @@ def test_native_export_of_a_run_takes_its_newest_complete_checkpoint(setup, trai
     # The newest checkpoint corrupted: skipped with a warning, the one before it exported.
     broken = tmp_path / "broken"
     shutil.copytree(trained_run, broken)
-    state = next((broken / "checkpoints" / "step_00000004").glob("*model_states.pt"))
+    state = next((broken / "checkpoints" / "step_00000005").glob("*model_states.pt"))
     state.write_bytes(state.read_bytes()[:-100])
     code, _, err = run(capsys, "export", broken, "--to", "reference", "--out", tmp_path / "ref")
     assert code == 0, err
-    assert "step_00000004 skipped" in err
-    with open(tmp_path / "ref" / "checkpoint.pkl", "rb") as f:
-        payload = pickle.load(f)
-    assert payload["step"] == 2
-    older = load_trained_model(ckpts / "step_00000002")
-    from gpn_scale.convert import reference_name
+    assert "step_00000005 skipped" in err
+    payload = load_reference_pickle(tmp_path / "ref")
+    assert payload["step"] == 4
+    older = load_trained_model(ckpts / "step_00000004")
 
     for key, value in older.state_dict().items():
         assert torch.equal(torch.from_numpy(payload["params"][reference_name(key, older.config)]), value), key
@@ -427,9 +494,46 @@ def test_native_export_of_a_run_takes_its_newest_complete_checkpoint(setup, trai
     # --to hf from the run: the run's own tokenizer is found; another one is refused.
     code, _, err = run(capsys, "export", trained_run, "--to", "hf", "--out", tmp_path / "hf")
     assert code == 0, err
+    card = (tmp_path / "hf" / "README.md").read_text()  # the model card tells the run
+    metrics = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
+    last_eval = [m for m in metrics if "val_loss" in m][-1]
+    tokens = read_trainer_state(ckpts / "step_00000005")["tokens"]
+    assert "| checkpoint step | 5 of 5 |" in card and f"| tokens seen | {tokens:,} |" in card
+    assert f"| {last_eval['step']:,} | {last_eval['val_loss']:.4f} |" in card and f"`{prep / 'train'}`" in card
     hf, hf_tok = load_hf(tmp_path / "hf")
     tokens = torch.tensor([Codec(tok).encode(SENTENCES[3])])
     torch.testing.assert_close(hf(tokens).logits.detach(), gpn_next_token_logits(newest, tokens), rtol=0, atol=1e-5)
     other = make_tokenizer(tmp_path / "other.json", vocab=280)
     code, _, err = run(capsys, "export", trained_run, "--to", "hf", "--out", tmp_path / "hf2", "--tokenizer", other)
     assert code == 2 and "other.json: not the tokenizer the model was trained with" in err
+
+
+@pytest.mark.slow
+def test_reference_export_resumes_in_the_papers_trainer_as_the_run_went_on(setup, trained_run, capsys, tmp_path):
+    """Step 4 exported with its AdamW state mapped into the paper's chain state: the paper's loader
+    restores it, and its training step on the samples the run used for step 5 gives the run's step-5
+    weights (gpn-scale's own uninterrupted step: DeepSpeed's clipped AdamW)."""
+    _, _, prep, _ = setup
+    ckpts = trained_run / "checkpoints"
+    code, _, err = run(capsys, "export", ckpts / "step_00000004", "--to", "reference", "--out", tmp_path / "ref")
+    assert code == 0, err
+    state = read_trainer_state(ckpts / "step_00000004")
+    records = [json.loads(line) for line in (trained_run / "samples.jsonl").read_text().splitlines()]
+    (samples,) = [r["samples"] for r in records if r["step"] == 5]
+    batch = read_windows(open_data(prep / "train"))[samples].numpy()
+    info, params = paper_resume(tmp_path / "ref", state["config"]["train"], batch, tmp_path)
+    restored, after = info["restored"], info["after"]
+    assert restored["structure_matches"] and restored["classes"] == OPTAX_CLASSES
+    assert (restored["step"], restored["data_position"]) == (4, state["tokens"])
+    assert restored["counts"] == [4, 4] and restored["nu_nonzero"]
+    (logged,) = [m["loss"] for m in map(json.loads, (trained_run / "metrics.jsonl").read_text().splitlines())
+                 if m.get("step") == 5 and "loss" in m]
+    assert after["loss"] == pytest.approx(logged, rel=1e-5)  # the same batch, the same loss
+    step5 = load_trained_model(ckpts / "step_00000005")
+    step4 = load_trained_model(ckpts / "step_00000004")
+    for name, p in step5.named_parameters():
+        before = step4.get_parameter(name).detach().numpy()
+        moved = p.detach().numpy() - before  # the run's own update
+        assert np.abs(moved).max() > 0, name
+        np.testing.assert_allclose(params[reference_name(name, step5.config)] - before, moved, rtol=1e-3, atol=1e-7,
+                                   err_msg=name)

@@ -1,6 +1,7 @@
 """lm-evaluation-harness adapter: `gpn-scale lm-eval` on a local lambada-style task agrees per example
-with `gpn-scale eval --lambada`; the three request kinds against one-forward references; state
-batching in segments; nothing downloaded (HF offline, a task YAML over a JSON file the test writes)."""
+with `gpn-scale eval --lambada`, and per request with `lm_eval --model hf` on the HF export; the three
+request kinds against one-forward references; state batching in segments; nothing downloaded (HF
+offline, task YAMLs over a JSON file the test writes)."""
 
 import json
 import math
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from eval_fixtures import corpus_texts, make_tokenizer, tiny_model, train
+from eval_fixtures import SENTENCES, corpus_texts, make_prep, make_tokenizer, tiny_model, train
 
 pytest.importorskip("lm_eval")
 
@@ -201,3 +202,91 @@ def test_adapter_scoring_imports_without_the_harness():
             "import gpn_scale.eval.harness, gpn_scale.eval.cli")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+
+
+# ---- one score whatever the route: `gpn-scale lm-eval` and `lm_eval --model hf` on the HF export --------------
+
+# One task per request kind, over the same documents. A multiple-choice question left empty asks from the
+# start of text (the harness's empty context: a BOS prefix by the hf route, the initial state by ours).
+ROUTE_TASKS = {
+    "local_ll": "output_type: loglikelihood\ndoc_to_text: \"{{text.split(' ')[:-1]|join(' ')}}\"\n"
+                "doc_to_target: \"{{' '+text.split(' ')[-1]}}\"\nmetric_list:\n  - metric: acc\n",
+    "local_mc": "output_type: multiple_choice\ndoc_to_text: \"{{question}}\"\ndoc_to_choice: \"{{choices}}\"\n"
+                "doc_to_target: \"{{answer}}\"\nmetric_list:\n  - metric: acc\n",
+    "local_roll": "output_type: loglikelihood_rolling\ndoc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\n"
+                  "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n",
+}
+
+
+@pytest.fixture(scope="module")
+def routes(setup, tmp_path_factory):
+    """A GPN+M trained without BOS and one trained with it, each as a native export framed as its data
+    (tokenizer.yaml) and as an HF export of that; the task YAMLs and their documents."""
+    from gpn_scale.export import Source, write_native
+
+    root = setup[0]
+    tok = root / "tok.json"
+    models = {}
+    for name, bos in (("plain", False), ("bos", True)):
+        d = tmp_path_factory.mktemp(f"route_{name}")
+        prep = make_prep(d / "data", tok, bos=bos)
+        model = train(tiny_model(Codec(tok).vocab_size), read_windows(open_data(prep / "train")), steps=30)
+        (d / "native").mkdir()
+        write_native(Source(model, d), open_data(prep).tokenizer_source(), d / "native")
+        assert main(["export", str(d / "native"), "--to", "hf", "--out", str(d / "hf")]) == 0
+        models[name] = (d / "native", d / "hf")
+    tasks = tmp_path_factory.mktemp("route_tasks")
+    docs = []
+    for i, text in enumerate(SENTENCES + corpus_texts(4, 3)):
+        words = text.split()
+        docs.append({"text": text, "question": "" if i % 3 == 0 else " ".join(words[:3]),
+                     "choices": [" ".join(words[3:6]), " ".join(words[5:8])], "answer": i % 2})
+    (tasks / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    for task, body in ROUTE_TASKS.items():
+        (tasks / f"{task}.yaml").write_text(f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                            f"    test: {tasks / 'docs.jsonl'}\ntest_split: test\n{body}")
+    return models, tasks
+
+
+@pytest.mark.parametrize("name", ["plain", "bos"])
+def test_every_route_gives_the_same_score_per_request(routes, name, tmp_path, capsys):
+    """Per request, within 1e-4 nats: loglikelihood, multiple choice (an empty context among them) and
+    rolling loglikelihood, for a model whose training data had no BOS and one whose data began each
+    document with BOS."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    models, tasks = routes
+    native, hf = models[name]
+    assert main(["lm-eval", str(native), "--tasks", ",".join(ROUTE_TASKS), "--include_path", str(tasks),
+                 "--batch_size", "3", "--output_path", str(tmp_path), "--log_samples", "--bootstrap_iters", "0"]) == 0
+    capsys.readouterr()
+    theirs = lm_eval.simple_evaluate(
+        model="hf", model_args={"pretrained": str(hf), "trust_remote_code": True, "device": "cpu", "dtype": "float32"},
+        tasks=list(ROUTE_TASKS), task_manager=TaskManager(include_path=str(tasks), include_defaults=False), batch_size=3, log_samples=True,
+        bootstrap_iters=0)["samples"]
+    empty_contexts = 0
+    for task in ROUTE_TASKS:
+        (path,) = tmp_path.rglob(f"samples_{task}_*.jsonl")
+        ours = {s["doc_id"]: s for s in map(json.loads, path.read_text().splitlines())}
+        assert sorted(ours) == sorted(s["doc_id"] for s in theirs[task]) == list(range(8))
+        for sample in theirs[task]:
+            mine = ours[sample["doc_id"]]
+            for resp, my_resp in zip(sample["resps"], mine["resps"], strict=True):
+                if task == "local_roll":
+                    assert float(my_resp[0]) == pytest.approx(resp[0], abs=1e-4)
+                else:
+                    logprob, greedy = resp[0]
+                    assert float(my_resp[0][0]) == pytest.approx(logprob, abs=1e-4)
+                    assert my_resp[0][1] == str(greedy)
+            empty_contexts += task == "local_mc" and sample["doc"]["question"] == ""
+    assert empty_contexts == 3
+
+
+def test_an_unknown_task_is_one_line_before_the_model_loads(tmp_path, capsys):
+    (tmp_path / "ckpt").mkdir()  # not a checkpoint: the task is refused before anything reads it
+    assert main(["lm-eval", str(tmp_path / "ckpt"), "--tasks", "no_such_task"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tasks: unknown task 'no_such_task'") and len(err.strip().splitlines()) == 1, err
+    assert main(["lm-eval", str(tmp_path / "ckpt"), "--tasks", "x", "--include_path", str(tmp_path / "nope")]) == 2
+    assert "--include_path: " in capsys.readouterr().err

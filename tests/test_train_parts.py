@@ -131,6 +131,37 @@ def test_a_zero3_universal_resume_updates_as_the_uninterrupted_run(one_rank, tmp
             assert torch.equal(states[0][ours][moment], states[1][theirs][moment]), moment
 
 
+def test_adam_state_reads_alike_from_every_zero_stage(one_rank, tmp_path):
+    """`checkpoints.read_adam_state` (what `export --to reference` maps into the paper's optimiser
+    state): the same moments per parameter from a ZeRO-0 checkpoint (torch's AdamW state, its
+    parameters by group order) and from ZeRO-2 and -3 ones (flat partitions, through the universal
+    form), and the ZeRO-0 ones are the optimiser's own."""
+    from gpn_scale.checkpoints import read_adam_state
+
+    read = {}
+    for stage in (0, 2, 3):
+        engine, _ = tiny_engine(one_rank, f"zero.stage={stage}")
+        for i in range(2):
+            engine.backward(engine(batch(i).to(one_rank)).loss)
+            engine.step()
+        engine.save_checkpoint(str(tmp_path / f"zero{stage}"), tag="step_2", save_latest=False)
+        torch.manual_seed(0)
+        model = build_model(model_config("gpn_m_tiny"))
+        read[stage] = read_adam_state(tmp_path / f"zero{stage}" / "step_2", model)
+        if stage == 0:
+            own = engine.optimizer.state
+            for name, p in engine.module.named_parameters():
+                assert torch.equal(read[0].exp_avg[name], own[p]["exp_avg"]), name
+                assert torch.equal(read[0].exp_avg_sq[name], own[p]["exp_avg_sq"]), name
+    names = {n for n, _ in model.named_parameters()}
+    for stage in (0, 2, 3):
+        assert read[stage].step == 2 and set(read[stage].exp_avg) == set(read[stage].exp_avg_sq) == names
+        for name in names:
+            torch.testing.assert_close(read[stage].exp_avg[name], read[0].exp_avg[name], rtol=1e-5, atol=1e-8)
+            torch.testing.assert_close(read[stage].exp_avg_sq[name], read[0].exp_avg_sq[name], rtol=1e-5, atol=1e-12)
+    assert not any(p.name.startswith("gpn-scale-adam") for p in tmp_path.rglob("*"))  # its conversion is gone
+
+
 # Vectors and scalars: never decayed. Every tensor of two or more dimensions is (embedding included).
 NO_DECAY = {
     "gpn": {"decode_norm_w", "fuse_norm_w", "fg_norm_w", "fg_gate_b", "layers.0.ffn_norm_w", "layers.0.pg_norm_w",

@@ -14,5 +14,6 @@
     generate.py   sampling with O(1) memory per token, batch scoring
     harness.py    lm-evaluation-harness requests scored with the recurrent state carried (torch only)
     lm_eval_model.py  the harness's model `gpn-scale` (imports lm_eval)
+    lm_eval_run.py    `gpn-scale lm-eval`: tasks resolved, the harness run through its Python API, results written
     cli.py        `gpn-scale eval | analyze | generate | lm-eval`
 """

@@ -193,35 +193,57 @@ def generate_main(argv: list[str]) -> int:
 
 def lm_eval_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
-        prog="gpn-scale lm-eval", usage="gpn-scale lm-eval CHECKPOINT [--tokenizer F] [--data DIR] HARNESS_ARGS...",
-        description="lm-evaluation-harness on a checkpoint: registers it as the harness model `gpn-scale` and runs "
-                    "`lm-eval run --model gpn-scale` with every other argument as given (see `lm-eval run --help`: "
-                    "--tasks, --num_fewshot, --batch_size, --limit, --output_path, --include_path, ...; "
-                    "--device defaults to cpu here)",
-        formatter_class=HelpFormatter)
+        formatter_class=HelpFormatter, prog="gpn-scale lm-eval",
+        description="lm-evaluation-harness on a checkpoint, as the harness model `gpn-scale`: its tasks (or your own "
+                    "task YAMLs), scored with the recurrent state carried, results written as `lm-eval run` writes them")
     ap.add_argument("checkpoint", help="a native checkpoint, a training checkpoint or a run directory")
+    ap.add_argument("--tasks", "-t", required=True,
+                    help="comma-separated task or group names (globs allowed) or task YAML files")
+    ap.add_argument("--include_path", "--include-path", dest="include_path",
+                    help="a directory of task YAMLs of your own (default: the harness's tasks only)")
+    ap.add_argument("--num_fewshot", "--num-fewshot", "-f", dest="num_fewshot", type=int,
+                    help="few-shot examples per prompt (default: each task's own)")
+    ap.add_argument("--limit", "-L", type=float, help="the first N documents per task; below 1, that fraction "
+                    "(default: all)")
+    ap.add_argument("--batch_size", "--batch-size", "-b", dest="batch_size", default="16",
+                    help="requests per forward; 'auto' is 16 (a recurrent model's memory does not grow with the context)")
+    ap.add_argument("--output_path", "--output-path", "-o", dest="output_path",
+                    help="directory for results_*.json (and samples_*.jsonl) (default: print only)")
+    ap.add_argument("--log_samples", "--log-samples", "-s", dest="log_samples", action="store_true",
+                    help="also write every request with the model's response (needs --output_path)")
+    ap.add_argument("--gen_kwargs", "--gen-kwargs", dest="gen_kwargs",
+                    help="generation settings for generate_until tasks, e.g. temperature=0,max_gen_toks=64")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the harness's sampling and of generation")
+    ap.add_argument("--bootstrap_iters", "--bootstrap-iters", dest="bootstrap_iters", type=int, default=100000,
+                    help="bootstrap iterations for the metrics' standard errors (0: none)")
     ap.add_argument("--tokenizer", default=None,
                     help="tokenizer file (default: the one recorded with --data, the training data or a native "
                          "export)")
     ap.add_argument("--data", default=None, help="a prep output whose recorded tokenizer (and BOS) to use")
-    args, harness_args = ap.parse_known_args(argv)
+    _device_flag(ap)
+    args = ap.parse_args(argv)
     if not Path(args.checkpoint).exists():
         raise UserError(f"{args.checkpoint}: no such checkpoint")
+    if args.log_samples and not args.output_path:
+        raise UserError("--log_samples: needs --output_path (where the samples are written)")
+    if args.limit is not None and not args.limit > 0:
+        raise UserError(f"--limit: expected a number > 0, got {args.limit}")
     try:
-        from lm_eval.__main__ import cli_evaluate
+        from gpn_scale.eval.lm_eval_model import GPNScaleLM
+        from lm_eval.utils import make_table
     except ImportError:
         raise UserError("lm-eval needs lm-evaluation-harness: pip install 'gpn-scale[eval]'") from None
-    import gpn_scale.eval.lm_eval_model  # noqa: F401  registers the model `gpn-scale` with the harness
+    from gpn_scale.eval.lm_eval_run import HarnessRun, evaluate, resolve_tasks
 
-    model_args = {"pretrained": str(Path(args.checkpoint).resolve())}
-    model_args.update({k: str(Path(v).resolve()) for k, v in (("tokenizer", args.tokenizer), ("data", args.data)) if v})
-    saved = sys.argv
-    # The harness's entry point reads sys.argv; its own parser then handles every argument it knows.
-    # --device cpu first, as for `gpn-scale eval` (the harness's own default is cuda:0); a --device given wins.
-    sys.argv = ["lm-eval", "run", "--model", "gpn-scale", "--model_args", json.dumps(model_args), "--device", "cpu",
-                *harness_args]
-    try:
-        cli_evaluate()
-    finally:
-        sys.argv = saved
+    run = HarnessRun(tasks=[t for t in args.tasks.split(",") if t], include_path=args.include_path,
+                     num_fewshot=args.num_fewshot, limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
+                     batch_size=args.batch_size, output_path=args.output_path, log_samples=args.log_samples,
+                     gen_kwargs=args.gen_kwargs, seed=args.seed, bootstrap_iters=args.bootstrap_iters)
+    resolved = resolve_tasks(run)  # an unknown task stops here, before the model is loaded
+    lm = GPNScaleLM(str(Path(args.checkpoint).resolve()), args.tokenizer, args.data, args.batch_size, args.device,
+                    args.seed)
+    results = evaluate(lm, run, resolved)
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
     return 0

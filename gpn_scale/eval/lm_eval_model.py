@@ -11,6 +11,8 @@ every context when that prep added one. The scoring itself is `gpn_scale.eval.ha
 
 from __future__ import annotations
 
+import lm_eval.models  # noqa: F401  the harness's own models (hf, ...), registered before ours: the harness
+# imports them only into an empty registry, so without this `gpn-scale` would hide them in this process
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
@@ -50,13 +52,17 @@ class GPNScaleLM(LM):
         contexts, continuations = [], []
         for request in requests:
             context, continuation = request.args
-            # A context's trailing whitespace belongs to the continuation (the harness's own rule:
-            # tokenizers attach a word's leading space to the word).
+            # The harness's own rules (`TemplateLM._encode_pair`), so that every route scores the same
+            # tokens: a context's trailing whitespace belongs to the continuation (tokenizers attach a
+            # word's leading space to the word), and the continuation is what encoding the whole text
+            # adds to encoding the context. An empty context is the start of text: the model's initial state.
             spaces = len(context) - len(context.rstrip())
             if spaces:
                 context, continuation = context[:-spaces], context[-spaces:] + continuation
-            contexts.append(self.prefix + self._encode(context))
-            continuations.append(self._encode(continuation))
+            context_ids = self._encode(context) if context else []
+            whole = self._encode(context + continuation) if context else self._encode(continuation)
+            contexts.append(self.prefix + context_ids)
+            continuations.append(whole[len(context_ids):])
             if not continuations[-1]:
                 raise UserError(f"loglikelihood request {len(continuations)}: the continuation {continuation!r} "
                                 "encodes to no tokens")

@@ -8,8 +8,9 @@ once complete; an existing non-empty DIR is refused, never overwritten.
 
 - `hf`: Hugging Face transformers (`gpn_scale/export/hf.py`): config.json, model.safetensors, the
   self-contained modeling file, tokenizer files.
-- `reference`: the paper's `checkpoint.pkl` (parameters only) and JSON config
-  (`gpn_scale/export/reference.py`); `gpn-scale convert --from-reference` reads it back bit-exactly.
+- `reference`: the paper's `checkpoint.pkl` (parameters, the AdamW state in the paper's optax
+  structure, step, data position) and JSON config (`gpn_scale/export/reference.py`); the paper's
+  trainer resumes from it and `gpn-scale convert --from-reference` reads it back bit-exactly.
 - `native`: model.safetensors + model.yaml + the tokenizer, all listed in manifest.json.
 """
 
@@ -30,15 +31,21 @@ FORMATS = ("hf", "reference", "native")
 
 @dataclass(frozen=True)
 class Source:
-    """What is exported: the model (float32, CPU), where it came from, its training step if known."""
+    """What is exported: the model (float32, CPU), where it came from, and for a training checkpoint
+    its directory and trainer_state.json (step, tokens, loader position, the run's config)."""
 
     model: object  # torch.nn.Module
     path: Path
-    step: int | None
+    trainer_state: dict | None = None
+    checkpoint: Path | None = None  # the training checkpoint (`.../checkpoints/step_N`), verified
 
     @property
     def family(self) -> str:
         return self.model.config.family
+
+    @property
+    def step(self) -> int | None:
+        return None if self.trainer_state is None else self.trainer_state["step"]
 
 
 def load_source(path: str | Path) -> Source:
@@ -48,12 +55,12 @@ def load_source(path: str | Path) -> Source:
     if not path.exists():
         raise UserError(f"{path}: no such checkpoint or run directory")
     if (path / checkpoints.WEIGHTS).is_file():
-        return Source(checkpoints.load_native(path).eval(), path, None)
+        return Source(checkpoints.load_native(path).eval(), path)
     tag = checkpoints.training_checkpoint(path, warn=lambda line: print(line, file=sys.stderr))  # verified
     if tag is None:
         raise UserError(f"{path}: not a native checkpoint, and no complete training checkpoint there")
     model = checkpoints.load_trained_model(tag, verified=tag != path)  # a tag named directly is verified there
-    return Source(model.eval(), path, checkpoints.read_trainer_state(tag)["step"])
+    return Source(model.eval(), path, checkpoints.read_trainer_state(tag), tag)
 
 
 def find_tokenizer(source: Source, given: str | None) -> TokenizerSource:
