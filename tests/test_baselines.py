@@ -476,7 +476,7 @@ def test_zero2_two_process_training_stops_and_resumes_bitwise(family, tmp_path):
     config = f"{family}_tiny"
     ref, run = tmp_path / "ref", tmp_path / "run"
     proc = _train(config, data, ref)
-    assert f"training {family} (" in proc.stderr
+    assert f"training {family} (" in proc.stdout  # the run's report goes to stdout
     ref_losses, ref_val = _metrics(ref)
     assert sorted(ref_losses) == list(range(1, TOTAL + 1))
     assert ref_losses[TOTAL] < ref_losses[1]  # it learns the fixture's repeating pattern
@@ -489,7 +489,7 @@ def test_zero2_two_process_training_stops_and_resumes_bitwise(family, tmp_path):
         lines = (run / log).read_text().splitlines()
         (run / log).write_text("".join(l + "\n" for l in lines if json.loads(l)["step"] <= TOTAL // 2))
     proc = _train(config, data, run, resume="auto")
-    assert f"at step {TOTAL // 2}" in proc.stderr
+    assert f"at step {TOTAL // 2}" in proc.stdout + proc.stderr
     losses, val = _metrics(run)
     assert losses == ref_losses  # bitwise: exact float equality at every step
     assert val == ref_val

@@ -64,6 +64,19 @@ def test_text_stream_reassembles_multibyte_text():
     assert "" in pieces  # a character split over byte tokens waited for its last byte
 
 
+def test_text_stream_equals_the_whole_decode_of_any_token_sequence():
+    """Sampled text is often not valid UTF-8 (a character's bytes cut off or out of order); what is
+    streamed must still be exactly the decode of the whole sequence, replacement characters included."""
+    with tempfile.TemporaryDirectory() as d:
+        codec = Codec(make_tokenizer(Path(d) / "t.json"))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        ids = torch.randint(0, codec.vocab_size, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        stream = TextStream(codec)
+        text = "".join(stream.push(t) for t in ids) + stream.flush()
+        assert text == codec.decode(ids), ids
+
+
 def test_first_and_second_distributions_equal_the_forward_logits(setup):
     _, tok, model = setup
     prompt = Codec(tok).encode("the dog sat on")

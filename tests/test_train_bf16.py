@@ -33,14 +33,15 @@ VARIANTS = {"gpn_m": ("gpn_m", ()), "gpn_m_chunk": ("gpn_m", ("model.memory_form
 
 
 def start(data, variant, run_dir, *overrides, resume=False) -> subprocess.Popen:
-    """A one-process run (one thread); its stderr goes to a file beside the run."""
+    """A one-process run (one thread); its output (the report on stdout, warnings on stderr) goes to a file
+    beside the run."""
     family, extra = VARIANTS[variant]
     overrides = (*extra, *overrides)
     cmd = [sys.executable, "-m", "gpn_scale", "train", str(ROOT / "configs" / "train" / f"{family}_tiny.yaml"),
            f"run.dir={run_dir}", f"data.train={data / 'train'}", "data.val=null", "zero.stage=2", *overrides]
-    log = Path(f"{run_dir}.{'resume' if resume else 'train'}.stderr")
+    log = Path(f"{run_dir}.{'resume' if resume else 'train'}.log")
     with open(log, "w") as err:
-        proc = subprocess.Popen(cmd + (["--resume", "auto"] if resume else []), stdout=subprocess.DEVNULL, stderr=err,
+        proc = subprocess.Popen(cmd + (["--resume", "auto"] if resume else []), stdout=err, stderr=subprocess.STDOUT,
                                 text=True, env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
     proc.log = log
     return proc
@@ -48,9 +49,9 @@ def start(data, variant, run_dir, *overrides, resume=False) -> subprocess.Popen:
 
 def finish(proc: subprocess.Popen) -> str:
     proc.wait(timeout=900)
-    stderr = proc.log.read_text()
-    assert proc.returncode == 0, stderr[-5000:]
-    return stderr
+    output = proc.log.read_text()
+    assert proc.returncode == 0, output[-5000:]
+    return output
 
 
 def train(data, family, run_dir, *overrides, resume=False) -> str:
@@ -85,8 +86,8 @@ def test_bf16_resume_bitwise(data, bf16_runs, tmp_path, family):
     shutil.rmtree(run / "checkpoints" / "step_00000006")
     metrics = run / "metrics.jsonl"  # steps 4-6 must come from the resumed run, not the copy
     metrics.write_text("".join(l + "\n" for l in metrics.read_text().splitlines() if json.loads(l)["step"] <= 3))
-    stderr = train(data, family, run, *RESUME_STEPS, resume=True)
-    assert "resum" in stderr and "step_00000003" in stderr, stderr[-3000:]
+    output = train(data, family, run, *RESUME_STEPS, resume=True)
+    assert "resum" in output and "step_00000003" in output, output[-3000:]
     assert sorted(losses(run)) == [1, 2, 3, 4, 5, 6]
     assert losses(run) == losses(ref)  # bitwise
 

@@ -53,9 +53,10 @@ class Codec:
 
 
 class TextStream:
-    """Decodes a growing token sequence piece by piece with O(1) memory: each new token is decoded
-    together with a few tokens before it and only the new suffix is emitted (tokenizers drop leading
-    spaces or split a character's bytes across tokens, so tokens do not decode one by one)."""
+    """Decodes a growing token sequence piece by piece, emitting exactly what decoding the whole
+    sequence gives: each new token is decoded together with a few tokens before it and only the new
+    suffix is emitted (tokenizers drop leading spaces or split a character's bytes across tokens, so
+    tokens do not decode one by one)."""
 
     CONTEXT = 4
 
@@ -64,20 +65,21 @@ class TextStream:
 
     def push(self, token: int) -> str:
         self.pending.append(token)
-        before = self.codec.decode(self.context)
         text = self.codec.decode(self.context + self.pending)
-        # An incomplete UTF-8 character: wait for its remaining bytes, but not forever (a character
-        # has at most 4 bytes; anything longer is invalid and is emitted as it decodes).
-        if text.endswith("\ufffd") and len(self.pending) < 4:
+        # Text ending in U+FFFD may be a character whose remaining bytes are still to come, or bytes
+        # that a later one turns into a different count of replacement characters: hold it until a
+        # character ends cleanly (or flush). Only then is everything before it final, and only then
+        # may the context move. A model that writes valid text holds back at most one character.
+        if text.endswith("\ufffd"):
             return ""
-        self.context = (self.context + self.pending)[-self.CONTEXT:]
-        self.pending = []
-        return text.removeprefix(before)
+        return self._emit(text)
 
     def flush(self) -> str:
         """Whatever is still held back, decoded as it is."""
-        if not self.pending:
-            return ""
-        before, text = self.codec.decode(self.context), self.codec.decode(self.context + self.pending)
+        return self._emit(self.codec.decode(self.context + self.pending)) if self.pending else ""
+
+    def _emit(self, text: str) -> str:
+        before = self.codec.decode(self.context)
+        self.context = (self.context + self.pending)[-self.CONTEXT:]
         self.pending = []
         return text.removeprefix(before)
