@@ -43,7 +43,9 @@ M's traffic alone as each form is designed (float32, H x d_k x d_v per sequence)
 reads and writes M twice per step forward (once more read per later layer) and five times backward
 (rebuild: read and write; step backward: read M and dM, write dM; three more per later layer);
 the chunk form reads M_c once per step each way (once more per later layer), and per chunk writes
-M once forward, and backward reads M_c once (the rebuild), dL/dM twice and writes it once.
+M once forward, and backward reads M_c once (the rebuild), dL/dM twice and writes it once; with
+`memory_reads=compute` under bf16 the per-step reads are of a bf16 copy of M_c, made once per chunk
+each way (M_c read, the half-size copy written).
 
 The baseline (`--baseline`, default transformer_130m) is Transformer++ counted the same way: one
 window of `--baseline-seq-len` tokens forward and backward at the measured batches, extrapolated,
@@ -432,20 +434,24 @@ def phase_cost(per_step: dict[Key, Tally], phase: str, hw: Hardware) -> PhaseCos
                      max(device + n * hw.graph_launch_s, n * hw.eager_launch_s), device + n * hw.graph_launch_s)
 
 
-def memory_floor(cfg, hw: Hardware) -> dict | None:
+def memory_floor(cfg, hw: Hardware, dtype: str = "fp32") -> dict | None:
     """M's traffic alone per token as the config's memory form is designed (bytes, forward and
     backward; the module docstring) and the tokens/s it allows."""
     if not cfg.memory:
         return None
     m = cfg.n_heads * cfg.d_key * cfg.d_val * 4  # float32, whatever the compute dtype
     later = cfg.n_layers - 1
+    low = cfg.memory_form == "chunk" and cfg.memory_reads == "compute" and dtype == "bf16"
     if cfg.memory_form == "chunk":
         C = cfg.core_chunk
-        fwd, bwd = m * (1 + later + 1 / C), m * (1 + later + 4 / C)
+        if low:  # the per-step reads in bf16, from a copy made once per chunk each way (M_c read, half of it written)
+            fwd, bwd = m * ((1 + later) / 2 + 2.5 / C), m * ((1 + later) / 2 + 5.5 / C)
+        else:
+            fwd, bwd = m * (1 + later + 1 / C), m * (1 + later + 4 / C)
     else:
         fwd, bwd = m * (2 + later), m * (5 + 3 * later)
-    return dict(form=cfg.memory_form, m_bytes=m, forward_bytes_per_token=fwd, backward_bytes_per_token=bwd,
-                tokens_per_s=hw.bytes_per_s / (fwd + bwd))
+    return dict(form=cfg.memory_form, m_bytes=m, reads="bf16" if low else "float32", forward_bytes_per_token=fwd,
+                backward_bytes_per_token=bwd, tokens_per_s=hw.bytes_per_s / (fwd + bwd))
 
 
 # ---- the baseline: Transformer++ counted the same way -----------------------------------------
@@ -522,7 +528,7 @@ def report(args, cfg, batch: int, per_step, fixed, hw: Hardware, baseline: dict 
     memory_s = sum(kernel_seconds(k, Tally(t.count, t.memory, 0, 0, t.programs), hw) for k, t in per_step.items() if t.memory)
     rows = [dict(k._asdict(), **dataclasses.asdict(t), seconds=kernel_seconds(k, t, hw))
             for k, t in sorted(per_step.items(), key=lambda kv: (PHASES.index(kv[0].phase), KINDS.index(kv[0].kind), kv[0][2:]))]
-    floor = memory_floor(cfg, hw)
+    floor = memory_floor(cfg, hw, args.dtype)
     return dict(config=args.config, overrides=args.overrides, batch=batch, dtype=args.dtype, kernel=args.kernel,
                 device=args.device, steps=list(args.steps), measured_batches=args.measure_batches,
                 hardware=dataclasses.asdict(hw), phases={p: dataclasses.asdict(c) for p, c in phases.items()},
@@ -594,7 +600,8 @@ def print_report(r: dict, hw: Hardware) -> None:
         print(f"memory ({r['memory_form']} form, chunk {r['chunk']}): its launches move {mem['forward'] / MB:.2f} MB per token "
               f"forward + {mem['backward'] / MB:.2f} MB backward = {(mem['forward'] + mem['backward']) / MB:.2f} MB "
               f"({r['memory_kernels_us']:.1f} us of the step at the roofline)")
-        print(f"M-traffic floor of the {f['form']} form: M {f['m_bytes'] / MB:.3g} MB per sequence (float32), "
+        print(f"M-traffic floor of the {f['form']} form: M {f['m_bytes'] / MB:.3g} MB per sequence (float32"
+              + (", its per-step reads from a bf16 copy" if f["reads"] == "bf16" else "") + "), "
               f"{f['forward_bytes_per_token'] / MB:.3g} MB per token forward + {f['backward_bytes_per_token'] / MB:.3g} MB "
               f"backward -> {f['tokens_per_s'] / 1e3:.1f}K tok/s; graph estimate / floor: {r['graph_over_floor']:.2f}")
     b = r["baseline"]

@@ -223,6 +223,26 @@ def test_flash_attention_costs_are_the_stated_formula():
     assert (bwd.read, bwd.written, bwd.flops) == (5 * qkv + 2 * stats, 3 * qkv, 5 * B * H * T * T * D)
 
 
+def test_memory_floor_of_each_form_and_read_dtype_by_hand():
+    """M's traffic per token as each form is designed: the step form's passes per step, the chunk
+    form's one read per step and its per-chunk passes, and with bf16 reads half the per-step read
+    plus the copy made once per chunk each way. Only bf16 training has a narrower copy to read."""
+    from gpn_scale.models.gpn import GPNConfig
+
+    base = dict(family="gpn_m", vocab_size=64, d_state=32, d_emb=16, d_ffn=32, n_layers=2, n_heads=3, d_key=4, d_val=8,
+                core_chunk=8)
+    m = 3 * 4 * 8 * 4
+    floor = lambda dtype="bf16", **kw: step_cost.memory_floor(GPNConfig(**{**base, **kw}), step_cost.H200, dtype)
+    step, chunk = floor(memory_form="step"), floor(memory_form="chunk")
+    low = floor(memory_form="chunk", memory_reads="compute")
+    assert (step["forward_bytes_per_token"], step["backward_bytes_per_token"]) == (3 * m, 8 * m)
+    assert (chunk["forward_bytes_per_token"], chunk["backward_bytes_per_token"]) == (m * (2 + 1 / 8), m * (2 + 4 / 8))
+    assert (low["forward_bytes_per_token"], low["backward_bytes_per_token"]) == (m * (1 + 2.5 / 8), m * (1 + 5.5 / 8))
+    assert low["reads"] == "bf16" and chunk["reads"] == "float32"
+    assert floor("fp32", memory_form="chunk", memory_reads="compute") == chunk
+    assert low["tokens_per_s"] == pytest.approx(step_cost.H200.bytes_per_s / (m * (2 + 8 / 8)))
+
+
 def test_command_line_table_json_and_bad_config(tmp_path, capsys):
     out = tmp_path / "cost.json"
     assert step_cost.main(["--config", "gpn_m_tiny", "--kernel", "torch", "--device", "cpu", "--batch", "8,16", "core_chunk=4",
