@@ -32,14 +32,15 @@ import yaml
 
 from gpn_scale import atomic, checkpoints, safe_load
 from gpn_scale.errors import UserError
+from gpn_scale.config import resolve_config_path
 from gpn_scale.helptext import HelpFormatter
 from gpn_scale.jsonl import JsonLines, truncate_jsonl
+from gpn_scale.lock import RunLock
 from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import distributed as dist_utils
 from gpn_scale.train import loop, optim, preflight
 from gpn_scale.train.config import TrainConfig, config_changes, load_train_config
 from gpn_scale.train.gc import GarbageCollection
-from gpn_scale.train.lock import RunLock
 from gpn_scale.train.loop import Audit, Outcome
 from gpn_scale.train.metrics import MetricsLog, RunClock, StepMetrics, flops_per_token, peak_flops, peak_memory_bytes
 from kernels.graph import graphs_of
@@ -436,7 +437,7 @@ def main(argv: list[str]) -> int:
                          "the run computes (lr, model, data, ...); the change is recorded in metrics.jsonl")
     args = ap.parse_intermixed_args(argv)  # key=value overrides may come after flags
     cfg = load_train_config(args.config, args.overrides)
-    data = preflight.check(cfg, args.resume)
+    data = preflight.check(cfg, args.resume, resolve_config_path(args.config, "train"))
     os.environ.setdefault("WANDB_SILENT", "true")
     lock = RunLock(Path(cfg.run.dir)) if os.environ.get("RANK", "0") == "0" else None
     try:
