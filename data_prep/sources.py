@@ -233,7 +233,9 @@ def _read_jsonl(unit: Unit, filters: Filters) -> Iterator[Document]:
                 return
             if not raw.strip():
                 continue  # a blank line holds no document
-            yield _jsonl_document(unit.file, line_no + 1, raw, filters)  # lines are counted from 1
+            doc = _jsonl_document(unit.file, line_no + 1, raw, filters)  # lines are counted from 1
+            del raw  # not kept while the document is tokenized (a document may be large)
+            yield doc
     except (OSError, EOFError, ValueError, zstandard.ZstdError) as e:  # missing, truncated, corrupt
         raise UnreadableInput(f"{unit.file}: unreadable ({type(e).__name__}: {_first_line(e)})") from None
 
