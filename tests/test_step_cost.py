@@ -181,7 +181,8 @@ def test_command_line_table_json_and_bad_config(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["batch"] == 8 and set(result["phases"]) == {"forward", "backward"}
     assert result["memory_floor"]["m_bytes"] == 4 * 4 * 16 * 16
-    assert result["tokens_per_s"]["graph"] > result["tokens_per_s"]["eager"] > 0
+    assert result["tokens_per_s"]["graph"] > 0 and result["tokens_per_s"]["eager"] > 0  # measured, not compared: a
+    # test's verdict never depends on how fast this machine is at the moment
     assert step_cost.main(["--config", "no_such_model"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "no_such_model" in err[0]

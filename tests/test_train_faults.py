@@ -131,15 +131,16 @@ def test_checks_run_before_anything_starts(data, tmp_path):
 
 def test_a_taken_run_dir_refuses_and_sigint_checkpoints(data, run):
     """A second trainer on a run.dir refuses, naming the holder; Ctrl-C checkpoints and exits 130;
-    a lock left by a dead process is taken over."""
-    first = subprocess.Popen(cmd(data, run, "train.total_steps=400", resume="auto"), env=env(),
+    a lock left by a dead process is taken over. The first trainer has more steps than it can run
+    before the test stops it, however slow or fast the machine: it holds its lock throughout."""
+    first = subprocess.Popen(cmd(data, run, "train.total_steps=1000000", resume="auto"), env=env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300
         while max(losses(run)) < STEPS + 1:  # training, not starting
             assert first.poll() is None and time.time() < deadline, first.stderr.read()[-3000:] if first.poll() else "slow"
             time.sleep(0.2)
-        second = train(data, run, "train.total_steps=400", resume="auto", expect=2)
+        second = train(data, run, "train.total_steps=1000000", resume="auto", expect=2)
         assert f"is in use by pid {first.pid} on {socket.gethostname()}" in error_line(second)
         first.send_signal(signal.SIGINT)
         _, stderr = first.communicate(timeout=300)
@@ -154,7 +155,7 @@ def test_a_taken_run_dir_refuses_and_sigint_checkpoints(data, run):
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (run / "trainer.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout)}))
-    proc = train(data, run, "train.total_steps=400", f"train.stop_at_step={stopped + 1}", resume="auto")
+    proc = train(data, run, "train.total_steps=1000000", f"train.stop_at_step={stopped + 1}", resume="auto")
     assert f"took over the stale lock {run / 'trainer.lock'} (process {int(dead.stdout)} is gone)" in proc.stderr
 
 
@@ -392,7 +393,7 @@ def test_ctrl_c_twice_leaves_status_interrupted(data, tmp_path):
     one asked for); status.json says so instead of "running", and a save it cut short is never taken
     for a checkpoint."""
     fresh = tmp_path / "fresh"
-    proc = subprocess.Popen(cmd(data, fresh, "train.total_steps=400", "train.save_every=1000"), env=env(),
+    proc = subprocess.Popen(cmd(data, fresh, "train.total_steps=1000000", "train.save_every=1000"), env=env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300  # hang guards only
