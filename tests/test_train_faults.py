@@ -412,3 +412,33 @@ def test_ctrl_c_twice_leaves_status_interrupted(data, tmp_path):
     status = json.loads((fresh / "status.json").read_text())
     assert status["status"] == "interrupted", status
     assert all(ckpt.verify(fresh / "checkpoints" / t) is None for t in ckpt.committed(fresh / "checkpoints"))
+
+
+def test_status_is_rewritten_in_place_on_a_disk_too_full_for_the_atomic_replacement(tmp_path):
+    """The atomic replacement needs room for a second copy; with none left, the final status must
+    still replace "running" (its one block is reused), and no half-written sibling stays."""
+    from gpn_scale.train.engine import write_status
+
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        write_status(mount, "running", 3, 1)
+        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
+        try:  # fill the rest to the last byte
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError):
+            (mount / "probe").write_text("x" * 5000)  # truly full
+        (mount / "probe").unlink(missing_ok=True)
+        write_status(mount, "failed", 3, 1, "checkpoint ...: no space left on device")
+        assert json.loads((mount / "status.json").read_text()) == {
+            "status": "failed", "step": 3, "world_size": 1, "reason": "checkpoint ...: no space left on device"}
+        assert sorted(p.name for p in mount.iterdir()) == ["filler", "status.json"]
+    finally:
+        subprocess.run(["umount", "-l", str(mount)])
