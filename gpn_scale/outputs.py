@@ -44,8 +44,8 @@ class Kind:
 PREP = Kind("a prep output", "gpn-scale prep", ("prep.json", "units", "prep*.lock", ".tmp"))
 SWEEP = Kind("a sweep", "gpn-scale sweep", ("*/point.json",))
 SWEEP_POINT = Kind("a sweep point", "gpn-scale sweep", ("point.json",))
-TRAINING_RUN = Kind("a training run", "gpn-scale train",
-                    ("status.json", "trainer.lock", "checkpoints", "metrics.jsonl", "samples.jsonl"))
+TRAINING_RUN = Kind("a training run", "gpn-scale train", ("status.json", "trainer.lock", "checkpoints/step_*",
+                                                          "checkpoints/latest", "metrics.jsonl", "samples.jsonl"))
 DEMO = Kind("a demo", "gpn-scale demo", ("corpus/pydoc-topics-*.parquet",))
 NATIVE = Kind("a native checkpoint", "gpn-scale convert / export --to native", ("model.safetensors", "model.yaml"))
 HF = Kind("a Hugging Face model", "gpn-scale export --to hf", ("config.json",))

@@ -442,3 +442,18 @@ def test_status_is_rewritten_in_place_on_a_disk_too_full_for_the_atomic_replacem
         assert sorted(p.name for p in mount.iterdir()) == ["filler", "status.json"]
     finally:
         subprocess.run(["umount", "-l", str(mount)])
+
+
+def test_a_crash_mid_run_leaves_status_failed_with_the_exception(data, tmp_path):
+    """A save that cannot create its checkpoint directory (`checkpoints` is a file here) is a crash
+    after the run said "running": a traceback, exit status 1, and status.json naming the exception."""
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "status.json").write_text('{"status": "failed", "step": null, "world_size": 1}\n')  # an earlier try
+    (fresh / "checkpoints").write_text("not a directory")
+    proc = train(data, fresh, "train.total_steps=2", expect=1)
+    assert "Traceback" in proc.stderr
+    status = json.loads((fresh / "status.json").read_text())
+    assert status["status"] == "failed" and status["step"] == 2, status
+    assert status["reason"].split(":")[0].endswith("Error") and "checkpoints" in status["reason"], status
+    assert not (fresh / "trainer.lock").exists()

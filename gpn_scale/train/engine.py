@@ -31,8 +31,8 @@ import torch
 import yaml
 
 from gpn_scale import atomic, checkpoints, safe_load
-from gpn_scale.errors import UserError
 from gpn_scale.config import resolve_config_path
+from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
 from gpn_scale.jsonl import JsonLines, truncate_jsonl
 from gpn_scale.lock import RunLock
@@ -485,12 +485,13 @@ def write_status(run_dir: Path, status: str, step: int | None, world: int | None
 def _record_failure(run_dir: Path, trainer: Trainer | None, error: BaseException) -> None:
     """status.json of a run that ended by an exception: "interrupted" for a second Ctrl-C (no
     checkpoint), "failed" with the error's first line otherwise."""
+    first_line = (str(error).splitlines() or [""])[0]
     if isinstance(error, KeyboardInterrupt):
         status, reason = Outcome.INTERRUPTED.value, "a second SIGINT stopped it at once, without a checkpoint"
-    else:
-        status = Outcome.FAILED.value
-        reason = str(error).splitlines()[0] if isinstance(error, UserError) and str(error) else \
-            f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+    elif isinstance(error, UserError):
+        status, reason = Outcome.FAILED.value, first_line
+    else:  # a crash: its traceback follows on stderr
+        status, reason = Outcome.FAILED.value, f"{type(error).__name__}: {first_line}"
     step = getattr(trainer, "step", None)
     world = trainer.world if trainer is not None else int(os.environ.get("WORLD_SIZE", "1"))
     try:
