@@ -6,9 +6,9 @@ differ (a unigram model among them) encode documents whole, with the same ids.""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +18,16 @@ from data_prep import embedded, tokenizer as tokenizer_module
 from data_prep.tokenizer import Tokenizer, train_bpe
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-import prep as prep_bench  # noqa: E402  (bench/prep.py: its worker memory measurement)
+
+
+def prep_bench():
+    """bench/prep.py, whose worker memory measurement the test uses. Imported when the test runs,
+    not at collection: it imports streaming (and with it triton), which must not be imported
+    before the kernel tests set up Triton's interpreter."""
+    spec = importlib.util.spec_from_file_location("prep_bench", ROOT / "bench" / "prep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def text_of(chars: int, seed: int = 0) -> str:
@@ -113,10 +121,11 @@ def test_a_prep_worker_peak_grows_a_small_multiple_of_one_documents_size(tokeniz
     """A worker preparing the unit of one 4 MB document (read, check, tokenize, pack, MDS), measured
     as bench/prep.py --memory does, against a 1 kB document: its peak resident set rises by a few
     times the document's size (encoded whole, ~110 times with byte-level BPE)."""
-    base, _ = prep_bench.worker_peak_growth(tmp_path, tokenizers["byte-level BPE"], 1000)
+    bench = prep_bench()
+    base, _ = bench.worker_peak_growth(tmp_path, tokenizers["byte-level BPE"], 1000)
     chars = 4_000_000
-    growth, tokens = prep_bench.worker_peak_growth(tmp_path, tokenizers["byte-level BPE"], chars)
-    doc = prep_bench.long_document(chars)
+    growth, tokens = bench.worker_peak_growth(tmp_path, tokenizers["byte-level BPE"], chars)
+    doc = bench.long_document(chars)
     assert tokens == len(whole(tokenizers["byte-level BPE"], doc)) + 1  # the document's ids and EOS, as whole
     rise = (growth - base) / chars
     assert rise < 16, f"peak rose {rise:.1f}x the document's size"
