@@ -59,9 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"error: unknown subcommand {name!r}; expected one of: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    module_name, func_name = COMMANDS[name][0].split(":")
-    func = getattr(importlib.import_module(module_name), func_name)
+    if name == "train":  # before torch and DeepSpeed import: a launcher may stop a trainer still starting up
+        from gpn_scale.train import stop
+
+        stop.record()
     try:
+        module_name, func_name = COMMANDS[name][0].split(":")
+        func = getattr(importlib.import_module(module_name), func_name)
         return int(func(rest) or 0)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -69,3 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if name == "train":
+            stop.restore()  # run in-process (tests, notebooks): the caller's handlers back

@@ -422,7 +422,7 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing(setup, capsys, tmp_pat
         (["export", tmp_path / "nope", "--to", "hf", "--out", tmp_path / "o1"], "nope: no such checkpoint"),
         (["export", root / "gpn_m_1l", "--to", "hf", "--out", tmp_path / "o2"], "no tokenizer recorded with it"),
         (["export", root / "gpn_m_1l", "--to", "native", "--out", taken, "--tokenizer", tok],
-         "taken: already exists and is not empty"),
+         "taken: is not empty; export writes a new directory and overwrites nothing"),
         (["export", tiny, "--to", "hf", "--out", tmp_path / "o3", "--tokenizer", big],
          "exceeds the model's vocab_size 280"),
         (["export", root / "gpn_m_1l", "--to", "hf", "--out", tmp_path / "o4", "--tokenizer", tmp_path / "no.json"],

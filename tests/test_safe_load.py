@@ -277,14 +277,18 @@ def test_native_checkpoint_manifest_is_checked(tmp_path, capsys):
 
     ckpt_dir = save_native(tiny_model(64), tmp_path / "native")
     write_windows(tmp_path / "val", 2, 16, 64)
-    args = ["eval", str(ckpt_dir), "--data", str(tmp_path / "val"), "--out", str(tmp_path / "out")]
-    assert main(args) == 0
+    outs = iter(range(4))  # each evaluation into a new --out: eval overwrites nothing
+
+    def args():
+        return ["eval", str(ckpt_dir), "--data", str(tmp_path / "val"), "--out", str(tmp_path / f"out{next(outs)}")]
+
+    assert main(args()) == 0
 
     weights = ckpt_dir / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF  # one byte of a weight
     weights.write_bytes(bytes(data))
-    assert main(args) == 2
+    assert main(args()) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [f"error: {ckpt_dir}: model.safetensors does not match its xxh3_128 hash (corrupted)"]
 
@@ -292,9 +296,9 @@ def test_native_checkpoint_manifest_is_checked(tmp_path, capsys):
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
     (ckpt_dir / "manifest.json").unlink()
-    assert main(args) == 0
+    assert main(args()) == 0
     warnings = [l for l in capsys.readouterr().err.splitlines() if l.startswith("warning:")]
     assert len(warnings) == 1 and "has no manifest.json" in warnings[0]
     add_manifest(ckpt_dir)
-    assert main(args) == 0
+    assert main(args()) == 0
     assert "warning" not in capsys.readouterr().err

@@ -31,15 +31,16 @@ import torch
 import yaml
 
 from gpn_scale import atomic, checkpoints, safe_load
+from gpn_scale.config import resolve_config_path
 from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
 from gpn_scale.jsonl import JsonLines, truncate_jsonl
+from gpn_scale.lock import RunLock
 from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import distributed as dist_utils
 from gpn_scale.train import loop, optim, preflight
 from gpn_scale.train.config import TrainConfig, config_changes, load_train_config
 from gpn_scale.train.gc import GarbageCollection
-from gpn_scale.train.lock import RunLock
 from gpn_scale.train.loop import Audit, Outcome
 from gpn_scale.train.metrics import (MetricsLog, RunClock, RunSummary, StepMetrics, flops_per_token, peak_flops,
                                      peak_memory_bytes, summary_line)
@@ -330,15 +331,16 @@ class Trainer:
 
     def _write_status(self, outcome: str) -> None:
         if self.is_main:
-            atomic.write_text(self.run_dir / "status.json",
-                              json.dumps({"status": outcome, "step": self.step, "world_size": self.world}) + "\n")
+            write_status(self.run_dir, outcome, self.step, self.world)
 
     def run(self) -> int:
         """Train to `stop_at`; after each step log, audit, evaluate, check for preemption, save."""
         self._start()
         outcome = Outcome.FINISHED
+        if self.stop_flag.agreed():  # a stop signal while the run was starting up: no step is begun
+            outcome = Outcome.INTERRUPTED if self.stop_flag.signal_name == "SIGINT" else Outcome.PREEMPTED
         with GarbageCollection() as collector:
-            while self.step < self.stop_at:
+            while self.step < self.stop_at and outcome is Outcome.FINISHED:
                 metrics = self._train_step()
                 collector.step(self.step)
                 self._log(metrics)
@@ -437,8 +439,13 @@ class Trainer:
             return EXIT_DIVERGED
         if outcome is not Outcome.FINISHED:
             code = EXIT_INTERRUPTED if outcome is Outcome.INTERRUPTED else EXIT_PREEMPTED
-            self._say(f"{self.stop_flag.signal_name} received: checkpointed at step {self.step} "
-                      f"in {tag_dir}; exiting with {code} (resume with --resume auto)")
+            if self.step == self.start_step:
+                where = (f"stopped before step {self.step + 1}, nothing new to checkpoint"
+                         + (f" (the newest checkpoint is {tag_dir})" if tag_dir.is_dir() else ""))
+            else:
+                where = f"checkpointed at step {self.step} in {tag_dir}"
+            self._say(f"{self.stop_flag.signal_name} received: {where}; exiting with {code} "
+                      "(resume with --resume auto)")
             self._say(self._summary())
             return code
         graphs = graphs_of(self.model)
@@ -468,20 +475,61 @@ def main(argv: list[str]) -> int:
                          "the run computes (lr, model, data, ...); the change is recorded in metrics.jsonl")
     args = ap.parse_intermixed_args(argv)  # key=value overrides may come after flags
     cfg = load_train_config(args.config, args.overrides)
-    data = preflight.check(cfg, args.resume)
+    data = preflight.check(cfg, args.resume, resolve_config_path(args.config, "train"))
     os.environ.setdefault("WANDB_SILENT", "true")
     lock = RunLock(Path(cfg.run.dir)) if os.environ.get("RANK", "0") == "0" else None
+    trainer = None
     try:
-        return Trainer(cfg, args.resume, data, args.allow_config_change).run()
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise UserError(f"{e.filename or cfg.run.dir}: no space left on device") from None
+        trainer = Trainer(cfg, args.resume, data, args.allow_config_change)
+        return trainer.run()
+    except BaseException as e:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            e = UserError(f"{e.filename or cfg.run.dir}: no space left on device")
+        if lock is not None:  # every way out of a run leaves its status: never "running" after it ended
+            _record_failure(Path(cfg.run.dir), trainer, e)
+        if isinstance(e, UserError):
+            raise e from None
         raise
     finally:
         if lock is not None:
             lock.release()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def write_status(run_dir: Path, status: str, step: int | None, world: int | None, reason: str | None = None) -> None:
+    """run.dir/status.json, replaced atomically. On a full disk, where the replacement has no room,
+    the file (one small block) is rewritten in place: a launcher must not read "running" after the
+    run ended."""
+    record = {"status": status, "step": step, "world_size": world} | ({"reason": reason} if reason else {})
+    text = json.dumps(record) + "\n"
+    path = run_dir / "status.json"
+    try:
+        atomic.write_text(path, text)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not path.is_file():
+            raise
+        with open(path, "r+") as f:
+            f.truncate(0)
+            f.write(text)
+
+
+def _record_failure(run_dir: Path, trainer: Trainer | None, error: BaseException) -> None:
+    """status.json of a run that ended by an exception: "interrupted" for a second Ctrl-C (no
+    checkpoint), "failed" with the error's first line otherwise."""
+    first_line = (str(error).splitlines() or [""])[0]
+    if isinstance(error, KeyboardInterrupt):
+        status, reason = Outcome.INTERRUPTED.value, "a second SIGINT stopped it at once, without a checkpoint"
+    elif isinstance(error, UserError):
+        status, reason = Outcome.FAILED.value, first_line
+    else:  # a crash: its traceback follows on stderr
+        status, reason = Outcome.FAILED.value, f"{type(error).__name__}: {first_line}"
+    step = getattr(trainer, "step", None)
+    world = trainer.world if trainer is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        write_status(run_dir, status, step, world, reason)
+    except OSError:  # the disk is gone or full beyond repair: the error line still reaches the user
+        pass
 
 
 def _disk_full(error: Exception, path: Path) -> bool:

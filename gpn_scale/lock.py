@@ -1,15 +1,19 @@
-"""One trainer per run directory: `run.dir/trainer.lock`, held by rank 0 while it trains.
+"""One writer per output directory: `run.dir/trainer.lock`, held by rank 0 while it trains, and
+`OUT/prep.node-N.lock`, held by the prep of node N.
 
 Two trainers on one directory would interleave metrics, write one run's config beside the
-other's checkpoints and race on the same checkpoint names. The lock file says who holds it
-(host, pid, SLURM job and restart count, start time) and is refreshed every HEARTBEAT_S by a
-background thread. A lock is stale, and taken over with a warning, when its holder is gone:
-a dead process on this host; the same SLURM job requeued (a higher restart count); or, on
-another host, a heartbeat older than STALE_S (a node that died without releasing it).
+other's checkpoints and race on the same checkpoint names; two preps of one node would clear
+each other's units half-way. The lock file says who holds it (host, pid, SLURM job and restart
+count, start time) and is refreshed every HEARTBEAT_S by a background thread. A lock is stale,
+and taken over with a warning, when its holder is gone: a dead process on this host; the same
+SLURM job requeued (a higher restart count); or, on another host, a heartbeat older than STALE_S
+(a node that died without releasing it). A lock that cannot be written (a full disk) is removed
+again, with the directory if it was made for it: nothing half-written stays behind.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -54,22 +58,47 @@ def _stale(holder: dict, age_s: float) -> str | None:
 
 
 class RunLock:
-    def __init__(self, run_dir: Path, warn=lambda message: print(message, file=sys.stderr, flush=True)):
-        self.path = run_dir / LOCK
+    """Held from construction to `release()`; `flag` names the directory in messages (run.dir, --out)."""
+
+    def __init__(self, directory: Path, name: str = LOCK, flag: str = "run.dir",
+                 warn=lambda message: print(message, file=sys.stderr, flush=True)):
+        self.path = directory / name
+        self.flag = flag
         self._stop = threading.Event()
         self._thread = None
-        run_dir.mkdir(parents=True, exist_ok=True)
-        while True:
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
+        made = _missing(directory)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            while not self._create():
                 self._take_over_if_stale(warn)
-                continue
+        except OSError as e:
+            for path in made:  # deepest first; each was empty when made
+                try:
+                    path.rmdir()
+                except OSError:
+                    break
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                what = "no space left on device" if e.errno == errno.ENOSPC else "disk quota exceeded"
+                raise UserError(f"{flag} {directory}: {what} (cannot write the lock {self.path.name}); "
+                                "free some space and run the same command again") from None
+            raise
+        self._thread = threading.Thread(target=self._beat, name="lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _create(self) -> bool:
+        """Create the lock with our record; False when one exists. A lock that cannot be written
+        whole is removed: an empty lock would block the next run until judged stale."""
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        try:
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(_me()) + "\n")
-            break
-        self._thread = threading.Thread(target=self._beat, name="run-lock-heartbeat", daemon=True)
-        self._thread.start()
+        except BaseException:
+            self.path.unlink(missing_ok=True)
+            raise
+        return True
 
     def _take_over_if_stale(self, warn) -> None:
         try:
@@ -84,8 +113,8 @@ class RunLock:
         why = _stale(holder, age)
         if why is None:
             raise UserError(
-                f"run.dir {self.path.parent} is in use by pid {holder.get('pid')} on {holder.get('host')} "
-                f"since {holder.get('started')} ({self.path}); wait for it, or choose another run.dir")
+                f"{self.flag} {self.path.parent} is in use by pid {holder.get('pid')} on {holder.get('host')} "
+                f"since {holder.get('started')} ({self.path}); wait for it, or choose another {self.flag}")
         # Move the stale lock aside under a name of our own, then check it is the one judged: two
         # starters that both found it stale must not remove the lock the faster one just made.
         aside = self.path.with_name(f"{LOCK}.stale.{os.getpid()}")
@@ -112,3 +141,12 @@ class RunLock:
             self.path.unlink()
         except FileNotFoundError:
             pass
+
+
+def _missing(directory: Path) -> list[Path]:
+    """The directory and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    while not directory.exists() and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    return missing
