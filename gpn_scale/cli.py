@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from gpn_scale import leases
 from gpn_scale.errors import UserError
 
 COMMANDS = {
@@ -69,3 +70,5 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        leases.release_all()  # the checkpoints the command read: rotation may remove them now

@@ -9,58 +9,15 @@ import os
 import pytest
 import torch
 
+from engines import one_rank, tiny_engine, train_config  # noqa: F401  (one_rank: a fixture)
 from gpn_scale import manifest
 from gpn_scale.config import model_config
 from gpn_scale.models import MODEL_FAMILIES, build_model
 from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import loop, optim
-from gpn_scale.train.config import load_train_config
-from gpn_scale.train.engine import deepspeed_config
 from gpn_scale.train.metrics import RunClock, StepMetrics, duration, flops_per_token, progress_line
 
 TINY = {"gpn": "gpn_tiny", "gpn_m": "gpn_m_tiny", "transformer": "transformer_tiny", "gdn": "gdn_tiny"}
-
-
-def train_config(*overrides):
-    return load_train_config("gpn_m_tiny", ["run.dir=unused", "data.train=unused", *overrides])
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """The process group `gpn-scale train` makes without a launcher, in this process; the
-    environment variables it sets are restored afterwards (subprocess tests inherit them)."""
-    import deepspeed  # noqa: F401  (the accelerator is chosen on import)
-
-    from gpn_scale.train import distributed
-
-    saved = dict(os.environ)
-    distributed.init()
-    yield distributed.device()
-    torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-def tiny_engine(device, *overrides, grad_accum=1, universal=False):
-    """A DeepSpeed engine over the tiny GPN+M with the trainer's optimiser, schedule and config,
-    and what AdamW receives at each call (a step pre-hook): the squared norm of its gradients and
-    its learning rate. ZeRO 1-2 call it once per parameter group, each holding one flat partition."""
-    import deepspeed
-
-    cfg = train_config(*overrides)
-    torch.manual_seed(0)
-    model = build_model(model_config(cfg.model)).to(device)
-    optimizer, scheduler = optim.build(MODEL_FAMILIES[model.config.family].param_groups(model), cfg.train)
-    seen = []
-
-    def record(opt, args, kwargs):
-        grads = [p.grad.double().flatten() for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        seen.append((float(torch.linalg.vector_norm(torch.cat(grads))) ** 2, opt.param_groups[0]["lr"]))
-
-    optimizer.register_step_pre_hook(record)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=deepspeed_config(cfg, grad_accum, universal=universal))
-    return engine, seen
 
 
 def batch(i):
@@ -253,18 +210,21 @@ def test_manifest_detects_corruption_and_still_reads_sha256(tmp_path):
 
 def test_each_rank_hashes_the_files_it_wrote(tmp_path):
     """DeepSpeed's and the trainer's file names at ZeRO-3 on 3 ranks: each rank's share is what it
-    wrote, the shares cover the checkpoint once, and the manifest is made from the ranks' reports."""
-    names = ["trainer_state.json", "mp_rank_00_model_states.pt", "universal/zero/embedding/fp32.pt",
+    wrote, the shares cover the checkpoint once, and the manifest is made from the ranks' reports. A
+    universal form beside them has a manifest of its own: no rank reports it."""
+    names = ["trainer_state.json", "mp_rank_00_model_states.pt",
              *(f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in range(3) for kind in ("model", "optim")),
              *(f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)), *(f"rng_rank{r}.pt" for r in range(3))]
     for name in names:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(name.encode())
+    (tmp_path / "universal" / "zero").mkdir(parents=True)
+    (tmp_path / "universal" / "zero" / "fp32.pt").write_bytes(b"converted")
     reports = [ckpt.hash_own_files(tmp_path, rank, 3) for rank in range(3)]
     assert sorted(reports[1]) == ["bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "rng_rank1.pt",
                                   "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     assert sorted(n for r in reports for n in r) == sorted(names)
-    assert {"trainer_state.json", "mp_rank_00_model_states.pt", "universal/zero/embedding/fp32.pt"} < set(reports[0])
+    assert {"trainer_state.json", "mp_rank_00_model_states.pt"} < set(reports[0])
 
     reports[2]["rng_rank2.pt"]["xxh3_128"] = "reported"  # the manifest takes the ranks' word for their files
     del reports[1]["rng_rank1.pt"]  # a file no report names is hashed by rank 0

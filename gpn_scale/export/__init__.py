@@ -52,8 +52,8 @@ def load_source(path: str | Path) -> Source:
     tag = checkpoints.training_checkpoint(path, warn=lambda line: print(line, file=sys.stderr))  # verified
     if tag is None:
         raise UserError(f"{path}: not a native checkpoint, and no complete training checkpoint there")
-    model = checkpoints.load_trained_model(tag, verified=tag != path)  # a tag named directly is verified there
-    return Source(model.eval(), path, checkpoints.read_trainer_state(tag)["step"])
+    model = checkpoints.load_trained_model(tag)  # the same, leased checkpoint (not hashed again)
+    return Source(model.eval(), path, checkpoints.read_trainer_state(tag).step)
 
 
 def find_tokenizer(source: Source, given: str | None) -> TokenizerSource:
