@@ -151,13 +151,16 @@ class _Heartbeat:
     def _beat(self) -> None:
         while True:
             time.sleep(HEARTBEAT_S)
-            with self._lock:
-                files = list(self._files)
-            for file in files:
-                try:
-                    os.utime(file)
-                except OSError:  # released meanwhile, or a lost mount: the lease just ages
-                    pass
+            self.refresh()
+
+    def refresh(self) -> None:
+        with self._lock:
+            files = list(self._files)
+        for file in files:
+            try:
+                os.utime(file)
+            except OSError:  # released meanwhile, or a lost mount: the lease just ages
+                pass
 
 
 _heartbeat = _Heartbeat()

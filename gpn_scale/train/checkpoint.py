@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from gpn_scale import atomic, leases, manifest, safe_load
-from gpn_scale.checkpoints import DERIVED, MANIFEST, TRAINER_STATE, UNIVERSAL, step_of, tags, verify
+from gpn_scale.checkpoints import DERIVED, MANIFEST, TRAINER_STATE, UNIVERSAL, read_trainer_state, step_of, tags, verify
 from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
 from gpn_scale.train import optim
@@ -223,15 +223,21 @@ def main(argv: list[str]) -> int:
 
 
 def verify_all(tag_dir: Path) -> str | None:
-    """What `ckpt verify` checks: the manifest (every file listed, each intact), then that every
-    pickle file is one plain zip that torch's restricted unpickler loads; the same for a universal
-    form that has its manifest (one without is an unfinished conversion, which is redone when needed).
-    A native checkpoint: its manifest (safetensors holds no pickle)."""
+    """What `ckpt verify` checks: the manifest (every file listed, each intact), trainer_state.json,
+    then that every pickle file is one plain zip that torch's restricted unpickler loads; the same
+    for a universal form that has its manifest (one without is an unfinished conversion, which is
+    redone when needed). A native checkpoint: its manifest (safetensors holds no pickle)."""
     from gpn_scale.native import CONFIG, WEIGHTS
 
     if (tag_dir / WEIGHTS).is_file():
         return manifest.verify_manifest(tag_dir, required=(WEIGHTS, CONFIG))
-    problem = verify(tag_dir) or safe_load.checkpoint_problem(tag_dir, besides=DERIVED)
+    problem = verify(tag_dir)
+    if problem is None:
+        try:
+            read_trainer_state(tag_dir)
+        except UserError as e:
+            return str(e)
+        problem = safe_load.checkpoint_problem(tag_dir, besides=DERIVED)
     universal = tag_dir / UNIVERSAL
     if problem is None and (universal / MANIFEST).is_file():
         in_universal = manifest.verify_manifest(universal) or safe_load.checkpoint_problem(universal)
