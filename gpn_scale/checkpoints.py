@@ -111,8 +111,8 @@ def training_checkpoint(path: str | Path, warn=lambda message: None, verified: b
         lease = leases.take(root, tag)
         if lease is None:
             if named:
-                raise UserError(f"{path}: no such checkpoint (rotation removed it: train.keep_last); "
-                                "name a newer one, or the run directory for its newest")
+                raise UserError(f"{path}: no such checkpoint" + (" (rotation, train.keep_last, is removing it: name a "
+                                "newer one, or the run directory for its newest)" if path.is_dir() else ""))
             continue
         problem = verify(root / tag) if verified else (None if (root / tag / MANIFEST).is_file() else "no manifest")
         if problem is None:

@@ -116,17 +116,23 @@ def live_readers(root: Path, tag: str) -> list[Path]:
 
 
 def remove_unless_read(root: Path, tag: str) -> bool:
-    """Rotation: delete `root/tag` unless a reader holds it; whether it was deleted."""
+    """Rotation: delete `root/tag` unless a reader holds it; whether it was deleted. Where the
+    marker cannot be written (a full disk, which is when rotation matters most) the leases are
+    still respected; only a reader arriving in that very moment is not warned off."""
     leases = root / LEASES
     marker = leases / f"{tag}.removing"
-    leases.mkdir(exist_ok=True)
-    marker.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}) + "\n")
-    if live_readers(root, tag):
+    try:
+        leases.mkdir(exist_ok=True)
+        marker.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}) + "\n")
+    except OSError:
+        pass
+    try:
+        if live_readers(root, tag):
+            return False
+        shutil.rmtree(root / tag, ignore_errors=True)
+        return True
+    finally:
         marker.unlink(missing_ok=True)
-        return False
-    shutil.rmtree(root / tag, ignore_errors=True)
-    marker.unlink(missing_ok=True)
-    return True
 
 
 class _Heartbeat:

@@ -88,7 +88,7 @@ def test_a_checkpoint_being_removed_is_passed_over_for_the_next(tmp_path, capsys
     assert checkpoints.training_checkpoint(tmp_path / "run") == root / "step_00000001"
     leases.release_all()
     assert main(["eval", str(root / newest), "--data", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
-    assert f"{root / newest}: no such checkpoint (rotation removed it" in capsys.readouterr().err
+    assert f"{root / newest}: no such checkpoint (rotation, train.keep_last, is removing it" in capsys.readouterr().err
 
 
 def _dead_pid() -> int:
