@@ -139,14 +139,14 @@ class TrainerState:
     config: dict  # the run's resolved config (TrainConfig.to_dict); config["model"] is the model's
 
 
-def _field(where: Path, raw: dict, key: str, kind: str, low: int = 0, optional: bool = False):
+def _field(where: Path, raw: dict, key: str, kind: str, low: int = 0, optional: bool = False, within: str = ""):
     value = raw.get(key)
     if value is None and optional:
         return None
     if kind == "int" and (type(value) is not int or value < low):
-        raise UserError(f"{where}: {key}: expected an integer >= {low}, got {value!r}")
+        raise UserError(f"{where}: {within}{key}: expected an integer >= {low}, got {value!r}")
     if kind == "object" and not isinstance(value, dict):
-        raise UserError(f"{where}: {key}: expected a JSON object, got {value!r:.60}")
+        raise UserError(f"{where}: {within}{key}: expected a JSON object, got {value!r:.60}")
     return value
 
 
@@ -165,8 +165,8 @@ def read_trainer_state(tag_dir: Path) -> TrainerState:
                         "global_batch and config")
     loader = _field(where, raw, "loader", "object")
     for key in ("epoch", "sample_in_epoch"):
-        _field(where, loader, key, "int")
-    _field(where, loader, "initial_nodes", "int", 1, optional=True)
+        _field(where, loader, key, "int", within="loader.")
+    _field(where, loader, "initial_nodes", "int", 1, optional=True, within="loader.")
     config = _field(where, raw, "config", "object")
     if not isinstance(config.get("model"), dict):
         raise UserError(f"{where}: config.model: expected the model's config (a JSON object), got {config.get('model')!r:.60}")
