@@ -56,8 +56,7 @@ OLD_RNG: dict[str, str] = {
 # Not globals of a file but types whose state the unpickler sets (BUILD): the dtype instance.
 _BUILD_TYPES = {"numpy.dtype": ("numpy.dtypes.UInt32DType",)}
 
-TEXT_FILES = ("manifest.json", "trainer_state.json",
-              "latest_universal")  # DeepSpeed's pointer beside a converted checkpoint: text, read by nothing here
+TEXT_FILES = ("manifest.json", "trainer_state.json")  # read as JSON only
 _FORCE, _FORCE_NO = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 
 

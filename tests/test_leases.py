@@ -18,7 +18,6 @@ import pytest
 
 from gpn_scale import checkpoints, leases
 from gpn_scale.cli import main
-from gpn_scale.errors import UserError
 from gpn_scale.train import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,15 +9,58 @@ import os
 import pytest
 import torch
 
-from engines import one_rank, tiny_engine, train_config  # noqa: F401  (one_rank: a fixture)
 from gpn_scale import manifest
 from gpn_scale.config import model_config
 from gpn_scale.models import MODEL_FAMILIES, build_model
 from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import loop, optim
+from gpn_scale.train.config import load_train_config
+from gpn_scale.train.engine import deepspeed_config
 from gpn_scale.train.metrics import RunClock, StepMetrics, duration, flops_per_token, progress_line
 
 TINY = {"gpn": "gpn_tiny", "gpn_m": "gpn_m_tiny", "transformer": "transformer_tiny", "gdn": "gdn_tiny"}
+
+
+def train_config(*overrides):
+    return load_train_config("gpn_m_tiny", ["run.dir=unused", "data.train=unused", *overrides])
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """The process group `gpn-scale train` makes without a launcher, in this process; the
+    environment variables it sets are restored afterwards (subprocess tests inherit them)."""
+    import deepspeed  # noqa: F401  (the accelerator is chosen on import)
+
+    from gpn_scale.train import distributed
+
+    saved = dict(os.environ)
+    distributed.init()
+    yield distributed.device()
+    torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def tiny_engine(device, *overrides, grad_accum=1, universal=False):
+    """A DeepSpeed engine over the tiny GPN+M with the trainer's optimiser, schedule and config,
+    and what AdamW receives at each call (a step pre-hook): the squared norm of its gradients and
+    its learning rate. ZeRO 1-2 call it once per parameter group, each holding one flat partition."""
+    import deepspeed
+
+    cfg = train_config(*overrides)
+    torch.manual_seed(0)
+    model = build_model(model_config(cfg.model)).to(device)
+    optimizer, scheduler = optim.build(MODEL_FAMILIES[model.config.family].param_groups(model), cfg.train)
+    seen = []
+
+    def record(opt, args, kwargs):
+        grads = [p.grad.double().flatten() for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        seen.append((float(torch.linalg.vector_norm(torch.cat(grads))) ** 2, opt.param_groups[0]["lr"]))
+
+    optimizer.register_step_pre_hook(record)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=deepspeed_config(cfg, grad_accum, universal=universal))
+    return engine, seen
 
 
 def batch(i):
@@ -85,6 +128,22 @@ def test_a_zero3_universal_resume_updates_as_the_uninterrupted_run(one_rank, tmp
         assert float(states[0][ours]["step"]) == float(states[1][theirs]["step"]) == 5
         for moment in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(states[0][ours][moment], states[1][theirs][moment]), moment
+
+
+def test_the_engines_load_goes_through_the_restricted_unpickler(one_rank, tmp_path):
+    """DeepSpeed's engine.load_checkpoint, called as the trainer calls it (ckpt.load_engine, without
+    the check every command makes first), on an optimiser state whose second central directory
+    Python's zipfile does not see: torch's restricted unpickler refuses it, and nothing runs."""
+    from gadgets import plant_second_directory
+    from gpn_scale.errors import UserError
+
+    engine, _ = tiny_engine(one_rank, "zero.stage=1")
+    engine.save_checkpoint(str(tmp_path), tag="step_1", save_latest=False)
+    planted = tmp_path / "step_1" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    plant_second_directory(planted, tmp_path / "marker")
+    with pytest.raises(UserError, match="restricted unpickler refused a file: .*posix.system"):
+        ckpt.load_engine(engine, tmp_path, "step_1", train_config("zero.stage=1").train)
+    assert not (tmp_path / "marker").exists()
 
 
 # Vectors and scalars: never decayed. Every tensor of two or more dimensions is (embedding included).
