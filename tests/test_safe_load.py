@@ -17,6 +17,7 @@ import os
 import pickle
 import random
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -306,7 +307,18 @@ def test_a_planted_universal_form_is_refused_where_it_is_used(runs, tmp_path, ca
     assert f"{tag_dir}: universal/: {planted}: refusing to load" in capsys.readouterr().out
     assert main(["ckpt", "to-universal", str(tag_dir)]) == 2  # reusing it: checked first
     assert f"error: {planted}: refusing to load" in capsys.readouterr().err
-    assert not marker.exists()
+    # resumed on 2 ranks, the run reuses it: refused on rank 0 before any rank loads, and every rank
+    # stops (none waits for the others at a barrier)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(port), "-m", "gpn_scale", *map(str, train_args(runs / "data", run, 2)),
+                           "train.global_batch=4", "--resume", "auto"],
+                          env=env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert f"error: {planted}: refusing to load" in proc.stderr, proc.stderr[-3000:]
+    assert "resumed from" not in proc.stderr and not marker.exists()
 
 
 # ---- what is not tampered with still loads

@@ -142,16 +142,23 @@ def load_rng(tag_dir: Path, rank: int) -> bool:
     return True
 
 
+def converted(tag_dir: Path) -> Path | None:
+    """The universal form converted before, where it is complete and intact (to be reused)."""
+    out = tag_dir / UNIVERSAL
+    return out if (out / MANIFEST).is_file() and manifest.verify_manifest(out) is None else None
+
+
 def to_universal(tag_dir: Path, workers: int = 1) -> Path:
     """Convert a DeepSpeed ZeRO checkpoint to its world-size-independent (universal) form, or reuse
     the one converted before if it verifies against its manifest (one that does not is derived
     data, converted again from the verified checkpoint)."""
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    out = tag_dir / UNIVERSAL
-    if (out / MANIFEST).is_file() and manifest.verify_manifest(out) is None:
+    out = converted(tag_dir)
+    if out is not None:
         safe_load.check_checkpoint(out)
         return out
+    out = tag_dir / UNIVERSAL
     safe_load.check_checkpoint(tag_dir, besides=DERIVED)  # before DeepSpeed loads any of its files
     shutil.rmtree(out, ignore_errors=True)
     args = argparse.Namespace(

@@ -131,11 +131,14 @@ class Trainer:
             if problem:
                 raise UserError(f"--resume {resume}: {problem}")
             tag = Path(resume).name
-        # before any rank's DeepSpeed loads a file (the universal form is checked where it is used: to_universal)
+        # before any rank's DeepSpeed loads a file: the checkpoint's, and a universal form it would reuse
+        saved = checkpoints.read_trainer_state(self.ckpt_root / tag)
+        reused = ckpt.converted(self.ckpt_root / tag) if saved.world_size != self.world and saved.zero_stage > 0 else None
         unsafe = safe_load.checkpoint_problem(self.ckpt_root / tag, besides=checkpoints.DERIVED)
+        if unsafe is None and reused is not None:
+            unsafe = safe_load.checkpoint_problem(reused)
         if unsafe:
             raise UserError(unsafe)
-        saved = checkpoints.read_trainer_state(self.ckpt_root / tag)
         if saved.global_batch != self.global_batch:
             raise UserError(
                 f"train: the checkpoint was trained with a global batch of {saved.global_batch}, this run has "
