@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from gpn_scale import leases
 from gpn_scale.errors import UserError
 
 COMMANDS = {
@@ -74,5 +75,6 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
+        leases.release_all()  # the checkpoints the command read: rotation may remove them now
         if name == "train":
             stop.restore()  # run in-process (tests, notebooks): the caller's handlers back

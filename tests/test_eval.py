@@ -166,7 +166,10 @@ def test_a_run_records_its_tokenizer_and_refuses_another(setup, tmp_path):
     root, tok_path, prep, model = setup
     tag = tmp_path / "run" / "checkpoints" / tag_for(10)
     tag.mkdir(parents=True)
-    (tag / TRAINER_STATE).write_text(json.dumps({"config": {"data": {"train": str(prep / "train")}}}))
+    (tag / TRAINER_STATE).write_text(json.dumps({  # as the trainer writes it; only config.data.train matters here
+        "step": 10, "tokens": 0, "loader": {"epoch": 0, "sample_in_epoch": 0, "initial_nodes": 1}, "world_size": 1,
+        "zero_stage": 0, "global_batch": 1, "data_seq_len": None,
+        "config": {"model": {}, "data": {"train": str(prep / "train")}}}))
     ckpt.write_manifest(tag)
     trained = training_prep(tmp_path / "run")
     assert trained.root == prep and trained.tokenizer_sha256 == Codec(tok_path).sha256

@@ -248,6 +248,50 @@ def test_resume_refuses_changed_settings(data, run, tmp_path):
     assert (run / "config.yaml").read_text() == config  # a refused resume rewrites nothing
 
 
+def snapshot(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_allow_config_change_onto_another_model_shape_is_one_line_and_writes_nothing(data, run):
+    before = snapshot(run)
+    proc = train(data, run, "model.vocab_size=600", "--allow-config-change", resume="auto", expect=2)
+    line = error_line(proc)
+    assert "--allow-config-change: step_00000006 holds weights of another shape (embedding: [512, " in line, line
+    assert "[600, " in line and "needs a new run.dir" in line
+    assert snapshot(run) == before  # config.yaml, metrics, status and checkpoints as they were
+
+
+BROKEN_STATES = {  # what a damaged or hand-edited trainer_state.json can look like, its manifest regenerated
+    "not JSON": lambda state: "{not json",
+    "no global_batch": lambda state: json.dumps({k: v for k, v in state.items() if k != "global_batch"}),
+    "no config": lambda state: json.dumps({k: v for k, v in state.items() if k != "config"}),
+    "a step that is text": lambda state: json.dumps({**state, "step": "six"}),
+}
+
+
+@pytest.mark.parametrize("how", sorted(BROKEN_STATES))
+def test_a_malformed_trainer_state_is_one_line_in_every_command_that_reads_it(data, run, tmp_path, capsys, how):
+    from gpn_scale.cli import main
+    from gpn_scale.train.checkpoint import write_manifest
+
+    tag = run / "checkpoints" / "step_00000006"
+    state_file = tag / "trainer_state.json"
+    state_file.write_text(BROKEN_STATES[how](json.loads(state_file.read_text())))
+    write_manifest(tag)
+    before = snapshot(run)
+    assert error_line(train(data, run, "train.total_steps=8", resume="auto", expect=2)).startswith(f"error: {state_file}: ")
+    assert snapshot(run) == before
+    for argv in (["eval", run, "--data", data / "val", "--out", tmp_path / "eval"],
+                 ["generate", run, "--prompt", "x", "--tokenizer", tmp_path / "none.json"],
+                 ["analyze", run, "--data", data / "val", "--out", tmp_path / "analyze"],
+                 ["export", run, "--to", "reference", "--out", tmp_path / "export"]):
+        assert main([str(a) for a in argv]) == 2, argv[0]
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {state_file}: "), (argv[0], err)
+    assert main(["ckpt", "verify", str(tag)]) == 1
+    assert capsys.readouterr().out.startswith(f"{tag}: {state_file}: ")
+
+
 def test_disk_full_during_a_save_keeps_every_checkpoint(data, run, tmp_path):
     mount = tmp_path / "small"
     mount.mkdir()

@@ -35,7 +35,7 @@ class Source:
 
     model: object  # torch.nn.Module
     path: Path
-    trainer_state: dict | None = None
+    trainer_state: object | None = None  # gpn_scale.checkpoints.TrainerState
     checkpoint: Path | None = None  # the training checkpoint (`.../checkpoints/step_N`), verified
 
     @property
@@ -44,7 +44,7 @@ class Source:
 
     @property
     def step(self) -> int | None:
-        return None if self.trainer_state is None else self.trainer_state["step"]
+        return None if self.trainer_state is None else self.trainer_state.step
 
 
 def load_source(path: str | Path) -> Source:
@@ -58,7 +58,7 @@ def load_source(path: str | Path) -> Source:
     tag = checkpoints.training_checkpoint(path, warn=lambda line: print(line, file=sys.stderr))  # verified
     if tag is None:
         raise UserError(f"{path}: not a native checkpoint, and no complete training checkpoint there")
-    model = checkpoints.load_trained_model(tag, verified=tag != path)  # a tag named directly is verified there
+    model = checkpoints.load_trained_model(tag)  # the same, leased checkpoint (not hashed again)
     return Source(model.eval(), path, checkpoints.read_trainer_state(tag), tag)
 
 

@@ -145,25 +145,48 @@ class Trainer:
             if problem:
                 raise UserError(f"--resume {resume}: {problem}")
             tag = Path(resume).name
-        unsafe = safe_load.scan_checkpoint(self.ckpt_root / tag)  # before any rank's DeepSpeed unpickles its files
+        # before any rank's DeepSpeed loads a file: the checkpoint's, and a universal form it would reuse
+        saved = checkpoints.read_trainer_state(self.ckpt_root / tag)
+        reused = ckpt.converted(self.ckpt_root / tag) if saved.world_size != self.world and saved.zero_stage > 0 else None
+        unsafe = safe_load.checkpoint_problem(self.ckpt_root / tag, besides=checkpoints.DERIVED)
+        if unsafe is None and reused is not None:
+            unsafe = safe_load.checkpoint_problem(reused)
         if unsafe:
             raise UserError(unsafe)
-        saved = checkpoints.read_trainer_state(self.ckpt_root / tag)
-        if saved["global_batch"] != self.global_batch:
+        if saved.global_batch != self.global_batch:
             raise UserError(
-                f"train: the checkpoint was trained with a global batch of {saved['global_batch']}, this run has "
-                f"{self.global_batch}; set train.global_batch={saved['global_batch']} to keep the data order"
+                f"train: the checkpoint was trained with a global batch of {saved.global_batch}, this run has "
+                f"{self.global_batch}; set train.global_batch={saved.global_batch} to keep the data order"
             )
-        safe, unsafe = config_changes(saved["config"], self.cfg.to_dict())
-        seq_then, seq_now = saved.get("data_seq_len"), self.data_info and self.data_info.seq_len
+        safe, unsafe = config_changes(saved.config, self.cfg.to_dict())
+        seq_then, seq_now = saved.data_seq_len, self.data_info and self.data_info.seq_len
         if seq_then and seq_now and seq_then != seq_now:
             unsafe.append(("data.train windows", seq_then, seq_now))
         if unsafe and not allow_config_change:
             listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in unsafe)
             raise UserError(f"--resume: {tag} was trained with other settings: {listed}; set them back, or pass "
                             "--allow-config-change to apply them from here on")
+        if any(key.startswith("model.") for key, _, _ in unsafe):
+            self._check_weight_shapes(saved, tag)
         self.config_changes = safe + unsafe
         return tag
+
+    def _check_weight_shapes(self, saved: checkpoints.TrainerState, tag: str) -> None:
+        """--allow-config-change may change what the model computes, not the shapes of its weights,
+        which DeepSpeed would find only half-way through loading them. Both models are built on
+        the meta device: no memory, no initialisation."""
+        from gpn_scale.config import model_config
+        from gpn_scale.models import build_model
+
+        with torch.device("meta"):
+            then = build_model(model_config(saved.config["model"], where=f"{tag}/{checkpoints.TRAINER_STATE}: config.model"))
+            now = build_model(model_config(self.cfg.model, where="config: model"))
+        shapes = [{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in (then, now)]
+        if shapes[0] != shapes[1]:
+            name = next(k for k in sorted(shapes[0].keys() | shapes[1].keys()) if shapes[0].get(k) != shapes[1].get(k))
+            held, wanted = (list(s[name]) if name in s else "absent" for s in shapes)
+            raise UserError(f"--allow-config-change: {tag} holds weights of another shape ({name}: {held} in the "
+                            f"checkpoint, {wanted} in this run's model); a model of another shape needs a new run.dir")
 
     def _build(self):
         import deepspeed
@@ -178,7 +201,7 @@ class Trainer:
         spec = MODEL_FAMILIES[self.model.config.family]
 
         saved = checkpoints.read_trainer_state(self.ckpt_root / self.resume_tag) if self.resume_tag else None
-        universal = saved is not None and saved["world_size"] != self.world and saved["zero_stage"] > 0
+        universal = saved is not None and saved.world_size != self.world and saved.zero_stage > 0
 
         optimizer, scheduler = optim.build(spec.param_groups(self.model), cfg.train)
         t = cfg.train
@@ -203,22 +226,22 @@ class Trainer:
         if saved is not None:
             self._load(saved, universal)
 
-    def _load(self, saved: dict, universal: bool) -> None:
+    def _load(self, saved: checkpoints.TrainerState, universal: bool) -> None:
         tag_dir = self.ckpt_root / self.resume_tag
         if universal:
             if self.is_main:
-                self._say(f"world size {saved['world_size']} -> {self.world}: converting {tag_dir} to universal form")
+                self._say(f"world size {saved.world_size} -> {self.world}: converting {tag_dir} to universal form")
                 ckpt.to_universal(tag_dir)
             torch.distributed.barrier()
             load_dir, tag = tag_dir, ckpt.UNIVERSAL
         else:
             load_dir, tag = self.ckpt_root, self.resume_tag
-        # DeepSpeed unpickles these files without torch's restrictions: they are trusted because rank 0
-        # scanned every file of this checkpoint, universal/ included, in _resume_choice (safe_load).
+        # Rank 0 checked every file of this checkpoint in _resume_choice; DeepSpeed's loads run
+        # under torch's restricted unpickler (safe_load.restricted, in load_engine).
         if ckpt.load_engine(self.engine, load_dir, tag, self.cfg.train) is None:
             raise UserError(f"{tag_dir}: DeepSpeed could not load this checkpoint")
-        self.step, self.tokens = saved["step"], saved["tokens"]
-        self.data.load_state_dict(saved["loader"])
+        self.step, self.tokens = saved.step, saved.tokens
+        self.data.load_state_dict(saved.loader)
         if not ckpt.load_rng(tag_dir, self.rank):
             torch.manual_seed(self.cfg.seed + self.rank + 1000 * self.step)  # a new rank: fresh, reproducible
         self._say(f"resumed from {tag_dir} at step {self.step} ({self.tokens:,} tokens)")
@@ -358,10 +381,10 @@ class Trainer:
 
     def _start(self) -> None:
         cfg, t = self.cfg, self.cfg.train
+        self._build()  # and load the checkpoint resumed from: nothing is written before that succeeded
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        self._build()
         self._write_status("running")
         self.stop_at = t.stop_at_step or t.total_steps
         self.start_step, self.start_tokens = self.step, self.tokens
