@@ -43,7 +43,8 @@ STALE_S = 120.0
 _counter = itertools.count()
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host with this pid exists (someone else's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -63,7 +64,7 @@ def is_live(lease: Path, now: float | None = None) -> bool:
     except ValueError:  # written half-way by a reader that died at once, or being written now
         holder, age = {}, 0.0
     if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
-        return _alive(holder["pid"])
+        return pid_alive(holder["pid"])
     return age <= STALE_S
 
 

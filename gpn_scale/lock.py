@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from gpn_scale.errors import UserError
+from gpn_scale.leases import pid_alive
 
 LOCK = "trainer.lock"
 HEARTBEAT_S = 15.0
@@ -35,23 +36,13 @@ def _me() -> dict:
             "slurm_restart": env.get("SLURM_RESTART_COUNT", "0"), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
 def _stale(holder: dict, age_s: float) -> str | None:
     """Why the holder is gone, or None while it may still be training."""
     me = _me()
     if holder.get("slurm_job") and holder["slurm_job"] == me["slurm_job"] and holder.get("slurm_restart") != me["slurm_restart"]:
         return f"SLURM job {holder['slurm_job']} was requeued"
     if holder.get("host") == me["host"]:
-        return None if _alive(int(holder.get("pid", -1))) else f"process {holder.get('pid')} is gone"
+        return None if pid_alive(int(holder.get("pid", -1))) else f"process {holder.get('pid')} is gone"
     if age_s > STALE_S:
         return f"no heartbeat from {holder.get('host')} for {age_s:.0f} s"
     return None

@@ -159,11 +159,11 @@ def test_readers_beside_a_run_rotating_at_every_step_never_fail(tmp_path, capsys
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "train.log", "w"))
     latest = run / "checkpoints" / "latest"
     commands = [
-        ["eval", str(run), "--data", str(prep), "--windows", "2", "--out", str(tmp_path / "eval")],
+        ["eval", str(run), "--data", str(prep), "--windows", "2", "--out", None],
         ["generate", str(run), "--prompt", "the cat", "--max-new-tokens", "4"],
-        ["analyze", str(run), "--data", str(prep), "--windows", "2", "--out", str(tmp_path / "analyze")],
+        ["analyze", str(run), "--data", str(prep), "--windows", "2", "--out", None],
         ["export", str(run), "--to", "native", "--out", None],
-    ]
+    ]  # None: a new --out for each call (these commands overwrite nothing)
     failures, steps_read = [], set()
     try:
         _wait_for(lambda: latest.is_file() or trainer.poll() is not None, "the first checkpoint")
@@ -171,7 +171,7 @@ def test_readers_beside_a_run_rotating_at_every_step_never_fail(tmp_path, capsys
             before = latest.read_text()
             _wait_for(lambda: latest.read_text() != before or trainer.poll() is not None, "the next checkpoint")
             assert trainer.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
-            argv = [a if a is not None else str(tmp_path / f"export{i}") for a in commands[i % len(commands)]]
+            argv = [a if a is not None else str(tmp_path / f"out{i}") for a in commands[i % len(commands)]]
             try:
                 status = main(argv)
             except Exception as e:  # noqa: BLE001  (a traceback is what this test is about)

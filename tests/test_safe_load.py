@@ -314,7 +314,7 @@ def test_a_planted_universal_form_is_refused_where_it_is_used(runs, tmp_path, ca
         port = s.getsockname()[1]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(port), "-m", "gpn_scale", *map(str, train_args(runs / "data", run, 2)),
-                           "train.global_batch=4", "--resume", "auto"],
+                           "train.grad_accum=1", "--resume", "auto"],
                           env=env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     assert f"error: {planted}: refusing to load" in proc.stderr, proc.stderr[-3000:]
@@ -421,10 +421,10 @@ def test_native_checkpoint_manifest_is_checked(tmp_path, capsys):
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
     (ckpt_dir / "extra.bin").write_bytes(b"added")
-    assert main(args) == 2
+    assert main(args()) == 2
     assert "extra.bin is there but not listed in manifest.json" in capsys.readouterr().err
     (ckpt_dir / "manifest.json").write_text(json.dumps({"files": {}}))
-    assert main(args) == 2
+    assert main(args()) == 2
     assert "does not list model.safetensors" in capsys.readouterr().err
 
     # written before native checkpoints had a manifest: loads, with one warning line

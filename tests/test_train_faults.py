@@ -422,12 +422,12 @@ def test_sigterm_while_starting_up_exits_75_with_a_line(data, tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=600)
+        stdout, stderr = proc.communicate(timeout=600)
     finally:
         proc.kill()
     assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
     assert ("SIGTERM received: stopped before step 1, nothing new to checkpoint; exiting with 75 "
-            "(resume with --resume auto)") in stderr and "Traceback" not in stderr
+            "(resume with --resume auto)") in stdout and "Traceback" not in stderr  # the run's report: stdout
     assert json.loads((fresh / "status.json").read_text()) == {"status": "preempted", "step": 0, "world_size": 1}
     assert not (fresh / "checkpoints").exists() and not (fresh / "trainer.lock").exists()
 

@@ -539,7 +539,15 @@ def write_status(run_dir: Path, status: str, step: int | None, world: int | None
 
 def _record_failure(run_dir: Path, trainer: Trainer | None, error: BaseException) -> None:
     """status.json of a run that ended by an exception: "interrupted" for a second Ctrl-C (no
-    checkpoint), "failed" with the error's first line otherwise."""
+    checkpoint), "failed" with the error's first line otherwise. A process refused before it began
+    (its resume, config or data refused) leaves the final status of the run's last process as it is:
+    only a run this process marked "running", or a directory without a status, gets one."""
+    try:
+        previous = json.loads((run_dir / "status.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        previous = None
+    if previous not in (None, "running"):
+        return
     first_line = (str(error).splitlines() or [""])[0]
     if isinstance(error, KeyboardInterrupt):
         status, reason = Outcome.INTERRUPTED.value, "a second SIGINT stopped it at once, without a checkpoint"
