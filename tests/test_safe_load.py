@@ -12,6 +12,7 @@ a user runs them (`python -m gpn_scale ...` where DeepSpeed loads), and the mark
 
 import contextlib
 import functools
+import itertools
 import json
 import os
 import pickle
@@ -403,7 +404,7 @@ def test_native_checkpoint_manifest_is_checked(tmp_path, capsys):
 
     ckpt_dir = save_native(tiny_model(64), tmp_path / "native")
     write_windows(tmp_path / "val", 2, 16, 64)
-    outs = iter(range(4))  # each evaluation into a new --out: eval overwrites nothing
+    outs = itertools.count()  # each evaluation into a new --out: eval overwrites nothing
 
     def args():
         return ["eval", str(ckpt_dir), "--data", str(tmp_path / "val"), "--out", str(tmp_path / f"out{next(outs)}")]
