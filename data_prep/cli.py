@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def _prep_parser() -> argparse.ArgumentParser:
         "--help`, `gpn-scale prep merge DIR`."))
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="FineWeb-Edu parquet or .jsonl[.zst] files, local or any fsspec URL")
-    p.add_argument("--out", required=True, help="output directory (a shared filesystem for multi-node runs)")
+    p.add_argument("--out", required=True, help="output directory: new, empty, or an earlier prep output to resume "
+                   "(a shared filesystem for multi-node runs)")
     p.add_argument("--tokenizer", required=True, help="sentencepiece .model or Hugging Face tokenizer.json")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per window (2048 in the paper)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes")
@@ -84,6 +86,7 @@ def _prep(argv: list[str]) -> int:
         ("--max-docs", a.max_docs, a.max_docs is None or a.max_docs >= 1, "at least 1"),
         ("--max-tokens", a.max_tokens, a.max_tokens is None or a.max_tokens >= 1, "at least 1"),
         ("--size-limit", a.size_limit, a.size_limit >= 1 << 10, "at least 1024"),
+        ("--min-score", a.min_score, a.min_score is None or math.isfinite(a.min_score), "a finite number"),
     ):
         if not ok:
             raise UserError(f"{flag}: got {value}, expected {want}")
@@ -128,12 +131,15 @@ def _train_tokenizer(argv: list[str]) -> int:
                                 description="Train a byte-level BPE tokenizer.json on the inputs' text.")
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="parquet or .jsonl[.zst] files to train on")
     p.add_argument("--vocab-size", type=int, required=True, help="vocabulary size, special tokens included")
-    p.add_argument("--out", required=True, help="path of the tokenizer.json to write")
+    p.add_argument("--out", required=True, help="path of the tokenizer.json to write (must not exist)")
     p.add_argument("--text-column", default="text", help="the column (or jsonl field) holding the text")
     p.add_argument("--max-docs", type=int, help="train on the first N documents only")
     a = p.parse_args(argv)
     if not a.out.endswith(".json"):
         raise UserError(f"--out: {a.out!r} should end in .json (a Hugging Face tokenizer.json)")
+    from gpn_scale.outputs import check_new_file
+
+    check_new_file(a.out, "--out")
     filters = Filters(a.text_column)
     units, _ = plan_units(expand_inputs(a.inputs), filters, skip_bad=False)
     if a.max_docs is not None:

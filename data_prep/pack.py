@@ -7,7 +7,7 @@ worker or node prepared which unit.
 
 from __future__ import annotations
 
-from itertools import chain
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -19,17 +19,17 @@ class Packer:
         self._pending: list[np.ndarray] = []
         self._pending_len = 0
 
-    def add(self, docs: list[list[int]]) -> np.ndarray:
-        """Append documents (already carrying BOS/EOS); return the windows completed, (n, seq_len)."""
-        flat = np.fromiter(chain.from_iterable(docs), dtype=self.dtype, count=sum(map(len, docs)))
-        self._pending.append(flat)
-        self._pending_len += len(flat)
+    def add(self, tokens: Sequence[Sequence[int]]) -> np.ndarray:
+        """Append token sequences in order (documents with their BOS/EOS, arrays or lists); return
+        the windows completed, (n, seq_len)."""
+        self._pending += [np.asarray(t, dtype=self.dtype) for t in tokens]
+        self._pending_len += sum(len(t) for t in tokens)
         n = self._pending_len // self.seq_len
         if n == 0:
             return np.empty((0, self.seq_len), self.dtype)
-        joined = np.concatenate(self._pending)
+        joined = np.concatenate(self._pending)  # the one copy of the documents' tokens
         cut = n * self.seq_len
-        self._pending = [joined[cut:]]
+        self._pending = [joined[cut:].copy()]  # the tail alone, not a view keeping `joined` alive
         self._pending_len = len(joined) - cut
         return joined[:cut].reshape(n, self.seq_len)
 

@@ -16,6 +16,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data_prep import output
+from gpn_scale import outputs
+from gpn_scale.lock import RunLock
 from data_prep.sources import expand_inputs, limit_rows, plan_units
 from data_prep.tokenizer import Tokenizer
 from data_prep.unit import Settings, prepare_unit
@@ -44,23 +46,29 @@ def prepare(inputs: list[str], settings: Settings, *, val_inputs: list[str], max
     if max_docs is not None:
         units = limit_rows(units, max_docs)
     manifest = _manifest(settings, tokenizer, files, units, skipped_files, max_docs, max_tokens)
-    with output.disk_space_errors(out):
-        output.check_manifest(out, manifest)
-        _copy_tokenizer(out, tokenizer)
+    outputs.check_resumable(out, "--out", "prep", (outputs.PREP,))  # before anything is written
+    # One prep per node and output: a second one would clear the units the first is writing.
+    lock = RunLock(out, f"prep.node-{node_rank}.lock", "--out")
+    try:
+        with output.disk_space_errors(out):
+            output.check_manifest(out, manifest)
+            _copy_tokenizer(out, tokenizer)
 
-        mine = [i for i in range(len(units)) if i % num_nodes == node_rank]
-        started = time.perf_counter()
-        with multiprocessing.get_context("fork").Pool(workers, _init_worker, (settings,)) as pool:
-            progress = _Progress(len(mine), workers)
-            # With one node the cap is known here, so units past it are never started.
-            cap = max_tokens if num_nodes == 1 else None
-            packed = 0
-            for stats, fresh in _in_order(pool, mine, units, settings, manifest, workers,
-                                          lambda: cap is None or packed < cap):
-                progress.update(stats, fresh)
-                packed += sum(s["windows"] for s in stats["splits"].values()) * settings.seq_len
-            progress.close()
-        elapsed = time.perf_counter() - started
+            mine = [i for i in range(len(units)) if i % num_nodes == node_rank]
+            started = time.perf_counter()
+            with multiprocessing.get_context("fork").Pool(workers, _init_worker, (settings,)) as pool:
+                progress = _Progress(len(mine), workers)
+                # With one node the cap is known here, so units past it are never started.
+                cap = max_tokens if num_nodes == 1 else None
+                packed = 0
+                for stats, fresh in _in_order(pool, mine, units, settings, manifest, workers,
+                                              lambda: cap is None or packed < cap):
+                    progress.update(stats, fresh)
+                    packed += sum(s["windows"] for s in stats["splits"].values()) * settings.seq_len
+                progress.close()
+            elapsed = time.perf_counter() - started
+    finally:
+        lock.release()
 
     print(progress.summary(elapsed), file=sys.stderr)
     if num_nodes > 1:

@@ -48,7 +48,7 @@ class Unit:
 @dataclass
 class Document:
     file: str
-    row: int  # row (parquet) or line (jsonl) index within the file, 0-based
+    row: int  # where in the file, for messages: its row index (parquet, from 0) or line number (jsonl, from 1)
     text: object  # str when valid; anything else is reported as a bad document
     int_score: object = None
     score: object = None
@@ -91,7 +91,7 @@ def expand_inputs(patterns: list[str]) -> list[str]:
             raise UserError(f"{pattern}: cannot list ({type(e).__name__}: {_first_line(e)})") from None
         matched = [fs.unstrip_protocol(p) for p in paths if _kind(p)]
         if not matched:
-            raise UserError(f"{pattern}: matched no .parquet, .jsonl or .jsonl.zst files")
+            raise UserError(f"{pattern}: matched no {', '.join(PARQUET + JSONL)} files")
         found.update(matched)
     return sorted(found)
 
@@ -233,7 +233,9 @@ def _read_jsonl(unit: Unit, filters: Filters) -> Iterator[Document]:
                 return
             if not raw.strip():
                 continue  # a blank line holds no document
-            yield _jsonl_document(unit.file, line_no, raw, filters)
+            doc = _jsonl_document(unit.file, line_no + 1, raw, filters)  # lines are counted from 1
+            del raw  # not kept while the document is tokenized (a document may be large)
+            yield doc
     except (OSError, EOFError, ValueError, zstandard.ZstdError) as e:  # missing, truncated, corrupt
         raise UnreadableInput(f"{unit.file}: unreadable ({type(e).__name__}: {_first_line(e)})") from None
 

@@ -139,7 +139,8 @@ def _pack(unit: Unit | None, settings: Settings, tokenizer: Tokenizer, tmp: Path
     unigram = np.zeros(info.vocab_size, np.int64)
     checker = _Checker(settings, unit)
     whole_file_val = unit is not None and unit.file in settings.val_files
-    prefix = [info.bos_id] if settings.add_bos else []
+    prefix = np.array([info.bos_id] if settings.add_bos else [], info.dtype)
+    eos = np.array([info.eos_id], info.dtype)
 
     def emit(split: str, windows: np.ndarray) -> None:
         counts[split]["windows"] += len(windows)
@@ -156,14 +157,18 @@ def _pack(unit: Unit | None, settings: Settings, tokenizer: Tokenizer, tmp: Path
                 kept.append(doc.text)
                 val = whole_file_val or (settings.val_fraction > 0 and is_val(utf8, settings.val_fraction))
                 routes.append("val" if val else "train")
-        by_split: dict[str, list[list[int]]] = {s: [] for s in settings.splits}
-        for split, ids in zip(routes, tokenizer.encode(kept)):
-            by_split[split].append(prefix + ids + [info.eos_id])
-        for split, docs in by_split.items():
-            if docs:
-                counts[split]["documents"] += len(docs)
-                counts[split]["tokens"] += sum(map(len, docs))
-                emit(split, packers[split].add(docs))
+            del utf8  # a copy of the text: not kept while the batch is tokenized
+        # Each document as [BOS] ids EOS, in segments the packer joins once: no copy per document.
+        segments: dict[str, list[np.ndarray]] = {s: [] for s in settings.splits}
+        encoded = tokenizer.encode(kept)
+        for split, ids in zip(routes, encoded):
+            segments[split] += [prefix, ids, eos]
+            counts[split]["documents"] += 1
+            counts[split]["tokens"] += len(prefix) + len(ids) + 1
+        del encoded
+        for split, parts in segments.items():
+            if parts:
+                emit(split, packers[split].add(parts))
 
     for split in settings.splits:
         counts[split]["dropped_tail_tokens"] = packers[split].finish()

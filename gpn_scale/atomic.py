@@ -10,9 +10,13 @@ from pathlib import Path
 def write_text(path: str | Path, text: str) -> Path:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no half-written sibling stays behind
+        tmp.unlink(missing_ok=True)
+        raise
     return path

@@ -8,12 +8,14 @@ Training checkpoints, under a run's `checkpoints/` (written by `gpn_scale.train.
         trainer_state.json    step, tokens, loader position, world size, ZeRO stage, config
         rng_rank{r}.pt        Python / NumPy / torch RNG states of each rank
         manifest.json         every file above with its size and xxh3-128 hash: written last
+        universal/            the world-size-independent form, once converted, with its own manifest
     latest                    the newest complete tag: moved only after its manifest exists
+    .leases/                  readers' leases, which rotation respects (`gpn_scale.leases`)
 
-A directory without a manifest (a crash mid-save) or whose files no longer match it (truncated,
-corrupted) is not a checkpoint to load. Native checkpoints (`gpn_scale.native`) are
-`model.safetensors` + `model.yaml` + `manifest.json`. Every file that holds a pickle is scanned
-before anything unpickles it (`gpn_scale.safe_load`).
+A directory without a manifest (a crash mid-save), whose files no longer match it (truncated,
+corrupted) or that holds a file its manifest does not list is not a checkpoint to load. Native
+checkpoints (`gpn_scale.native`) are `model.safetensors` + `model.yaml` + `manifest.json`. Every
+pickle file is checked and loaded through torch's restricted unpickler (`gpn_scale.safe_load`).
 """
 
 from __future__ import annotations
@@ -29,13 +31,17 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from gpn_scale import manifest, safe_load
+from gpn_scale import leases, manifest, safe_load
 from gpn_scale.config import model_config
 from gpn_scale.errors import UserError
 from gpn_scale.models import build_model
 from gpn_scale.native import CONFIG, WEIGHTS
 
 MANIFEST, TRAINER_STATE = manifest.MANIFEST, "trainer_state.json"
+UNIVERSAL = "universal"  # sub-directory with the world-size-independent form of a checkpoint
+# Beside a checkpoint's own files, not listed in its manifest: the universal form (its own manifest
+# covers it) and DeepSpeed's pointer to it, written by the conversion and read by nothing here.
+DERIVED = (UNIVERSAL, "latest_universal")
 
 
 def tag_for(step: int) -> str:
@@ -50,7 +56,7 @@ def verify(tag_dir: Path) -> str | None:
     """None when the checkpoint is complete and intact, else what is wrong with it."""
     if not (tag_dir / MANIFEST).is_file():
         return "incomplete (no manifest: the save did not finish)"
-    return manifest.verify_manifest(tag_dir)
+    return manifest.verify_manifest(tag_dir, besides=DERIVED)
 
 
 def tags(root: Path) -> list[str]:
@@ -80,43 +86,118 @@ def newest_complete(root: Path, warn=print, rejected: list | None = None) -> str
 
 
 def training_checkpoint(path: str | Path, warn=lambda message: None, verified: bool = True) -> Path | None:
-    """A training checkpoint directory as given (not verified here), or a run directory's (or its
-    `checkpoints/`) newest one: the newest that verifies, or with `verified=False` the newest with
-    a manifest, which costs no hashing. None where there is none. `warn` hears of each skipped."""
+    """The training checkpoint `path` names, or a run directory's (or its `checkpoints/`) newest
+    one: the newest that verifies, or with `verified=False` the newest with a manifest, which costs
+    no hashing. None where there is none. `warn` hears of each one skipped.
+
+    The checkpoint is leased until the command ends (`gpn_scale.leases`): rotation in a live run
+    does not delete it, and a second call with the same path answers the same checkpoint, so what
+    a command reads of it (weights, trainer state) comes from one checkpoint. One that rotation is
+    already removing is passed over for the next."""
     path = Path(path)
-    if (path / TRAINER_STATE).is_file():
-        return path
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    tag = newest_complete(root, warn=warn) if verified else next(iter(committed(root)), None)
-    return None if tag is None else root / tag
-
-
-def read_trainer_state(tag_dir: Path) -> dict:
-    return json.loads((tag_dir / TRAINER_STATE).read_text())
-
-
-def load_trained_model(path: str | Path, device: str | torch.device = "cpu", verified: bool = False) -> torch.nn.Module:
-    """The model of a training checkpoint (`.../checkpoints/step_N`) or of a run directory's newest
-    complete checkpoint, in float32, whatever ZeRO stage wrote it. `verified`: the caller has just
-    verified the checkpoint it names (as `training_checkpoint` does), so it is not hashed again."""
-    path = Path(path)
-    if (path / TRAINER_STATE).is_file():  # a checkpoint named directly: verified here
-        problem = None if verified else verify(path)
-        if problem:
+    known = leases.held(path)
+    if known is not None:
+        tag_dir, lease, was_verified = known
+        if verified and not was_verified:
+            problem = verify(tag_dir)
+            if problem:
+                raise UserError(f"{tag_dir}: {problem}")
+            leases.remember(path, tag_dir, lease, True)
+        return tag_dir
+    if (path / TRAINER_STATE).is_file() or path.name.startswith("step_"):  # a checkpoint, named
+        root, candidates, named = path.parent, [path.name], True
+    else:
+        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        candidates, named = tags(root), False
+    for tag in candidates:
+        lease = leases.take(root, tag)
+        if lease is None:
+            if named:
+                raise UserError(f"{path}: no such checkpoint" + (" (rotation, train.keep_last, is removing it: name a "
+                                "newer one, or the run directory for its newest)" if path.is_dir() else ""))
+            continue
+        problem = verify(root / tag) if verified else (None if (root / tag / MANIFEST).is_file() else "no manifest")
+        if problem is None:
+            leases.remember(path, root / tag, lease, verified)
+            return root / tag
+        lease.release()
+        if named:
             raise UserError(f"{path}: {problem}")
-    else:  # a run directory: its newest checkpoint that verifies
-        found = training_checkpoint(path, warn=print)
-        if found is None:
-            raise UserError(f"{path}: no complete training checkpoint there")
-        path = found
-    safe_load.check_checkpoint(path)  # before anything is unpickled, by us or by zero_to_fp32
+        warn(f"warning: checkpoint {root / tag} skipped: {problem}")
+    return None
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """`trainer_state.json`: where a run stood when it saved a checkpoint."""
+
+    step: int
+    tokens: int
+    loader: dict  # the training stream's position (gpn_scale.train.data.TrainStream.state_dict)
+    world_size: int
+    zero_stage: int
+    global_batch: int
+    data_seq_len: int | None  # tokens per training window, where known
+    config: dict  # the run's resolved config (TrainConfig.to_dict); config["model"] is the model's
+
+
+def _field(where: Path, raw: dict, key: str, kind: str, low: int = 0, optional: bool = False, within: str = ""):
+    value = raw.get(key)
+    if value is None and optional:
+        return None
+    if kind == "int" and (type(value) is not int or value < low):
+        raise UserError(f"{where}: {within}{key}: expected an integer >= {low}, got {value!r}")
+    if kind == "object" and not isinstance(value, dict):
+        raise UserError(f"{where}: {within}{key}: expected a JSON object, got {value!r:.60}")
+    return value
+
+
+def read_trainer_state(tag_dir: Path) -> TrainerState:
+    """The checkpoint's trainer state; a one-line UserError naming the file and the field when it is
+    not what the trainer writes."""
+    where = tag_dir / TRAINER_STATE
+    try:
+        raw = json.loads(where.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{where}: missing (not a training checkpoint)") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: expected a JSON object with step, tokens, loader, world_size, zero_stage, "
+                        "global_batch and config")
+    loader = _field(where, raw, "loader", "object")
+    for key in ("epoch", "sample_in_epoch"):
+        _field(where, loader, key, "int", within="loader.")
+    _field(where, loader, "initial_nodes", "int", 1, optional=True, within="loader.")
+    config = _field(where, raw, "config", "object")
+    if not isinstance(config.get("model"), dict):
+        raise UserError(f"{where}: config.model: expected the model's config (a JSON object), got {config.get('model')!r:.60}")
+    stage = _field(where, raw, "zero_stage", "int")
+    if stage > 3:
+        raise UserError(f"{where}: zero_stage: expected 0, 1, 2 or 3, got {stage}")
+    return TrainerState(
+        step=_field(where, raw, "step", "int"), tokens=_field(where, raw, "tokens", "int"), loader=loader,
+        world_size=_field(where, raw, "world_size", "int", 1), zero_stage=stage,
+        global_batch=_field(where, raw, "global_batch", "int", 1),
+        data_seq_len=_field(where, raw, "data_seq_len", "int", 1, optional=True), config=config)
+
+
+def load_trained_model(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The model of a training checkpoint (`.../checkpoints/step_N`) or of a run directory's newest
+    complete checkpoint, in float32, whatever ZeRO stage wrote it (verified and leased by
+    `training_checkpoint`)."""
+    found = training_checkpoint(path, warn=print)
+    if found is None:
+        raise UserError(f"{path}: no complete training checkpoint there")
+    path = found
     state = read_trainer_state(path)
-    model = build_model(model_config(state["config"]["model"], where=f"{path / TRAINER_STATE}: model"))
-    if state["zero_stage"] == 3:  # parameters are sharded across the ranks' files
+    model = build_model(model_config(state.config["model"], where=f"{path / TRAINER_STATE}: config.model"))
+    safe_load.check_checkpoint(path, besides=DERIVED)  # every pickle file, before any is loaded
+    if state.zero_stage == 3:  # parameters are sharded across the ranks' files
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        # zero_to_fp32 unpickles the shards unrestricted: trusted only because check_checkpoint scanned them above
-        weights = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+        with safe_load.restricted(path):  # zero_to_fp32's own torch.load calls, restricted
+            weights = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
     else:
         weights = safe_load.load(path / "mp_rank_00_model_states.pt")["module"]
     model.load_state_dict({k: v.float() for k, v in weights.items()})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from gpn_scale import leases
 from gpn_scale.errors import UserError
 
 COMMANDS = {
@@ -59,9 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"error: unknown subcommand {name!r}; expected one of: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    module_name, func_name = COMMANDS[name][0].split(":")
-    func = getattr(importlib.import_module(module_name), func_name)
+    if name == "train":  # before torch and DeepSpeed import: a launcher may stop a trainer still starting up
+        from gpn_scale.train import stop
+
+        stop.record()
     try:
+        module_name, func_name = COMMANDS[name][0].split(":")
+        func = getattr(importlib.import_module(module_name), func_name)
         return int(func(rest) or 0)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -69,3 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        leases.release_all()  # the checkpoints the command read: rotation may remove them now
+        if name == "train":
+            stop.restore()  # run in-process (tests, notebooks): the caller's handlers back

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -56,11 +57,13 @@ def _check_type(value, annotation, where: str):
     if annotation is float and isinstance(value, str):
         number = yaml_number(value)  # YAML 1.1 reads 1e5 (no sign, no dot) as a string
         if number is not None:
-            return number
+            value = number
     if annotation in (int, float, str, bool) and not (
         isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
     ):
         raise UserError(f"{where}: expected {annotation.__name__}, got {type(value).__name__} {value!r}")
+    if annotation is float and not math.isfinite(value):  # YAML's .nan / .inf: no setting means them
+        raise UserError(f"{where}: expected a finite number, got {value!r}")
     return value
 
 
@@ -86,18 +89,29 @@ def dataclass_keys(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if f.init}
 
 
-def build_dataclass(cls, data: dict, where: str, prefix: str = ""):
-    """Instantiate dataclass `cls` from `data`; errors read `WHERE: PREFIXkey: problem`."""
+def build_dataclass(cls, data: dict, where: str, prefix: str = "", overridden=frozenset(), override_prefix: str = ""):
+    """Instantiate dataclass `cls` from `data`; errors read `WHERE: PREFIXkey: problem`. A key in
+    `overridden` came from a key=value argument (spelled with `override_prefix`, e.g. `model.`): its
+    errors blame the command-line override instead of `where`."""
     hints = typing.get_type_hints(cls)
     known = dataclass_keys(cls)
+
+    def blame(key: str) -> tuple[str, str]:  # (what is at fault, how it spells the key's prefix)
+        return (OVERRIDE, override_prefix + prefix) if key in overridden else (where, prefix)
+
     unknown = sorted(set(data) - known)
     if unknown:
-        raise unknown_key(where, unknown[0], known, prefix)
-    values = {k: _check_type(v, hints[k], f"{where}: {prefix}{k}") for k, v in data.items()}
+        at, spelled = blame(unknown[0])
+        raise unknown_key(at, unknown[0], known, spelled)
+    values = {}
+    for k, v in data.items():
+        at, spelled = blame(k)
+        values[k] = _check_type(v, hints[k], f"{at}: {spelled}{k}")
     try:
         return cls(**values)
     except (ValueError, TypeError) as e:  # __post_init__ checks ("key: problem"), or a missing key
-        raise UserError(f"{where}: {prefix}{e}") from None
+        at, spelled = blame(str(e).split(":", 1)[0])
+        raise UserError(f"{at}: {spelled}{e}") from None
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -155,7 +169,8 @@ def model_config(source: str | Path | dict, overrides: dict | None = None, where
     if family not in MODEL_FAMILIES:
         raise UserError(f"{where}: family: expected one of {', '.join(MODEL_FAMILIES)}, got {family!r}")
     config_cls = MODEL_FAMILIES[family].config_cls
-    unknown = sorted(set(overrides or {}) - dataclass_keys(config_cls)) if override_prefix is not None else []
+    overridden = frozenset(overrides or {}) if override_prefix is not None else frozenset()
+    unknown = sorted(overridden - dataclass_keys(config_cls))
     if unknown:
         raise unknown_key(OVERRIDE, unknown[0], dataclass_keys(config_cls), override_prefix)
-    return build_dataclass(config_cls, data, where)
+    return build_dataclass(config_cls, data, where, overridden=overridden, override_prefix=override_prefix or "")

@@ -194,12 +194,16 @@ def main(argv: list[str]) -> int:
         formatter_class=HelpFormatter, prog="gpn-scale convert", description=__doc__.split("\n\n")[0])
     ap.add_argument("--from-reference", required=True, metavar="CKPT", help="checkpoint.pkl or its directory")
     ap.add_argument("--config", required=True, metavar="JSON", help="the reference run's JSON config")
-    ap.add_argument("--out", required=True, metavar="DIR", help="native checkpoint directory to write")
+    ap.add_argument("--out", required=True, metavar="DIR",
+                    help="native checkpoint directory to create (must not exist, or be empty)")
     args = ap.parse_args(argv)
     from gpn_scale.native import save_native
+    from gpn_scale.outputs import check_new, new_directory
 
+    check_new(args.out, "--out", "convert")  # before the checkpoint is read: a refusal costs nothing
     model = from_reference(args.from_reference, args.config)
-    path = save_native(model, args.out)
+    with new_directory(args.out, "--out", "convert") as staging:
+        save_native(model, staging)
     n = sum(p.numel() for p in model.parameters())
-    print(f"wrote {path} ({model.config.family}, {model.config.n_layers} layer(s), {n:,} parameters)")
+    print(f"wrote {args.out} ({model.config.family}, {model.config.n_layers} layer(s), {n:,} parameters)")
     return 0

@@ -23,6 +23,7 @@ import numpy as np
 from gpn_scale.config import CONFIG_ROOT
 from gpn_scale.helptext import HelpFormatter
 from gpn_scale.jsonl import read_jsonl
+from gpn_scale.outputs import DEMO, check_resumable
 
 DEMO_CONFIG = CONFIG_ROOT / "train" / "demo.yaml"
 ANALYSIS_WINDOWS = 32  # 4,096 states: the analysis and its ablations in seconds
@@ -47,6 +48,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--workers", type=int, default=2, help="data prep processes")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    check_resumable(out, "--out", "demo", (DEMO,))  # a rerun resumes every stage; nothing else is written into
     began = time.time()
 
     from data_prep.cli import main as prep

@@ -3,11 +3,15 @@
 Shared by training checkpoints (`gpn_scale/train/checkpoint.py`) and native ones
 (`gpn_scale/native.py`), which load without the trainer package.
 
+A manifest lists every file of its directory, so a directory verifies only when each file listed
+is there with its size and hash and no file is there that it does not list (a file added beside
+a checkpoint, or an emptied manifest, is caught like a damaged one).
+
 The hash is xxh3-128: it detects corruption (a truncated, torn or bit-flipped file) at memory
 speed, several times faster than sha256, which matters when a checkpoint holds tens of GB of
-optimiser state and is hashed at every save and resume. It is not meant to stop tampering: a
-forger regenerates the manifest anyway, and what protects a run from a planted file is the scan
-before anything is unpickled (`gpn_scale/safe_load.py`). Manifests written with sha256 still verify.
+optimiser state and is hashed at every save and resume. It is for integrity, not against
+tampering: a forger regenerates the manifest anyway, and what protects a run from a planted file
+is torch's restricted unpickler (`gpn_scale/safe_load.py`). Manifests written with sha256 still verify.
 Files are hashed by a pool of threads (the hashes release the GIL), each from a memory map of
 the file: no copy into Python's buffers, ~1.6x faster than reading it in blocks. A writer that
 knows a file's bytes as it writes them (`write_hashed`) hashes them then, at no extra read.
@@ -107,32 +111,66 @@ def write_manifest(directory: str | Path, names: list[str]) -> Path:
     return write_entries(directory, hash_files(directory, names))
 
 
-def verify_manifest(directory: str | Path, required: tuple[str, ...] = ()) -> str | None:
-    """None when `directory`'s files match its manifest, which lists every name in `required`;
-    else what is wrong, in a few words (the caller names the directory). Sizes are checked first
-    (a truncated file costs no hashing), then the hashes, in parallel."""
+def files_under(directory: str | Path, besides: tuple[str, ...] = ()) -> list[str]:
+    """Every file under `directory` (through linked directories, as a loader follows them) but its
+    manifest and what lies under the top-level names `besides`, relative, sorted."""
     directory = Path(directory)
+    found = []
+    for root, dirs, names in os.walk(directory, followlinks=True):
+        rel_root = Path(root).relative_to(directory)
+        if rel_root == Path("."):
+            dirs[:] = [d for d in dirs if d not in besides]
+            names = [n for n in names if n not in besides and n != MANIFEST]
+        found += [str(rel_root / n) for n in names if (Path(root) / n).is_file()]
+    return sorted(found)
+
+
+def _entries(directory: Path) -> dict[str, dict] | str:
+    """The manifest's entries, or what is wrong with it."""
     try:
         entries = json.loads((directory / MANIFEST).read_text())["files"]
     except FileNotFoundError:
         return f"no {MANIFEST}"
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return f"{MANIFEST} is unreadable"
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        return f"{MANIFEST} is unreadable (expected {{\"files\": {{name: {{\"bytes\": ..., \"{HASH}\": ...}}}}}})"
+    if not isinstance(entries, dict):
+        return f"{MANIFEST}: files: expected an object of file names"
+    for rel, want in entries.items():
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or not rel:
+            return f"{MANIFEST}: {rel!r} is not a file inside the checkpoint"
+        if not isinstance(want, dict) or type(want.get("bytes")) is not int:
+            return f"{MANIFEST}: {rel}: expected its bytes and hash"
+        if not any(isinstance(want.get(name), str) for name in _HASHES):
+            return f"{MANIFEST}: {rel} has no hash (expected one of {', '.join(_HASHES)})"
+    return entries
+
+
+def verify_manifest(directory: str | Path, required: tuple[str, ...] = (), besides: tuple[str, ...] = ()) -> str | None:
+    """None when `directory`'s manifest lists exactly its files (but those under `besides`, see
+    files_under), each with its size and hash, and lists every name in `required`; else what is
+    wrong, in a few words (the caller names the directory). Sizes are checked first (a truncated
+    file costs no hashing), then the hashes, in parallel."""
+    directory = Path(directory)
+    entries = _entries(directory)
+    if isinstance(entries, str):
+        return entries
     for name in required:
         if name not in entries:
             return f"{MANIFEST} does not list {name}"
+    unlisted = sorted(set(files_under(directory, besides)) - set(entries))
+    if unlisted:
+        more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+        return f"{unlisted[0]}{more} is there but not listed in {MANIFEST}"
     for rel, want in sorted(entries.items()):
         path = directory / rel
         if not path.is_file():
             return f"{rel} is missing"
         if path.stat().st_size != want["bytes"]:
             return f"{rel} has {path.stat().st_size} bytes, the manifest says {want['bytes']}"
-        if not any(name in want for name in _HASHES):
-            return f"{MANIFEST}: {rel} has no hash (expected one of {', '.join(_HASHES)})"
 
     def problem(item: tuple[str, dict]) -> str | None:
         rel, want = item
-        name = next(name for name in _HASHES if name in want)
+        name = next(name for name in _HASHES if isinstance(want.get(name), str))
         if file_hash(directory / rel, name) != want[name]:
             return f"{rel} does not match its {name} hash (corrupted)"
         return None

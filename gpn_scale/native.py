@@ -4,8 +4,8 @@ export adds the tokenizer (`tokenizer.json` or `tokenizer.model`) and `tokenizer
 training data framed each document with it (BOS prepended or not, the EOS that ended it), so a
 prompt is framed as the model was trained.
 
-Safetensors holds no code, so the manifest guards integrity (a truncated, corrupted or swapped
-file), as for training checkpoints. A native checkpoint written before manifests existed still
+Safetensors holds no code, so the manifest guards integrity (a truncated, corrupted, swapped or
+added file), as for training checkpoints. A native checkpoint written before manifests existed still
 loads, with a one-line warning that its files are not verified; `add_manifest(DIR)` gives it one.
 Reading them is `gpn_scale.checkpoints.load_native`.
 """
@@ -20,7 +20,7 @@ import yaml
 from safetensors.torch import save_file
 
 from gpn_scale.errors import UserError
-from gpn_scale.manifest import write_manifest
+from gpn_scale.manifest import files_under, write_manifest
 
 WEIGHTS, CONFIG = "model.safetensors", "model.yaml"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # a Hugging Face tokenizer.json, a sentencepiece .model
@@ -53,8 +53,9 @@ def save_native(model: torch.nn.Module, out_dir: str | Path) -> Path:
 
 
 def add_manifest(path: str | Path) -> Path:
-    """Write (or rewrite) the manifest of a native checkpoint from its files as they are now."""
-    return write_manifest(path, [WEIGHTS, CONFIG])
+    """Write (or rewrite) the manifest of a native checkpoint from its files as they are now (all
+    of them: a manifest lists every file of its directory)."""
+    return write_manifest(path, files_under(path))
 
 
 def write_tokenizer(tokenizer: TokenizerSource, out: Path) -> list[str]:

@@ -72,6 +72,20 @@ def test_a_mistyped_override_is_blamed_with_the_nearest_key(argv, message, capsy
     assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["train", str(TINY), "train.total_steps=abc"], "error: command-line override: train.total_steps: expected int, got str 'abc'"),
+    (["train", str(TINY), "train.lr=-1"], "error: command-line override: train.lr: expected a finite number > 0, got -1.0"),
+    (["train", str(TINY), "logging.peak_tflops=.inf"], "error: command-line override: logging.peak_tflops: expected a finite number, got inf"),
+    (["train", str(TINY), "model.d_state=x"], "error: command-line override: model.d_state: expected int, got str 'x'"),
+    (["train", str(TINY), "seed=1.5"], "error: command-line override: seed: expected int, got float 1.5"),
+    (["model-info", "gpn_m_tiny", "d_state=.nan"], "error: command-line override: d_state: expected int, got float nan"),
+])
+def test_a_wrongly_typed_override_is_blamed_not_the_yaml_file(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == message + "\n", err
+
+
 def test_a_mistyped_yaml_key_blames_the_file_with_the_nearest_key(tmp_path, capsys):
     config = yaml.safe_load(TINY.read_text())
     config["train"]["save_evrey"] = config["train"].pop("save_every")

@@ -17,7 +17,7 @@ STEPS = 120
 def test_demo_learns_well_below_the_unigram_entropy(tmp_path):
     out = tmp_path / "demo"
     proc = subprocess.run([sys.executable, "-m", "gpn_scale", "demo", "--out", str(out), "--steps", str(STEPS)],
-                          capture_output=True, text=True, timeout=1500, env=dict(os.environ, WANDB_MODE="disabled"))
+                          capture_output=True, text=True, timeout=3000, env=dict(os.environ, WANDB_MODE="disabled"))
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert f"report: {out / 'report.md'}" in proc.stdout
     report = json.loads((out / "report.json").read_text())

@@ -37,7 +37,7 @@ def run(capsys, *args):
 
 def test_ppl_is_exp_of_the_models_own_mean_loss_over_every_window(setup, tmp_path, capsys):
     root, _, prep, model = setup
-    code, out, _ = run(capsys, "eval", root / "ckpt", "--data", prep, "--json", "--batch", 7, "--out", tmp_path)
+    code, out, _ = run(capsys, "eval", root / "ckpt", "--data", prep, "--json", "--batch", 7, "--out", tmp_path / "out")
     assert code == 0
     metrics = json.loads(out)
     windows = read_windows(open_data(prep / "val"))
@@ -47,7 +47,7 @@ def test_ppl_is_exp_of_the_models_own_mean_loss_over_every_window(setup, tmp_pat
     assert metrics["tokens"] == windows.numel()
     assert metrics["ppl"] == pytest.approx(math.exp(losses.mean().item()), rel=1e-5)
     assert metrics["ppl"] < 100  # trained: far below the 300-token vocabulary
-    curve = np.loadtxt(tmp_path / "loss_by_position.csv", delimiter=",", skiprows=1)
+    curve = np.loadtxt(tmp_path / "out" / "loss_by_position.csv", delimiter=",", skiprows=1)
     assert curve[:, 0].tolist() == list(range(1, windows.shape[1] + 1))
     np.testing.assert_allclose(curve[:, 1], losses.mean(0).numpy(), atol=2e-6)
     assert curve[0, 1] > curve[-8:, 1].mean()  # position 1 is predicted from the empty state
@@ -55,7 +55,8 @@ def test_ppl_is_exp_of_the_models_own_mean_loss_over_every_window(setup, tmp_pat
 
 def test_windows_flag_takes_the_first_n_and_split_dir_works(setup, tmp_path, capsys):
     root, _, prep, model = setup
-    code, out, _ = run(capsys, "eval", root / "ckpt", "--data", prep / "val", "--windows", 5, "--json", "--out", tmp_path)
+    code, out, _ = run(capsys, "eval", root / "ckpt", "--data", prep / "val", "--windows", 5, "--json", "--out",
+                       tmp_path / "out")
     windows = read_windows(open_data(prep / "val"))[:5]
     with torch.no_grad():
         expected = math.exp(model(windows).loss.item())
@@ -92,7 +93,7 @@ def test_lambada_matches_a_hand_computation(setup, tmp_path, capsys):
     path = tmp_path / "lambada.jsonl"
     path.write_text("\n".join(json.dumps({"text": t, "extra": 1}) for t in LAMBADA_TEXTS) + "\n\n")
     code, out, _ = run(capsys, "eval", root / "ckpt", "--lambada", path, "--tokenizer", tok_path, "--json",
-                       "--batch", 2, "--out", tmp_path)
+                       "--batch", 2, "--out", tmp_path / "out")
     assert code == 0
     metrics = json.loads(out)
 
@@ -118,7 +119,8 @@ def test_bad_lambada_lines_give_one_line_errors(setup, tmp_path, capsys, content
     root, tok_path, _, _ = setup
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
-    code, _, err = run(capsys, "eval", root / "ckpt", "--lambada", path, "--tokenizer", tok_path, "--out", tmp_path)
+    code, _, err = run(capsys, "eval", root / "ckpt", "--lambada", path, "--tokenizer", tok_path, "--out",
+                       tmp_path / "out")
     assert code == 2 and message in err and err.count("\n") == 1, err
 
 
@@ -129,7 +131,7 @@ def test_missing_checkpoint_and_foreign_data_give_one_line_errors(setup, tmp_pat
 
     small = tiny_model(64)  # a model whose vocabulary is smaller than the data's tokenizer
     save_native(small, tmp_path / "small")
-    code, _, err = run(capsys, "eval", tmp_path / "small", "--data", prep, "--out", tmp_path)
+    code, _, err = run(capsys, "eval", tmp_path / "small", "--data", prep, "--out", tmp_path / "out")
     assert code == 2 and "tokenizer vocabulary 300 exceeds the model's vocab_size 64" in err and err.count("\n") == 1
 
     code, _, err = run(capsys, "eval", root / "ckpt", "--data", tmp_path)
@@ -164,7 +166,10 @@ def test_a_run_records_its_tokenizer_and_refuses_another(setup, tmp_path):
     root, tok_path, prep, model = setup
     tag = tmp_path / "run" / "checkpoints" / tag_for(10)
     tag.mkdir(parents=True)
-    (tag / TRAINER_STATE).write_text(json.dumps({"config": {"data": {"train": str(prep / "train")}}}))
+    (tag / TRAINER_STATE).write_text(json.dumps({  # as the trainer writes it; only config.data.train matters here
+        "step": 10, "tokens": 0, "loader": {"epoch": 0, "sample_in_epoch": 0, "initial_nodes": 1}, "world_size": 1,
+        "zero_stage": 0, "global_batch": 1, "data_seq_len": None,
+        "config": {"model": {}, "data": {"train": str(prep / "train")}}}))
     ckpt.write_manifest(tag)
     trained = training_prep(tmp_path / "run")
     assert trained.root == prep and trained.tokenizer_sha256 == Codec(tok_path).sha256
@@ -191,7 +196,7 @@ def test_baselines_get_the_same_ppl_and_lambada_protocol(setup, tmp_path, capsys
     lambada = tmp_path / "lambada.jsonl"
     lambada.write_text("\n".join(json.dumps({"text": t}) for t in LAMBADA_TEXTS) + "\n")
     code, out, err = run(capsys, "eval", tmp_path / "ckpt", "--data", prep, "--lambada", lambada, "--tokenizer",
-                         tok_path, "--json", "--batch", 3, "--out", tmp_path)
+                         tok_path, "--json", "--batch", 3, "--out", tmp_path / "out")
     assert code == 0, err
     metrics = json.loads(out)
     windows = read_windows(open_data(prep / "val"))

@@ -422,7 +422,7 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing(setup, capsys, tmp_pat
         (["export", tmp_path / "nope", "--to", "hf", "--out", tmp_path / "o1"], "nope: no such checkpoint"),
         (["export", root / "gpn_m_1l", "--to", "hf", "--out", tmp_path / "o2"], "no tokenizer recorded with it"),
         (["export", root / "gpn_m_1l", "--to", "native", "--out", taken, "--tokenizer", tok],
-         "taken: already exists and is not empty"),
+         "taken: is not empty; export writes a new directory and overwrites nothing"),
         (["export", tiny, "--to", "hf", "--out", tmp_path / "o3", "--tokenizer", big],
          "exceeds the model's vocab_size 280"),
         (["export", root / "gpn_m_1l", "--to", "hf", "--out", tmp_path / "o4", "--tokenizer", tmp_path / "no.json"],
@@ -497,7 +497,7 @@ def test_native_export_of_a_run_takes_its_newest_complete_checkpoint(setup, trai
     card = (tmp_path / "hf" / "README.md").read_text()  # the model card tells the run
     metrics = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
     last_eval = [m for m in metrics if "val_loss" in m][-1]
-    tokens = read_trainer_state(ckpts / "step_00000005")["tokens"]
+    tokens = read_trainer_state(ckpts / "step_00000005").tokens
     assert "| checkpoint step | 5 of 5 |" in card and f"| tokens seen | {tokens:,} |" in card
     assert f"| {last_eval['step']:,} | {last_eval['val_loss']:.4f} |" in card and f"`{prep / 'train'}`" in card
     hf, hf_tok = load_hf(tmp_path / "hf")
@@ -521,10 +521,10 @@ def test_reference_export_resumes_in_the_papers_trainer_as_the_run_went_on(setup
     records = [json.loads(line) for line in (trained_run / "samples.jsonl").read_text().splitlines()]
     (samples,) = [r["samples"] for r in records if r["step"] == 5]
     batch = read_windows(open_data(prep / "train"))[samples].numpy()
-    info, params = paper_resume(tmp_path / "ref", state["config"]["train"], batch, tmp_path)
+    info, params = paper_resume(tmp_path / "ref", state.config["train"], batch, tmp_path)
     restored, after = info["restored"], info["after"]
     assert restored["structure_matches"] and restored["classes"] == OPTAX_CLASSES
-    assert (restored["step"], restored["data_position"]) == (4, state["tokens"])
+    assert (restored["step"], restored["data_position"]) == (4, state.tokens)
     assert restored["counts"] == [4, 4] and restored["nu_nonzero"]
     (logged,) = [m["loss"] for m in map(json.loads, (trained_run / "metrics.jsonl").read_text().splitlines())
                  if m.get("step") == 5 and "loss" in m]

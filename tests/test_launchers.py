@@ -32,6 +32,16 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _listening(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
 def env(**extra) -> dict:
     # torchrun, sbatch's job and the trainers must all find this interpreter's environment.
     return {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
@@ -114,12 +124,18 @@ def test_elastic_survivor_finishes_from_the_last_checkpoint(data, tmp_path):
     steps = 12
     ref = reference(data, tmp_path / "ref", steps)
     run_dir = tmp_path / "elastic"
-    agent_env = env(RDZV_ENDPOINT=f"127.0.0.1:{_port()}", RDZV_ID="elastic-test", MIN_NODES="1", MAX_NODES="2",
+    port = _port()
+    agent_env = env(RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_ID="elastic-test", MIN_NODES="1", MAX_NODES="2",
                     MAX_RESTARTS="3", RDZV_CONF="last_call_timeout=5,join_timeout=120")
     cmd = [str(ROOT / "launchers" / "elastic.sh"), str(CONFIG), *overrides(data, run_dir, steps)]
     logs = [open(tmp_path / f"agent{i}.log", "w") for i in range(2)]
     survivor = subprocess.Popen(cmd, env=agent_env, stdout=logs[0], stderr=subprocess.STDOUT, cwd=ROOT)
-    time.sleep(1)  # the survivor hosts the rendezvous store; losing that node would end the run
+    # The survivor hosts the rendezvous store (losing that node would end the run): the victim starts
+    # once the store listens, however long the survivor takes to start.
+    deadline = time.time() + 600  # a hang guard only
+    while not _listening(port):
+        assert time.time() < deadline and survivor.poll() is None, (tmp_path / "agent0.log").read_text()[-4000:]
+        time.sleep(0.2)
     victim = subprocess.Popen(cmd, env=agent_env, stdout=logs[1], stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         deadline = time.time() + 600

@@ -291,10 +291,10 @@ def _bad_inputs(root: Path, good: Path) -> dict[str, tuple[Path, str]]:
                                         "row 1: invalid UTF-8")
     jsonl = root / "bad-utf8.jsonl"
     jsonl.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
-    cases["invalid UTF-8 (jsonl)"] = (jsonl, "line 1: invalid UTF-8")
+    cases["invalid UTF-8 (jsonl)"] = (jsonl, "line 2: invalid UTF-8")  # lines count from 1, as in an editor
     numbers = root / "numbers.jsonl"
     numbers.write_text('{"text": "fine"}\n{"text": 42}\n{"title": "x"}\nnot json\n{"text": "\\ud800"}\n')
-    cases["non-string text (jsonl)"] = (numbers, "line 1: text is int, expected a string")
+    cases["non-string text (jsonl)"] = (numbers, "line 2: text is int, expected a string")
     cut = root / "cut.jsonl.zst"
     whole = zstandard.ZstdCompressor().compress("".join(f'{{"text": "doc {i}"}}\n' for i in range(5000)).encode())
     cut.write_bytes(whole[: len(whole) // 2])
@@ -338,8 +338,9 @@ def test_skip_counts_and_lists_every_bad_file_and_document(bad_inputs, corpus, t
     files = {Path(f["file"]).name: f["reason"] for f in stats["skipped"]["files"]}
     assert set(files) == {"truncated.parquet", "notext.parquet", "ints.parquet", "cut.jsonl.zst"}
     assert "not a readable parquet file" in files["truncated.parquet"]
-    assert {(Path(d["file"]).name, d["reason"]) for d in stats["skipped"]["listed"]} >= {
-        ("binary.parquet", "invalid UTF-8"), ("numbers.jsonl", "text is int, expected a string")}
+    assert {(Path(d["file"]).name, d.get("row", d.get("line")), d["reason"]) for d in stats["skipped"]["listed"]} >= {
+        ("binary.parquet", 1, "invalid UTF-8"), ("numbers.jsonl", 2, "text is int, expected a string"),
+        ("numbers.jsonl", 4, "not valid JSON (Expecting value)")}
     good_docs = 2 + 2 + 1 + 1 + 1 + (45 - 1)  # null, empty, binary, bad-utf8, numbers, part-000 (45 rows, 1 empty)
     assert stats["splits"]["train"]["documents"] == good_docs
 

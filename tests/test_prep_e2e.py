@@ -74,7 +74,12 @@ def test_merge_refuses_while_a_node_has_not_finished(tmp_path, capsys):
 
 
 def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_bytes(tmp_path):
+    """The run to kill reads its last input from a named pipe that nothing writes, so it cannot end
+    before the kill, whatever the machine's speed; the rerun reads the file itself."""
     corpus = write_corpus(tmp_path / "corpus", files=4, docs_per_file=400, row_group=20)
+    last = corpus / "zz-last.jsonl"  # sorts last: the last unit
+    last_text = "".join(json.dumps({"text": f"the last file's document {i}"}) + "\n" for i in range(30))
+    last.write_text(last_text)
     tokenizer = train_tokenizer(corpus, tmp_path / "tok.json")
     common = ["--tokenizer", tokenizer, "--seq-len", SEQ_LEN, "--val-fraction", 0.1, "--on-error", "skip"]
     clean = tmp_path / "clean"
@@ -82,15 +87,19 @@ def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_bytes(tmp_path):
     n_units = len(json.loads((clean / "prep.json").read_text())["units"])
 
     crashed = tmp_path / "crashed"
+    last.unlink()
+    os.mkfifo(last)
     proc = prep_process(corpus, "--out", crashed, "--workers", 2, *common)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600  # a hang guard only
     while len(list((crashed / "units").glob("*.json"))) < 3:
-        assert proc.poll() is None and time.monotonic() < deadline, "prep ended before it could be killed"
-        time.sleep(0.005)
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
+        time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)  # the machine dies: parent and workers at once
     proc.wait()
     committed = len(list((crashed / "units").glob("*.json")))
     assert 3 <= committed < n_units and not (crashed / "stats.json").exists()
+    last.unlink()
+    last.write_text(last_text)
 
     output = finish(prep_process(corpus, "--out", crashed, "--workers", 2, *common))
     assert f"({committed} already committed)" in output

@@ -278,3 +278,21 @@ def test_disk_full_is_one_line_naming_the_path_and_a_rerun_completes(prepared, s
         assert tree_bytes(out) == tree_bytes(prepared)
     finally:
         disk.close()
+
+
+# ---------------------------------------------------------------- flags and inputs
+
+
+@pytest.mark.parametrize("flag, value", [("--min-score", "nan"), ("--min-score", "inf"), ("--min-score", "-inf")])
+def test_a_non_finite_score_floor_is_refused(small, tokenizer, tmp_path, flag, value):
+    """`score >= nan` keeps nothing and would leave an output no rerun can resume."""
+    line = one_error(*prep_cli(small, *args(tmp_path / "out", tokenizer, f"{flag}={value}")))
+    assert line == f"error: {flag}: got {float(value)}, expected a finite number"
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_input_files_names_every_kind_read(tokenizer, tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "notes.txt").write_text("x")
+    line = one_error(*prep_cli(tmp_path / "in", *args(tmp_path / "out", tokenizer)))
+    assert line == f"error: {tmp_path / 'in'}: matched no .parquet, .jsonl, .jsonl.zst, .jsonl.gz files"

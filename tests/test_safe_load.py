@@ -1,22 +1,28 @@
-"""A run never runs foreign code: a gadget planted in any file of a checkpoint (its manifest
-regenerated, so the hashes match) is refused with one line naming the file and the global, by
-`train --resume`, `eval`, `generate`, `analyze` and `ckpt to-universal`, and nothing runs.
+"""A run never runs foreign code. Every load of a checkpoint file, DeepSpeed's own included, goes
+through torch's restricted unpickler with an allow-list; each pickle file must first be one plain
+zip archive (no second directory that one zip reader sees and another does not); a manifest lists
+exactly the files of its checkpoint.
 
-One tiny 1-process run per ZeRO stage (stopped at step 1 of 2, so it can resume), copied per test;
-every refusal is a real `python -m gpn_scale ...` process, and each test checks that the gadget's
-marker file was not created.
+One tiny 1-process run per ZeRO stage (stopped at step 1 of 2, so it can resume), copied per test.
+The attack is built here from those real files: a zip whose end records lead torch's reader to a
+second central directory, whose `data.pkl` runs a command (creating a marker file), while Python's
+`zipfile` still finds the original members; the manifest is regenerated to match. Commands run as
+a user runs them (`python -m gpn_scale ...` where DeepSpeed loads), and the marker must never appear.
 """
 
 import contextlib
+import functools
+import itertools
 import json
 import os
 import pickle
 import random
-import shlex
 import shutil
+import socket
 import struct
 import subprocess
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -24,9 +30,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpn_scale import safe_load
+from gadgets import directory_entries, plant_plain_pickle, plant_second_directory, plant_torch_save
+from gpn_scale import plain_zip, safe_load
+from gpn_scale.checkpoints import DERIVED, tag_for
 from gpn_scale.cli import main
-from gpn_scale.checkpoints import tag_for
 from gpn_scale.native import add_manifest, save_native
 from gpn_scale.train import checkpoint as ckpt
 from mds_fixture import write_windows
@@ -67,147 +74,213 @@ def copy_run(runs, stage, tmp_path) -> Path:
     return Path(shutil.copytree(runs / f"run{stage}", tmp_path / "run"))
 
 
-# ---- gadgets: unpickling any of them creates `marker` through os.system, as an attack would run a command
-
-class Gadget:
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return os.system, (f"touch {shlex.quote(self.marker)}",)
-
-
-def memo_pickle(marker) -> bytes:
-    """Protocol 4 whose STACK_GLOBAL finds `posix` and `system` only through the memo: pushed,
-    memoised (MEMOIZE), popped, then fetched again (BINGET)."""
-    def text(s):
-        b = s.encode()
-        return b"X" + struct.pack("<I", len(b)) + b  # BINUNICODE
-
-    command = f"touch {shlex.quote(str(marker))}"
-    return (b"\x80\x04" + text("posix") + b"\x94" + text("system") + b"\x94" + b"00"
-            + b"h\x00h\x01\x93" + text(command) + b"\x85R.")
-
-
-def plant_torch_save(path, marker, protocol=2):
-    """A torch.save file (zip) with a gadget beside ordinary tensors: GLOBAL (2) or STACK_GLOBAL (4)."""
-    torch.save({"module": {"w": torch.zeros(2)}, "extra": Gadget(marker)}, path, pickle_protocol=protocol)
-
-
-def plant_in_zip(path, marker):
-    """The same zip archive, its data.pkl replaced by `memo_pickle`."""
-    members = {}
-    with zipfile.ZipFile(path) as z:
-        for info in z.infolist():
-            members[info.filename] = z.read(info)
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
-        for name, data in members.items():
-            z.writestr(name, memo_pickle(marker) if name.endswith("/data.pkl") else data)
-
-
-def plant_plain_pickle(path, marker):
-    """Not a zip: torch.load's legacy path unpickles it (as the magic number) straight away."""
-    Path(path).write_bytes(pickle.dumps(Gadget(marker), protocol=5))
-
-
 def reseal(tag_dir):
     """What a tamperer does: the manifest regenerated, so the files match it."""
     ckpt.write_manifest(tag_dir)
 
 
-def assert_refused(proc, path, marker, global_name="posix.system"):
+def assert_refused(proc, path, marker, why="not one plain zip archive"):
     errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-4000:]
-    assert f"{path}: refusing to load" in errors[0] and global_name in errors[0], errors[0]
+    assert f"{path}: refusing to load" in errors[0] and why in errors[0], errors[0]
     assert "Traceback" not in proc.stderr
     assert not Path(marker).exists(), "the gadget ran"
 
 
-# ---- the scanner against what DeepSpeed and the trainer write
+# ---- what DeepSpeed and the trainer write passes, and the allow-list is exactly what it holds
 
-def test_every_file_of_every_zero_stage_passes_and_the_allow_list_is_exactly_what_they_hold(runs):
-    found = set()
+def test_every_file_of_every_zero_stage_and_universal_form_passes_and_the_allow_list_is_what_they_hold(runs, tmp_path):
+    named = set()
     for stage in range(4):
         tag_dir = runs / f"run{stage}" / "checkpoints" / TAG
-        assert safe_load.scan_checkpoint(tag_dir) is None
-        for path in tag_dir.iterdir():
-            assert safe_load.scan_file(path, found) is None
-    # Only checkpoints of the RNG format 1 (NumPy's state tuple) name the rest.
-    old_rng = {"numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct", "numpy.ndarray",
-               "numpy.dtype", "_codecs.encode"}
-    assert found == set(safe_load.ALLOWED) - old_rng
+        if stage in (1, 3):  # and the universal form of ZeRO 1-2 and of ZeRO-3
+            tag_dir = Path(shutil.copytree(tag_dir, tmp_path / f"s{stage}" / TAG))
+            ckpt.to_universal(tag_dir, workers=2 if stage == 3 else 1)  # forked workers load with the allow-list
+        files = [p for p in tag_dir.rglob("*.pt")]
+        assert len(files) >= 2
+        for path in files:
+            assert plain_zip.problem(path) is None, path
+            assert safe_load.check_file(path) is None
+            named |= set(torch.serialization.get_unsafe_globals_in_checkpoint(path))  # beyond torch's own list
+        assert safe_load.checkpoint_problem(tag_dir, besides=DERIVED) is None  # as loaders check a checkpoint
+        assert stage not in (1, 3) or safe_load.checkpoint_problem(tag_dir / ckpt.UNIVERSAL) is None
+    assert named == set(safe_load.ALLOWED)  # RNG files of format 2 name no NumPy global
 
 
-def test_the_gadgets_are_live(tmp_path):
-    """Each planting runs its gadget under an unrestricted torch.load, as DeepSpeed's loads are."""
-    for i, plant in enumerate([plant_torch_save, lambda p, m: plant_torch_save(p, m, 4), plant_plain_pickle]):
-        marker = tmp_path / f"marker{i}"
-        plant(tmp_path / f"f{i}.pt", marker)
-        with contextlib.suppress(RuntimeError):  # the plain pickle is read as the magic number: it runs, then fails
-            torch.load(tmp_path / f"f{i}.pt", weights_only=False)
-        assert marker.exists()
-    torch.save({"w": torch.zeros(2)}, tmp_path / "z.pt")
-    plant_in_zip(tmp_path / "z.pt", tmp_path / "marker_zip")
-    torch.load(tmp_path / "z.pt", weights_only=False)
-    assert (tmp_path / "marker_zip").exists()
+def test_the_attack_is_live_and_python_zipfile_does_not_see_it(runs, tmp_path):
+    """What the attack does without the guard: Python's zipfile (the old scanner's reader) sees the
+    original data.pkl, while torch.load(weights_only=False), as DeepSpeed calls it, runs the gadget.
+    torch's restricted unpickler refuses the very same bytes."""
+    path = tmp_path / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    shutil.copy(runs / "run3" / "checkpoints" / TAG / path.name, path)
+    original = plant_second_directory(path, tmp_path / "marker")
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None and z.read("archive/data.pkl") == original
+    with pytest.raises(pickle.UnpicklingError, match="posix.system"):
+        torch.load(path, weights_only=True)
+    assert not (tmp_path / "marker").exists()
+    torch.load(path, weights_only=False)
+    assert (tmp_path / "marker").exists()
 
 
-def test_scanner_follows_the_memo_and_refuses_what_it_cannot_name():
-    assert safe_load.pickle_globals(memo_pickle("m"))[0] == ["posix.system"]
-    computed = b"\x80\x04\x88\x8c\x06system\x93."  # STACK_GLOBAL's module is a bool, not a string
-    assert safe_load.pickle_globals(computed)[0] == [safe_load.COMPUTED]
-    dotted = b"\x80\x04\x8c\x05torch\x8c\x19_utils._rebuild_tensor_v2\x93."  # an attribute path
-    assert safe_load.pickle_globals(dotted)[0][0] not in safe_load.ALLOWED
-    assert safe_load.pickle_globals(b"(S'x'\nios\nsystem\n.")[0] == ["os.system"]  # protocol 0's INST
-    assert safe_load.pickle_globals(b'{"step": 1}')[0] == []  # JSON is not a pickle
+# ---- the attack at every ZeRO stage, through the CLI
+
+PLANTED = {  # a file DeepSpeed loads on resume, at each stage
+    0: "mp_rank_00_model_states.pt",
+    1: "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    2: "mp_rank_00_model_states.pt",
+    3: "zero_pp_rank_0_mp_rank_00_optim_states.pt",  # zero_to_fp32 (eval, generate, export) reads it too
+}
+
+
+@pytest.mark.parametrize("stage", sorted(PLANTED))
+def test_a_second_directory_is_refused_by_verify_resume_and_conversion(runs, tmp_path, capsys, stage):
+    run = copy_run(runs, stage, tmp_path)
+    tag_dir = run / "checkpoints" / TAG
+    planted, marker = tag_dir / PLANTED[stage], tmp_path / "marker"
+    plant_second_directory(planted, marker)
+    reseal(tag_dir)
+
+    assert main(["ckpt", "verify", str(tag_dir)]) == 1
+    out = capsys.readouterr().out
+    assert f"{tag_dir}: {planted}: refusing to load: not one plain zip archive" in out, out
+    proc = gpn_scale(*train_args(runs / "data", run, stage), "--resume", "auto", expect=2)
+    assert_refused(proc, planted, marker)
+    assert "resumed from" not in proc.stdout + proc.stderr
+    assert_refused(gpn_scale("ckpt", "to-universal", tag_dir, expect=2), planted, marker)
+    assert not (tag_dir / ckpt.UNIVERSAL).exists()  # DeepSpeed's conversion never started
+    if stage == 3:  # the model is gathered by DeepSpeed's zero_to_fp32
+        for command, *extra in (("eval", "--data", runs / "data" / "val", "--out", tmp_path / "eval"),
+                                ("generate", "--prompt", "x", "--tokenizer", tmp_path / "none.json"),
+                                ("export", "--to", "reference", "--out", tmp_path / "export")):
+            assert_refused(gpn_scale(command, run, *extra, expect=2), planted, marker)
+        assert not (tmp_path / "export").exists()
+
+
+# ---- the guard itself: DeepSpeed's own loads, with the container check out of the way
+
+def test_deepspeeds_own_loads_go_through_the_restricted_unpickler(runs, tmp_path):
+    """The second directory planted where only DeepSpeed reads it, and DeepSpeed called directly
+    (no check_file first): zero_to_fp32 and the worker processes of ds_to_universal refuse it inside
+    `safe_load.restricted`; zero_to_fp32 outside it runs it. (engine.load_checkpoint: in
+    tests/test_train_parts.py, beside the process group a DeepSpeed engine needs.)"""
+    from deepspeed.checkpoint.ds_to_universal import _do_parallel_work
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    marker = tmp_path / "marker"
+    tag_dir = Path(shutil.copytree(runs / "run3" / "checkpoints" / TAG, tmp_path / "ds3" / TAG))
+    planted = tag_dir / PLANTED[3]
+    plant_second_directory(planted, marker)
+    with pytest.raises(safe_load.UserError, match="posix.system"), safe_load.restricted(tag_dir):
+        get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=TAG)
+    # ds_to_universal's worker processes, started as it starts them, asking for an unrestricted load
+    with pytest.raises(safe_load.UserError, match="posix.system"), safe_load.restricted(tag_dir):
+        _do_parallel_work(functools.partial(torch.load, weights_only=False), [planted, planted], 2)
+    assert not marker.exists()
+    assert os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD") is None  # the scope is left as found
+    with contextlib.suppress(Exception):  # unrestricted, DeepSpeed's own load runs it (then fails on what it built)
+        get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=TAG)
+    assert marker.exists()
+
+
+# ---- the container check on its own
+
+def _torch_file(tmp_path) -> bytes:
+    torch.save({"a": torch.arange(5.0), "b": [torch.ones(3), 7]}, tmp_path / "plain.pt")
+    return (tmp_path / "plain.pt").read_bytes()
+
+
+def _python_zip(*members) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a duplicate name: what one case is about
+        for name, data in members:
+            z.writestr(name, data)
+    return buffer.getvalue()
+
+
+def test_only_one_plain_zip_passes_the_container_check(tmp_path):
+    data = _torch_file(tmp_path)
+    z64 = struct.unpack_from("<Q", data, len(data) - 42 + 8)[0]
+    cd_size, cd_offset = struct.unpack_from("<QQ", data, z64 + 40)
+    entries = [pos for pos, _ in directory_entries(data[cd_offset:cd_offset + cd_size])]
+
+    def with_field(at, fmt, value):
+        out = bytearray(data)
+        struct.pack_into(fmt, out, at, value)
+        return bytes(out)
+
+    second = struct.unpack_from("<I", data, cd_offset + entries[1] + 42)[0]
+    cases = {
+        "data appended": data + b"\0",
+        "a byte prepended": b"\0" + data,
+        "a second zip appended": data + _python_zip(("archive/data.pkl", b"x")),
+        "a second zip prepended": _python_zip(("archive/data.pkl", b"x")) + data,
+        "a comment": data[:-2] + struct.pack("<H", 1) + b"x",
+        "overlapping members": with_field(cd_offset + entries[1] + 42, "<I", 0),  # where the first one starts
+        "a gap between members": with_field(cd_offset + entries[1] + 42, "<I", second + 1),
+        "a size that disagrees": with_field(cd_offset + entries[0] + 20, "<I", 1 + struct.unpack_from(
+            "<I", data, cd_offset + entries[0] + 20)[0]),
+        "a compressed member": with_field(cd_offset + entries[0] + 10, "<H", 8),
+        "a local name that disagrees": data[:30] + b"X" + data[31:],
+        "end records that disagree": with_field(len(data) - 22 + 16, "<I", cd_offset + 1),
+        "a truncated file": data[:-1],
+        "a duplicated member": _python_zip(("archive/data.pkl", b"x"), ("archive/data.pkl", b"y")),
+        "not a zip": pickle.dumps({"a": 1}),
+    }
+    assert plain_zip.problem(tmp_path / "plain.pt") is None
+    for what, bad in cases.items():
+        (tmp_path / "bad.pt").write_bytes(bad)
+        assert plain_zip.problem(tmp_path / "bad.pt") is not None, what
+        assert "not one plain zip" in safe_load.check_file(tmp_path / "bad.pt"), what
+    # what other writers of plain zips produce passes: no data descriptor, forced zip64 headers
+    with zipfile.ZipFile(tmp_path / "py.pt", "w") as z:
+        z.writestr("archive/data.pkl", b"x" * 10)
+        with z.open("archive/data/0", "w", force_zip64=True) as member:
+            member.write(b"y" * 100)
+    assert plain_zip.problem(tmp_path / "py.pt") is None
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")
-def test_archives_torch_load_would_run_otherwise_and_linked_directories(tmp_path):
-    """TorchScript (torch.load hands it to torch.jit.load) and tar (torch's oldest format) are
-    refused; a directory linked into a checkpoint is scanned like one inside it."""
+def test_other_formats_and_gadgets_in_one_plain_zip_are_refused(tmp_path):
+    """TorchScript (torch.load hands it to torch.jit.load), tar and plain pickles (torch's older
+    formats) are refused by the container check; a gadget inside one plain zip by torch's listing
+    of what the pickle names, before the restricted unpickler, which refuses it too."""
     torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), tmp_path / "scripted.pt")
-    assert "TorchScript archive" in safe_load.scan_file(tmp_path / "scripted.pt")
+    assert "not one plain zip" in safe_load.check_file(tmp_path / "scripted.pt")  # its members are compressed
+    with pytest.raises(RuntimeError, match="TorchScript"), safe_load.restricted(tmp_path):
+        torch.load(tmp_path / "scripted.pt", weights_only=False)
     import tarfile
 
     with tarfile.open(tmp_path / "old.pt", "w") as tar:
         tar.add(tmp_path / "scripted.pt", arcname="pickle")
-    assert "tar archive" in safe_load.scan_file(tmp_path / "old.pt")
+    assert "not one plain zip" in safe_load.check_file(tmp_path / "old.pt")
+    plant_plain_pickle(tmp_path / "plain.pt", tmp_path / "marker")
+    assert "not one plain zip" in safe_load.check_file(tmp_path / "plain.pt")
+    plant_torch_save(tmp_path / "gadget.pt", tmp_path / "marker")
+    assert "names posix.system, which no checkpoint of this system holds" in safe_load.check_file(tmp_path / "gadget.pt")
+    with pytest.raises(safe_load.UserError, match="posix.system"), safe_load.restricted(tmp_path):
+        torch.load(tmp_path / "gadget.pt", weights_only=False)  # the caller's choice is overridden
+    assert not (tmp_path / "marker").exists()
+
+
+def test_a_directory_linked_into_a_checkpoint_is_checked_like_one_inside_it(tmp_path):
     (tmp_path / "elsewhere").mkdir()
-    plant_plain_pickle(tmp_path / "elsewhere" / "fp32.pt", tmp_path / "marker")
+    plant_torch_save(tmp_path / "elsewhere" / "fp32.pt", tmp_path / "marker")
     (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "universal").symlink_to(tmp_path / "elsewhere")
-    problem = safe_load.scan_checkpoint(tmp_path / "ckpt")
-    assert f"{tmp_path / 'ckpt' / 'universal' / 'fp32.pt'}: refusing to load" in problem and "posix.system" in problem
+    (tmp_path / "ckpt" / "zero").symlink_to(tmp_path / "elsewhere")
+    problem = safe_load.checkpoint_problem(tmp_path / "ckpt")
+    assert f"{tmp_path / 'ckpt' / 'zero' / 'fp32.pt'}: refusing to load" in problem and "posix.system" in problem
 
 
-# ---- refusals, through the CLI
-
-RESUME_PLANTS = {  # a different file, and way of pickling, at each stage
-    0: ("mp_rank_00_model_states.pt", plant_torch_save),
-    1: ("zero_pp_rank_0_mp_rank_00_optim_states.pt", lambda p, m: plant_torch_save(p, m, 4)),
-    2: ("rng_rank0.pt", plant_plain_pickle),
-    3: ("zero_pp_rank_0_mp_rank_00_model_states.pt", plant_in_zip),
-}
-
-
-@pytest.mark.parametrize("stage", sorted(RESUME_PLANTS))
-def test_resume_refuses_a_planted_gadget(runs, tmp_path, stage):
-    run = copy_run(runs, stage, tmp_path)
-    tag_dir = run / "checkpoints" / TAG
-    name, plant = RESUME_PLANTS[stage]
-    marker = tmp_path / "marker"
-    plant(tag_dir / name, marker)
-    reseal(tag_dir)
-    proc = gpn_scale(*train_args(runs / "data", run, stage), "--resume", "auto", expect=2)
-    assert_refused(proc, tag_dir / name, marker)
-    assert "resumed from" not in proc.stdout
-
+# ---- refusals of other plantings, through the CLI
 
 @pytest.mark.parametrize("command, stage, name, plant", [
     ("eval", 2, "mp_rank_00_model_states.pt", plant_torch_save),  # the file eval loads itself
-    ("generate", 0, "rng_rank0.pt", plant_plain_pickle),  # a file it never loads: every file is scanned
-    ("analyze", 3, "zero_pp_rank_0_mp_rank_00_optim_states.pt", plant_in_zip),  # read by DeepSpeed's zero_to_fp32
+    ("generate", 0, "rng_rank0.pt", plant_plain_pickle),  # a file it never loads: every pickle file is checked
+    ("analyze", 3, "zero_pp_rank_0_mp_rank_00_optim_states.pt", plant_second_directory),  # zero_to_fp32's
 ])
 def test_eval_generate_and_analyze_refuse_a_planted_gadget(runs, tmp_path, command, stage, name, plant):
     run = copy_run(runs, stage, tmp_path)
@@ -219,28 +292,34 @@ def test_eval_generate_and_analyze_refuse_a_planted_gadget(runs, tmp_path, comma
              "generate": ["--prompt", "x", "--tokenizer", tmp_path / "none.json"],
              "analyze": ["--data", runs / "data" / "val", "--out", tmp_path / "out"]}[command]
     proc = gpn_scale(command, run, *extra, expect=2)
-    assert_refused(proc, tag_dir / name, marker)
+    assert_refused(proc, tag_dir / name, marker, why="posix.system" if plant is plant_torch_save else "plain zip")
 
 
-def test_universal_conversion_and_its_output_are_scanned(runs, tmp_path):
+def test_a_planted_universal_form_is_refused_where_it_is_used(runs, tmp_path, capsys):
     run = copy_run(runs, 2, tmp_path)
     tag_dir = run / "checkpoints" / TAG
-    source = tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    clean = source.read_bytes()
-    marker = tmp_path / "marker"
-    plant_torch_save(source, marker, 4)
-    reseal(tag_dir)
-    assert_refused(gpn_scale("ckpt", "to-universal", tag_dir, expect=2), source, marker)
-    assert not (tag_dir / ckpt.UNIVERSAL).exists()  # DeepSpeed's conversion never started
-
-    source.write_bytes(clean)
-    reseal(tag_dir)
-    gpn_scale("ckpt", "to-universal", tag_dir, expect=0)
+    assert main(["ckpt", "to-universal", str(tag_dir)]) == 0
     planted = next((tag_dir / ckpt.UNIVERSAL / "zero").iterdir()) / "fp32.pt"
-    plant_in_zip(planted, marker)
+    marker = tmp_path / "marker"
+    plant_second_directory(planted, marker)
     reseal(tag_dir / ckpt.UNIVERSAL)
-    proc = gpn_scale(*train_args(runs / "data", run, 2), "--resume", "auto", expect=2)
-    assert_refused(proc, planted, marker)
+    capsys.readouterr()
+    assert main(["ckpt", "verify", str(tag_dir)]) == 1
+    assert f"{tag_dir}: universal/: {planted}: refusing to load" in capsys.readouterr().out
+    assert main(["ckpt", "to-universal", str(tag_dir)]) == 2  # reusing it: checked first
+    assert f"error: {planted}: refusing to load" in capsys.readouterr().err
+    # resumed on 2 ranks, the run reuses it: refused on rank 0 before any rank loads, and every rank
+    # stops (none waits for the others at a barrier)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(port), "-m", "gpn_scale", *map(str, train_args(runs / "data", run, 2)),
+                           "train.grad_accum=1", "--resume", "auto"],
+                          env=env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert f"error: {planted}: refusing to load" in proc.stderr, proc.stderr[-3000:]
+    assert "resumed from" not in proc.stdout + proc.stderr and not marker.exists()
 
 
 # ---- what is not tampered with still loads
@@ -252,6 +331,9 @@ def test_an_untouched_checkpoint_resumes_and_evaluates_and_an_old_rng_file_still
     torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
                tag_dir / "rng_rank0.pt")
     ckpt.write_manifest(tag_dir)
+    assert safe_load.check_file(tag_dir / "rng_rank0.pt") is None
+    shutil.copy(tag_dir / "rng_rank0.pt", tmp_path / "mp_rank_00_model_states.pt")  # NumPy's globals only in RNG files
+    assert "numpy" in safe_load.check_file(tmp_path / "mp_rank_00_model_states.pt")
     proc = gpn_scale(*train_args(runs / "data", run, 2), "--resume", "auto", expect=0)
     assert f"resumed from {tag_dir} at step 1" in proc.stdout
     proc = gpn_scale("eval", run, "--data", runs / "data" / "val", "--json", "--out", tmp_path / "out", expect=0)
@@ -265,36 +347,93 @@ def test_rng_format_2_restores_every_generator(tmp_path):
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
     assert ckpt.load_rng(tmp_path, 0)
     assert (random.random(), np.random.randn(), torch.randn(2).tolist()) == first
-    found = set()
-    assert safe_load.scan_file(tmp_path / "rng_rank0.pt", found) is None
-    assert not any(name.startswith("numpy") for name in found)
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(tmp_path / "rng_rank0.pt") == []
 
 
-# ---- native checkpoints: the same manifest check
+# ---- manifests: every file listed, every listed file there
+
+def test_verify_fails_a_manifest_that_does_not_list_every_file_and_checks_a_run_directory(runs, tmp_path, capsys):
+    run = copy_run(runs, 2, tmp_path)
+    tag_dir = run / "checkpoints" / TAG
+    assert main(["ckpt", "verify", str(run)]) == 0  # a run directory: each of its checkpoints
+    assert capsys.readouterr().out.strip() == f"{tag_dir}: ok"
+    manifest_file = tag_dir / "manifest.json"
+    good = manifest_file.read_text()
+    weights = tag_dir / "mp_rank_00_model_states.pt"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a damaged weight, and a manifest that lists nothing
+    weights.write_bytes(bytes(data))
+    manifest_file.write_text(json.dumps({"files": {}}))
+    for path in (run, run / "checkpoints", tag_dir):
+        assert main(["ckpt", "verify", str(path)]) == 1
+        assert "mp_rank_00_model_states.pt (and 3 more) is there but not listed in manifest.json" in capsys.readouterr().out
+    assert main(["eval", str(run), "--data", str(runs / "data" / "val"), "--out", str(tmp_path / "eval")]) == 2
+    assert "no complete training checkpoint there" in capsys.readouterr().err
+    assert not (tmp_path / "eval").exists()
+
+    manifest_file.write_text(good)
+    (tag_dir / "notes.txt").write_text("added")
+    assert main(["ckpt", "verify", str(tag_dir)]) == 1
+    assert "notes.txt is there but not listed" in capsys.readouterr().out
+    (tag_dir / "notes.txt").unlink()
+    listed = json.loads(good)
+    listed["files"]["zero_pp_rank_1_mp_rank_00_optim_states.pt"] = {"bytes": 1, "xxh3_128": "0"}
+    manifest_file.write_text(json.dumps(listed))
+    assert main(["ckpt", "verify", str(tag_dir)]) == 1
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt is missing" in capsys.readouterr().out
+    assert main(["ckpt", "verify", str(tmp_path / "nothing")]) == 2
+
+
+def test_the_universal_form_and_native_checkpoints_list_every_file_too(runs, tmp_path, capsys):
+    run = copy_run(runs, 1, tmp_path)
+    tag_dir = run / "checkpoints" / TAG
+    assert main(["ckpt", "to-universal", str(tag_dir)]) == 0
+    assert main(["ckpt", "verify", str(tag_dir)]) == 0  # the universal form beside the tag's files: ok
+    universal = tag_dir / ckpt.UNIVERSAL
+    (universal / "manifest.json").write_text(json.dumps({"files": {}}))
+    capsys.readouterr()
+    assert main(["ckpt", "verify", str(tag_dir)]) == 1
+    assert "universal/: " in capsys.readouterr().out
+    # a damaged universal form is converted again from the checkpoint, not loaded
+    assert main(["ckpt", "to-universal", str(tag_dir)]) == 0
+    assert main(["ckpt", "verify", str(tag_dir)]) == 0
+
 
 def test_native_checkpoint_manifest_is_checked(tmp_path, capsys):
     from eval_fixtures import tiny_model
 
     ckpt_dir = save_native(tiny_model(64), tmp_path / "native")
     write_windows(tmp_path / "val", 2, 16, 64)
-    args = ["eval", str(ckpt_dir), "--data", str(tmp_path / "val"), "--out", str(tmp_path / "out")]
-    assert main(args) == 0
+    outs = itertools.count()  # each evaluation into a new --out: eval overwrites nothing
+
+    def args():
+        return ["eval", str(ckpt_dir), "--data", str(tmp_path / "val"), "--out", str(tmp_path / f"out{next(outs)}")]
+
+    assert main(args()) == 0
 
     weights = ckpt_dir / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF  # one byte of a weight
     weights.write_bytes(bytes(data))
-    assert main(args) == 2
+    assert main(args()) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [f"error: {ckpt_dir}: model.safetensors does not match its xxh3_128 hash (corrupted)"]
 
-    # written before native checkpoints had a manifest: loads, with one warning line
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
+    (ckpt_dir / "extra.bin").write_bytes(b"added")
+    assert main(args()) == 2
+    assert "extra.bin is there but not listed in manifest.json" in capsys.readouterr().err
+    (ckpt_dir / "manifest.json").write_text(json.dumps({"files": {}}))
+    assert main(args()) == 2
+    assert "does not list model.safetensors" in capsys.readouterr().err
+
+    # written before native checkpoints had a manifest: loads, with one warning line
+    (ckpt_dir / "extra.bin").unlink()
     (ckpt_dir / "manifest.json").unlink()
-    assert main(args) == 0
+    assert main(args()) == 0
     warnings = [l for l in capsys.readouterr().err.splitlines() if l.startswith("warning:")]
     assert len(warnings) == 1 and "has no manifest.json" in warnings[0]
     add_manifest(ckpt_dir)
-    assert main(args) == 0
+    assert main(args()) == 0
     assert "warning" not in capsys.readouterr().err

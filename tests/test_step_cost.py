@@ -254,7 +254,8 @@ def test_command_line_table_json_and_bad_config(tmp_path, capsys):
     assert at16["memory_bytes_per_token"]["forward"] == pytest.approx(result["memory_bytes_per_token"]["forward"], rel=0.2)
     assert result["batch"] == 8 and set(result["phases"]) == {"forward", "backward"}
     assert result["memory_floor"]["m_bytes"] == 4 * 4 * 16 * 16
-    assert result["tokens_per_s"]["graph"] > result["tokens_per_s"]["eager"] > 0
+    assert result["tokens_per_s"]["graph"] > 0 and result["tokens_per_s"]["eager"] > 0  # measured, not compared: a
+    # test's verdict never depends on how fast this machine is at the moment
     base = result["baseline"]
     assert base["config"] == "transformer_tiny" and base["seq_len"] == 16 and base["tokens_per_s"] > 0
     assert result["over_baseline"]["graph"] == pytest.approx(result["tokens_per_s"]["graph"] / base["tokens_per_s"])

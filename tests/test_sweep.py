@@ -119,6 +119,8 @@ def test_plan_sizes_schedules_and_writes_each_point(tmp_path, data):
     ({"global_batch": 0}, "global_batch: expected a positive integer"),
     ({"lr": {"base": 1e-3, "warmup": 3}}, "lr.warmup: unknown key"),
     ({"tokens_per_params": [1]}, "tokens_per_params: unknown key"),
+    ({"tokens_per_param": [float("nan")]}, "tokens_per_param: expected finite positive numbers, got nan"),
+    ({"lr": {"base": float("inf")}}, "lr.base: expected a finite number, got inf"),  # any float field of a spec
 ])
 def test_bad_specs_are_one_line_errors(tmp_path, data, bad, message):
     proc = subprocess.run([sys.executable, "-m", "gpn_scale", "sweep", str(write_spec(tmp_path, data, **bad)),
@@ -169,3 +171,17 @@ def test_local_sweep_runs_every_point_and_collect_fits_and_plots(tmp_path, data)
     assert "95% n/a" in collect.stdout and "warning: 3 points" in collect.stdout
     for png in ("loss_vs_params.png", "loss_vs_compute.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_collect_names_a_metrics_record_of_the_wrong_type(tmp_path, data, capsys):
+    from gpn_scale.cli import main
+
+    spec, out = load_spec(write_spec(tmp_path, data))
+    run_dir = write_point(spec, plan(spec)[0], out)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 6.2, "tokens": 128}\n{"step": "three", "loss": 6.1}\n')
+    assert main(["sweep", "collect", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {run_dir / 'metrics.jsonl'}: line 2: step: expected an integer >= 0, got 'three'\n"
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": "6.2"}\n')
+    assert main(["sweep", "collect", str(out)]) == 2
+    assert capsys.readouterr().err == f"error: {run_dir / 'metrics.jsonl'}: line 1: loss: expected a number or null, got '6.2'\n"

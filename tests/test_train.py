@@ -283,7 +283,7 @@ def test_lr_schedule_is_warmup_then_cosine_to_ten_percent():
         ("zero.stage=4", "zero.stage: expected 0, 1, 2 or 3"),
         ("precision=fp16", "precision: expected fp32 or bf16"),
         ("optimizer.lr=1", "optimizer: unknown key"),
-        ("model.d_state=wide", "gpn_m_tiny.yaml: d_state: expected int"),
+        ("model.d_state=wide", "command-line override: model.d_state: expected int"),  # not the YAML file
         ("model.checkpoint_every=128", "model.checkpoint_every: 128 has no effect with model.core=fused"),
     ],
 )

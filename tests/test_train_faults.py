@@ -19,7 +19,7 @@ import pytest
 
 from gpn_scale.jsonl import read_jsonl
 from gpn_scale import checkpoints as ckpt
-from gpn_scale.train.engine import EXIT_DIVERGED, EXIT_INTERRUPTED
+from gpn_scale.train.engine import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED
 from mds_fixture import write_windows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,8 +122,8 @@ def test_checks_run_before_anything_starts(data, tmp_path):
     write_windows(empty / "train", 0, 32, 512)
     assert "no samples (an empty prep output)" in error_line(train(data, fresh, f"data.train={empty / 'train'}", expect=2))
 
-    for override, message in (("train.lr=-1", "train.lr: expected a finite number > 0, got -1"),
-                              ("train.lr=.nan", "train.lr: expected a finite number > 0, got nan"),
+    for override, message in (("train.lr=-1", "command-line override: train.lr: expected a finite number > 0, got -1"),
+                              ("train.lr=.nan", "command-line override: train.lr: expected a finite number, got nan"),
                               ("train.lr=[1,", "override 'train.lr=[1,': the value is not valid YAML")):
         assert message in error_line(train(data, fresh, override, expect=2))
     assert not fresh.exists()
@@ -131,15 +131,16 @@ def test_checks_run_before_anything_starts(data, tmp_path):
 
 def test_a_taken_run_dir_refuses_and_sigint_checkpoints(data, run):
     """A second trainer on a run.dir refuses, naming the holder; Ctrl-C checkpoints and exits 130;
-    a lock left by a dead process is taken over."""
-    first = subprocess.Popen(cmd(data, run, "train.total_steps=400", resume="auto"), env=env(),
+    a lock left by a dead process is taken over. The first trainer has more steps than it can run
+    before the test stops it, however slow or fast the machine: it holds its lock throughout."""
+    first = subprocess.Popen(cmd(data, run, "train.total_steps=1000000", resume="auto"), env=env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300
         while max(losses(run)) < STEPS + 1:  # training, not starting
             assert first.poll() is None and time.time() < deadline, first.stderr.read()[-3000:] if first.poll() else "slow"
             time.sleep(0.2)
-        second = train(data, run, "train.total_steps=400", resume="auto", expect=2)
+        second = train(data, run, "train.total_steps=1000000", resume="auto", expect=2)
         assert f"is in use by pid {first.pid} on {socket.gethostname()}" in error_line(second)
         first.send_signal(signal.SIGINT)
         stdout, stderr = first.communicate(timeout=300)
@@ -154,7 +155,7 @@ def test_a_taken_run_dir_refuses_and_sigint_checkpoints(data, run):
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (run / "trainer.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout)}))
-    proc = train(data, run, "train.total_steps=400", f"train.stop_at_step={stopped + 1}", resume="auto")
+    proc = train(data, run, "train.total_steps=1000000", f"train.stop_at_step={stopped + 1}", resume="auto")
     assert f"took over the stale lock {run / 'trainer.lock'} (process {int(dead.stdout)} is gone)" in proc.stderr
 
 
@@ -201,6 +202,11 @@ def test_a_diverging_run_stops_without_saving_its_state(data, run):
     records = [r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r and r["step"] > STEPS]
     bad = [r["step"] for r in records if not all(map(_finite, (r["loss"], r["grad_norm"])))]
     assert bad == [records[-1]["step"]]  # the first non-finite step ends the run
+    # Strict JSON (no NaN or Infinity literals), the non-finite values named under "nonfinite".
+    strict = [json.loads(line, parse_constant=_refuse) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    [last] = [r for r in strict if r.get("step") == bad[0] and "loss" in r]
+    assert set(last["nonfinite"]) & {"loss", "grad_norm"} and set(last["nonfinite"].values()) <= {"nan", "inf", "-inf"}
+    assert all(last[k] is None for k in last["nonfinite"])
     # Every checkpoint is finite: the ones from before kept as they were, any new one from a finite step.
     for tag in ckpt.tags(ckpts):
         assert ckpt.verify(ckpts / tag) is None
@@ -211,6 +217,10 @@ def test_a_diverging_run_stops_without_saving_its_state(data, run):
 
 def _finite(x) -> bool:
     return x is not None and abs(x) < float("inf")
+
+
+def _refuse(constant: str):
+    raise AssertionError(f"metrics.jsonl holds {constant}, which strict JSON readers reject")
 
 
 def test_a_torn_metrics_line_is_dropped_and_kept(data, run):
@@ -238,6 +248,50 @@ def test_resume_refuses_changed_settings(data, run, tmp_path):
     assert (run / "config.yaml").read_text() == config  # a refused resume rewrites nothing
 
 
+def snapshot(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_allow_config_change_onto_another_model_shape_is_one_line_and_writes_nothing(data, run):
+    before = snapshot(run)
+    proc = train(data, run, "model.vocab_size=600", "--allow-config-change", resume="auto", expect=2)
+    line = error_line(proc)
+    assert "--allow-config-change: step_00000006 holds weights of another shape (embedding: [512, " in line, line
+    assert "[600, " in line and "needs a new run.dir" in line
+    assert snapshot(run) == before  # config.yaml, metrics, status and checkpoints as they were
+
+
+BROKEN_STATES = {  # what a damaged or hand-edited trainer_state.json can look like, its manifest regenerated
+    "not JSON": lambda state: "{not json",
+    "no global_batch": lambda state: json.dumps({k: v for k, v in state.items() if k != "global_batch"}),
+    "no config": lambda state: json.dumps({k: v for k, v in state.items() if k != "config"}),
+    "a step that is text": lambda state: json.dumps({**state, "step": "six"}),
+}
+
+
+@pytest.mark.parametrize("how", sorted(BROKEN_STATES))
+def test_a_malformed_trainer_state_is_one_line_in_every_command_that_reads_it(data, run, tmp_path, capsys, how):
+    from gpn_scale.cli import main
+    from gpn_scale.train.checkpoint import write_manifest
+
+    tag = run / "checkpoints" / "step_00000006"
+    state_file = tag / "trainer_state.json"
+    state_file.write_text(BROKEN_STATES[how](json.loads(state_file.read_text())))
+    write_manifest(tag)
+    before = snapshot(run)
+    assert error_line(train(data, run, "train.total_steps=8", resume="auto", expect=2)).startswith(f"error: {state_file}: ")
+    assert snapshot(run) == before
+    for argv in (["eval", run, "--data", data / "val", "--out", tmp_path / "eval"],
+                 ["generate", run, "--prompt", "x", "--tokenizer", tmp_path / "none.json"],
+                 ["analyze", run, "--data", data / "val", "--out", tmp_path / "analyze"],
+                 ["export", run, "--to", "reference", "--out", tmp_path / "export"]):
+        assert main([str(a) for a in argv]) == 2, argv[0]
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {state_file}: "), (argv[0], err)
+    assert main(["ckpt", "verify", str(tag)]) == 1
+    assert capsys.readouterr().out.startswith(f"{tag}: {state_file}: ")
+
+
 def test_disk_full_during_a_save_keeps_every_checkpoint(data, run, tmp_path):
     mount = tmp_path / "small"
     mount.mkdir()
@@ -251,6 +305,8 @@ def test_disk_full_during_a_save_keeps_every_checkpoint(data, run, tmp_path):
         proc = train(data, small, "train.total_steps=8", resume="auto", expect=2)
         line = error_line(proc)
         assert "step_00000008: no space left on device" in line and "--resume auto (from step_00000006)" in line
+        status = json.loads((small / "status.json").read_text())
+        assert status["status"] == "failed" and "no space left on device" in status["reason"]
         ckpts = small / "checkpoints"
         assert (ckpts / "latest").read_text() == "step_00000006"
         assert all(ckpt.verify(ckpts / t) is None for t in ckpt.tags(ckpts))
@@ -263,7 +319,7 @@ def test_disk_full_during_a_save_keeps_every_checkpoint(data, run, tmp_path):
 
 def test_a_lock_from_another_host_is_stale_only_without_heartbeat(tmp_path, monkeypatch):
     from gpn_scale.errors import UserError
-    from gpn_scale.train import lock
+    from gpn_scale import lock
 
     path = tmp_path / lock.LOCK
     path.write_text(json.dumps({"host": "node-7", "pid": 1, "started": "then"}))
@@ -333,3 +389,115 @@ def test_universal_conversion_keeps_every_parameter_and_its_optimizer_state(run)
         for moment in ("exp_avg", "exp_avg_sq"):
             converted += safe_load.load(out / "zero" / name / f"{moment}.pt")["param"].numel()
     assert converted == moments == 2 * sum(t.numel() for t in weights.values())
+
+
+def test_a_metrics_record_of_the_wrong_type_is_one_line_and_the_run_says_failed(data, run):
+    """A record edited by hand: the resume's truncation names file, line and field; the run, which
+    had set its status to running, leaves `failed` with that line."""
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": "three", "loss": 1.0}\n')
+    n = len((run / "metrics.jsonl").read_text().splitlines())
+    line = error_line(train(data, run, "train.total_steps=8", resume="auto", expect=2))
+    assert line == f"error: {run / 'metrics.jsonl'}: line {n}: step: expected an integer >= 0, got 'three'"
+    status = json.loads((run / "status.json").read_text())
+    assert status == {"status": "failed", "step": STEPS, "world_size": 1, "reason": line.removeprefix("error: ")}
+    assert not (run / "trainer.lock").exists()
+
+
+def _signal_caught(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler installed for `sig` (its SigCgt mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(l for l in status.splitlines() if l.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught >> (sig - 1) & 1)
+
+
+def test_sigterm_while_starting_up_exits_75_with_a_line(data, tmp_path):
+    """SIGTERM as soon as the trainer listens for it (before torch has even imported): no step is
+    begun, exit 75 and one line, status preempted; the run resumes from scratch later."""
+    fresh = tmp_path / "fresh"
+    proc = subprocess.Popen(cmd(data, fresh), env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300  # a hang guard only: it listens within a second
+        while not _signal_caught(proc.pid, signal.SIGTERM):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert ("SIGTERM received: stopped before step 1, nothing new to checkpoint; exiting with 75 "
+            "(resume with --resume auto)") in stdout and "Traceback" not in stderr  # the run's report: stdout
+    assert json.loads((fresh / "status.json").read_text()) == {"status": "preempted", "step": 0, "world_size": 1}
+    assert not (fresh / "checkpoints").exists() and not (fresh / "trainer.lock").exists()
+
+
+def test_ctrl_c_twice_leaves_status_interrupted(data, tmp_path):
+    """The second Ctrl-C stops the run at once, wherever it is (here: in the checkpoint the first
+    one asked for); status.json says so instead of "running", and a save it cut short is never taken
+    for a checkpoint."""
+    fresh = tmp_path / "fresh"
+    proc = subprocess.Popen(cmd(data, fresh, "train.total_steps=1000000", "train.save_every=1000"), env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300  # hang guards only
+        while not losses(fresh):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.poll() else ""
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        while proc.poll() is None and not (fresh / "checkpoints").is_dir():  # the save the first Ctrl-C asked for
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_INTERRUPTED, stderr[-3000:]
+    status = json.loads((fresh / "status.json").read_text())
+    assert status["status"] == "interrupted", status
+    assert all(ckpt.verify(fresh / "checkpoints" / t) is None for t in ckpt.committed(fresh / "checkpoints"))
+
+
+def test_status_is_rewritten_in_place_on_a_disk_too_full_for_the_atomic_replacement(tmp_path):
+    """The atomic replacement needs room for a second copy; with none left, the final status must
+    still replace "running" (its one block is reused), and no half-written sibling stays."""
+    from gpn_scale.train.engine import write_status
+
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        write_status(mount, "running", 3, 1)
+        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
+        try:  # fill the rest to the last byte
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError):
+            (mount / "probe").write_text("x" * 5000)  # truly full
+        (mount / "probe").unlink(missing_ok=True)
+        write_status(mount, "failed", 3, 1, "checkpoint ...: no space left on device")
+        assert json.loads((mount / "status.json").read_text()) == {
+            "status": "failed", "step": 3, "world_size": 1, "reason": "checkpoint ...: no space left on device"}
+        assert sorted(p.name for p in mount.iterdir()) == ["filler", "status.json"]
+    finally:
+        subprocess.run(["umount", "-l", str(mount)])
+
+
+def test_a_crash_mid_run_leaves_status_failed_with_the_exception(data, tmp_path):
+    """A save that cannot create its checkpoint directory (`checkpoints` is a file here) is a crash
+    after the run said "running": a traceback, exit status 1, and status.json naming the exception."""
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "status.json").write_text('{"status": "failed", "step": null, "world_size": 1}\n')  # an earlier try
+    (fresh / "checkpoints").write_text("not a directory")
+    proc = train(data, fresh, "train.total_steps=2", expect=1)
+    assert "Traceback" in proc.stderr
+    status = json.loads((fresh / "status.json").read_text())
+    assert status["status"] == "failed" and status["step"] == 2, status
+    assert status["reason"].split(":")[0].endswith("Error") and "checkpoints" in status["reason"], status
+    assert not (fresh / "trainer.lock").exists()

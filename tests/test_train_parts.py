@@ -162,6 +162,22 @@ def test_adam_state_reads_alike_from_every_zero_stage(one_rank, tmp_path):
     assert not any(p.name.startswith("gpn-scale-adam") for p in tmp_path.rglob("*"))  # its conversion is gone
 
 
+def test_the_engines_load_goes_through_the_restricted_unpickler(one_rank, tmp_path):
+    """DeepSpeed's engine.load_checkpoint, called as the trainer calls it (ckpt.load_engine, without
+    the check every command makes first), on an optimiser state whose second central directory
+    Python's zipfile does not see: torch's restricted unpickler refuses it, and nothing runs."""
+    from gadgets import plant_second_directory
+    from gpn_scale.errors import UserError
+
+    engine, _ = tiny_engine(one_rank, "zero.stage=1")
+    engine.save_checkpoint(str(tmp_path), tag="step_1", save_latest=False)
+    planted = tmp_path / "step_1" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    plant_second_directory(planted, tmp_path / "marker")
+    with pytest.raises(UserError, match="restricted unpickler refused a file: .*posix.system"):
+        ckpt.load_engine(engine, tmp_path, "step_1", train_config("zero.stage=1").train)
+    assert not (tmp_path / "marker").exists()
+
+
 # Vectors and scalars: never decayed. Every tensor of two or more dimensions is (embedding included).
 NO_DECAY = {
     "gpn": {"decode_norm_w", "fuse_norm_w", "fg_norm_w", "fg_gate_b", "layers.0.ffn_norm_w", "layers.0.pg_norm_w",
@@ -296,18 +312,21 @@ def test_manifest_detects_corruption_and_still_reads_sha256(tmp_path):
 
 def test_each_rank_hashes_the_files_it_wrote(tmp_path):
     """DeepSpeed's and the trainer's file names at ZeRO-3 on 3 ranks: each rank's share is what it
-    wrote, the shares cover the checkpoint once, and the manifest is made from the ranks' reports."""
-    names = ["trainer_state.json", "mp_rank_00_model_states.pt", "universal/zero/embedding/fp32.pt",
+    wrote, the shares cover the checkpoint once, and the manifest is made from the ranks' reports. A
+    universal form beside them has a manifest of its own: no rank reports it."""
+    names = ["trainer_state.json", "mp_rank_00_model_states.pt",
              *(f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in range(3) for kind in ("model", "optim")),
              *(f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)), *(f"rng_rank{r}.pt" for r in range(3))]
     for name in names:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(name.encode())
+    (tmp_path / "universal" / "zero").mkdir(parents=True)
+    (tmp_path / "universal" / "zero" / "fp32.pt").write_bytes(b"converted")
     reports = [ckpt.hash_own_files(tmp_path, rank, 3) for rank in range(3)]
     assert sorted(reports[1]) == ["bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "rng_rank1.pt",
                                   "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     assert sorted(n for r in reports for n in r) == sorted(names)
-    assert {"trainer_state.json", "mp_rank_00_model_states.pt", "universal/zero/embedding/fp32.pt"} < set(reports[0])
+    assert {"trainer_state.json", "mp_rank_00_model_states.pt"} < set(reports[0])
 
     reports[2]["rng_rank2.pt"]["xxh3_128"] = "reported"  # the manifest takes the ranks' word for their files
     del reports[1]["rng_rank1.pt"]  # a file no report names is hashed by rank 0

@@ -15,23 +15,37 @@ from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
 from gpn_scale.eval.codec import Codec
 from gpn_scale.eval.data import PrepData, check_model_fits, choose_tokenizer, open_data, read_windows, training_prep
+from gpn_scale.outputs import LM_EVAL, check_new, check_resumable, identify, new_directory
 
 DATA_OR_TOKENIZER = "--tokenizer FILE or --data PREP_DIR"  # where no tokenizer is recorded with a checkpoint
 STATES_TARGET = 16384  # analyze: enough windows for this many states by default (the paper used 16k)
 
 
-def load_checkpoint(path: str, device: str = "cpu"):
+def check_device(name: str):
+    """The torch device `--device` names, once a tensor could be made there (a CUDA device on a
+    machine without one, or past the last GPU, is one line here, not a traceback at the first load)."""
     import torch
 
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device: {name!r} is not a torch device") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: no CUDA GPU is available here (torch.cuda.is_available() is false); "
+                        "use --device cpu")
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:  # no such GPU index, a backend this torch lacks
+        raise UserError(f"--device {name}: not usable here ({str(e).splitlines()[0][:160]})") from None
+    return device
+
+
+def load_checkpoint(path: str, device: str = "cpu"):
     from gpn_scale.checkpoints import load_model
 
     if not Path(path).exists():
         raise UserError(f"{path}: no such checkpoint")
-    try:
-        device = torch.device(device)
-    except RuntimeError:
-        raise UserError(f"--device: {device!r} is not a torch device") from None
-    return load_model(path, device)
+    return load_model(path, check_device(device))
 
 
 def _device_flag(ap) -> None:
@@ -62,7 +76,8 @@ def eval_main(argv: list[str]) -> int:
     ap.add_argument("--tokenizer", help="tokenizer for --lambada (default: the one recorded with --data, the training data or "
                     "a native export)")
     ap.add_argument("--batch", type=int, default=16, help="windows (or LAMBADA examples) per forward")
-    ap.add_argument("--out", default="eval", help="where metrics.json and the loss-by-position curve go (default: eval)")
+    ap.add_argument("--out", default=None, help="a new directory for metrics.json and the loss-by-position curve "
+                    "(default: ./eval, or the first free ./eval-N when that is taken)")
     ap.add_argument("--json", action="store_true", help="print one JSON object with the metrics")
     _device_flag(ap)
     args = ap.parse_args(argv)
@@ -72,31 +87,33 @@ def eval_main(argv: list[str]) -> int:
     from gpn_scale.eval.heldout import evaluate_windows
     from gpn_scale.eval.lambada import make_examples, read_lambada, score_lambada
 
+    out = _eval_out(args.out)  # before the evaluation: a refusal costs nothing
     model = load_checkpoint(args.checkpoint, args.device)
     trained = training_prep(args.checkpoint)  # the data (and tokenizer) the model was trained on, when recorded
-    metrics, data = {}, None
-    out = Path(args.out)
+    metrics, data, per_position, examples = {}, None, None, None
     if args.data:
         data, windows = _open_checked(args, model, trained)
         held = evaluate_windows(model, windows, args.batch)
         metrics.update(ppl=held.ppl, loss=held.loss, tokens=held.tokens, windows=len(windows))
-        out.mkdir(parents=True, exist_ok=True)
-        np.savetxt(out / "loss_by_position.csv", np.c_[np.arange(1, len(held.per_position) + 1), held.per_position],
-                   delimiter=",", header="position,mean_loss", comments="", fmt=["%d", "%.6f"])
+        per_position = held.per_position
         metrics["loss_by_position"] = str(out / "loss_by_position.csv")
     if args.lambada:
         texts = read_lambada(args.lambada)
         codec, framing = choose_tokenizer(args.checkpoint, args.tokenizer, data, trained, model, DATA_OR_TOKENIZER)
         lam = score_lambada(model, make_examples(texts, codec.encode, framing.prompt_bos, args.lambada), args.batch)
         metrics.update({k: v for k, v in lam.items() if k != "per_example"})
-        out.mkdir(parents=True, exist_ok=True)
         per = lam["per_example"]
-        (out / "lambada_examples.jsonl").write_text("".join(
+        examples = "".join(
             json.dumps({"example": i, "correct": c, "target_logprob": lp, "target_mean_ce": ce}) + "\n"
-            for i, (c, lp, ce) in enumerate(zip(per["correct"], per["word_logprob"], per["word_ce"]), 1)))
+            for i, (c, lp, ce) in enumerate(zip(per["correct"], per["word_logprob"], per["word_ce"]), 1))
         metrics["lambada_per_example"] = str(out / "lambada_examples.jsonl")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    with new_directory(out, "--out", "eval") as staging:
+        if per_position is not None:
+            np.savetxt(staging / "loss_by_position.csv", np.c_[np.arange(1, len(per_position) + 1), per_position],
+                       delimiter=",", header="position,mean_loss", comments="", fmt=["%d", "%.6f"])
+        if examples is not None:
+            (staging / "lambada_examples.jsonl").write_text(examples)
+        (staging / "metrics.json").write_text(json.dumps(metrics, indent=1))
     if args.json:
         print(json.dumps(metrics))
     else:
@@ -106,7 +123,21 @@ def eval_main(argv: list[str]) -> int:
         if "lambada_acc" in metrics:
             print(f"LAMBADA: accuracy {metrics['lambada_acc']:.4f}, PPL {metrics['lambada_ppl']:.3f} "
                   f"over {metrics['lambada_examples']} examples")
+        print(f"metrics: {out / 'metrics.json'}")
     return 0
+
+
+def _eval_out(given: str | None) -> Path:
+    """--out checked (new or empty), or by default ./eval, else the first free ./eval-N."""
+    if given is not None:
+        check_new(given, "--out", "eval")
+        return Path(given)
+    n = 1
+    while True:
+        out = Path("eval" if n == 1 else f"eval-{n}")
+        if not out.exists() and not out.is_symlink():
+            return out
+        n += 1
 
 
 def analyze_main(argv: list[str]) -> int:
@@ -115,7 +146,7 @@ def analyze_main(argv: list[str]) -> int:
                                  "plus ablations, on held-out data: report.json, report.md and figures")
     ap.add_argument("checkpoint", help="a native checkpoint, a training checkpoint or a run directory")
     ap.add_argument("--data", required=True, help="held-out MDS windows: a prep output (its val split) or a split")
-    ap.add_argument("--out", required=True, help="the report's directory")
+    ap.add_argument("--out", required=True, help="the report's directory, to create (must not exist, or be empty)")
     ap.add_argument("--windows", type=int, default=None,
                     help=f"analyse the first N windows (default: enough for {STATES_TARGET} states)")
     ap.add_argument("--batch", type=int, default=16, help="windows (or LAMBADA examples) per forward")
@@ -125,6 +156,7 @@ def analyze_main(argv: list[str]) -> int:
     from gpn_scale.eval.analyze import analyze
     from gpn_scale.eval.report import write_report
 
+    check_new(args.out, "--out", "analyze")  # before the analysis: a refusal costs nothing
     model = load_checkpoint(args.checkpoint, args.device)
     if args.windows is None:
         data = open_data(args.data)
@@ -133,8 +165,9 @@ def analyze_main(argv: list[str]) -> int:
     data, windows = _open_checked(args, model, training_prep(args.checkpoint))
     codec = Codec(data.tokenizer_path) if data.tokenizer_path is not None else None
     results, arrays = analyze(model, windows, codec, data.unigram(), args.batch)
-    path = write_report(results, arrays, args.out, f"`{args.checkpoint}` on `{data.split_dir}`")
-    print(f"report: {path.resolve()} (and report.json and the figures beside it)")
+    with new_directory(args.out, "--out", "analyze") as staging:
+        write_report(results, arrays, staging, f"`{args.checkpoint}` on `{data.split_dir}`")
+    print(f"report: {(Path(args.out) / 'report.md').resolve()} (and report.json and the figures beside it)")
     return 0
 
 
@@ -228,6 +261,7 @@ def lm_eval_main(argv: list[str]) -> int:
         raise UserError("--log_samples: needs --output_path (where the samples are written)")
     if args.limit is not None and not args.limit > 0:
         raise UserError(f"--limit: expected a number > 0, got {args.limit}")
+    _check_harness_output(args.output_path)
     try:
         from gpn_scale.eval.lm_eval_model import GPNScaleLM
         from lm_eval.utils import make_table
@@ -247,3 +281,18 @@ def lm_eval_main(argv: list[str]) -> int:
     if "groups" in results:
         print(make_table(results, "groups"))
     return 0
+
+
+def _check_harness_output(path: str | None) -> None:
+    """The harness's --output_path is a directory of its own results (it adds time-stamped files,
+    never overwriting): new, empty or an earlier one; with a .json name it writes beside it, so that
+    directory must not be another output gpn-scale knows (a run, a prep output, an export...)."""
+    if path is None:
+        return
+    if Path(path).suffix != ".json":
+        check_resumable(path, "--output_path", "lm-eval", (LM_EVAL,))
+        return
+    found = identify(Path(path).parent) if Path(path).parent.is_dir() else None
+    if found is not None and found[0] is not LM_EVAL:
+        raise UserError(f"--output_path {path}: its directory holds {found[0].name} ({found[0].writer}'s {found[1]}); "
+                        "the harness writes its results there: choose another --output_path")

@@ -104,8 +104,9 @@ def training_prep(checkpoint: str | Path) -> PrepData | None:
     path = checkpoints.training_checkpoint(checkpoint, verified=False)  # loading the model verified it
     if path is None:
         return None
-    train_dir = checkpoints.read_trainer_state(path)["config"].get("data", {}).get("train")
-    if not train_dir:
+    data = checkpoints.read_trainer_state(path).config.get("data")
+    train_dir = data.get("train") if isinstance(data, dict) else None
+    if not train_dir or not isinstance(train_dir, str):
         return None
     for root in (Path(train_dir), Path(train_dir).parent):
         if (root / "stats.json").is_file():

@@ -4,7 +4,7 @@ tools its users have (docs/export.md).
 CKPT is anything `gpn_scale.checkpoints.load_model` reads: a native checkpoint, a training
 checkpoint, or a run directory (its newest complete checkpoint: one that verifies against its
 manifest). The export is written into a temporary directory beside DIR and renamed to DIR only
-once complete; an existing non-empty DIR is refused, never overwritten.
+once complete; an existing non-empty DIR is refused, never overwritten (`gpn_scale.outputs`).
 
 - `hf`: Hugging Face transformers (`gpn_scale/export/hf.py`): config.json, model.safetensors, the
   self-contained modeling file, tokenizer files.
@@ -17,14 +17,13 @@ once complete; an existing non-empty DIR is refused, never overwritten.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpn_scale.errors import UserError
 from gpn_scale.native import TokenizerSource
+from gpn_scale.outputs import check_new, new_directory
 
 FORMATS = ("hf", "reference", "native")
 
@@ -36,7 +35,7 @@ class Source:
 
     model: object  # torch.nn.Module
     path: Path
-    trainer_state: dict | None = None
+    trainer_state: object | None = None  # gpn_scale.checkpoints.TrainerState
     checkpoint: Path | None = None  # the training checkpoint (`.../checkpoints/step_N`), verified
 
     @property
@@ -45,7 +44,7 @@ class Source:
 
     @property
     def step(self) -> int | None:
-        return None if self.trainer_state is None else self.trainer_state["step"]
+        return None if self.trainer_state is None else self.trainer_state.step
 
 
 def load_source(path: str | Path) -> Source:
@@ -59,7 +58,7 @@ def load_source(path: str | Path) -> Source:
     tag = checkpoints.training_checkpoint(path, warn=lambda line: print(line, file=sys.stderr))  # verified
     if tag is None:
         raise UserError(f"{path}: not a native checkpoint, and no complete training checkpoint there")
-    model = checkpoints.load_trained_model(tag, verified=tag != path)  # a tag named directly is verified there
+    model = checkpoints.load_trained_model(tag)  # the same, leased checkpoint (not hashed again)
     return Source(model.eval(), path, checkpoints.read_trainer_state(tag), tag)
 
 
@@ -82,22 +81,12 @@ def write_native(source: Source, tokenizer: TokenizerSource, out: Path) -> None:
     write_manifest(out, [WEIGHTS, CONFIG, *names])  # the tokenizer is verified with the weights
 
 
-def _staging_dir(out: Path) -> Path:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out}: already exists and is not empty; export writes a new directory and overwrites "
-                        "nothing (choose another --out)")
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if staging.exists():  # left by an earlier crashed export of this process id: never a complete export
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    return staging
-
-
 def export(checkpoint: str | Path, to: str, out: str | Path, tokenizer: str | None = None) -> Path:
     """Export CKPT as `to` into the new directory `out`; returns it."""
     if to not in FORMATS:
         raise UserError(f"--to: expected one of {', '.join(FORMATS)}, got {to!r}")
     out = Path(out)
+    check_new(out, "--out", "export")  # before the checkpoint is read: a refusal costs nothing
     source = load_source(checkpoint)
     if to == "hf":
         from gpn_scale.export import hf
@@ -108,20 +97,13 @@ def export(checkpoint: str | Path, to: str, out: str | Path, tokenizer: str | No
 
         reference.check_exportable(source)
     tok = find_tokenizer(source, tokenizer) if to in ("hf", "native") else None
-    staging = _staging_dir(out)
-    try:
+    with new_directory(out, "--out", "export") as staging:
         if to == "hf":
             hf.write(source, tok, staging)
         elif to == "reference":
             reference.write(source, staging)
         else:
             write_native(source, tok, staging)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out
 
 

@@ -15,12 +15,12 @@ def _training(source) -> list[str]:
     state = source.trainer_state
     if state is None:
         return ["Not recorded: this export was made from a native checkpoint, which keeps the weights and not the run."]
-    cfg = state["config"]
+    cfg = state.config
     train = cfg.get("train", {})
     total = train.get("total_steps")
-    lines = [f"| checkpoint step | {state['step']:,}" + (f" of {total:,}" if isinstance(total, int) else "") + " |",
-             f"| tokens seen | {state.get('tokens', 0):,} |",
-             f"| global batch | {state.get('global_batch', '?')} windows of {state.get('data_seq_len', '?')} tokens |"]
+    lines = [f"| checkpoint step | {state.step:,}" + (f" of {total:,}" if isinstance(total, int) else "") + " |",
+             f"| tokens seen | {state.tokens:,} |",
+             f"| global batch | {state.global_batch} windows of {state.data_seq_len or '?'} tokens |"]
     for key, label in (("lr", "peak learning rate"), ("warmup_steps", "warm-up steps"), ("min_lr_ratio", "final LR ratio"),
                        ("weight_decay", "weight decay"), ("beta1", "Adam beta1"), ("beta2", "Adam beta2"),
                        ("grad_clip", "gradient clipping (global norm)")):
@@ -28,7 +28,7 @@ def _training(source) -> list[str]:
             lines.append(f"| {label} | {train[key]} |")
     if "precision" in cfg:
         lines.append(f"| precision | {cfg['precision']} |")
-    lines.append(f"| ZeRO stage, ranks | {state.get('zero_stage', '?')}, {state.get('world_size', '?')} |")
+    lines.append(f"| ZeRO stage, ranks | {state.zero_stage}, {state.world_size} |")
     data = cfg.get("data", {}).get("train")
     out = ["| | |", "|---|---|", *lines, ""]
     if data:

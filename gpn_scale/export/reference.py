@@ -113,8 +113,8 @@ def write(source, out: Path) -> None:
 
     params = to_reference(source.model)
     adam = read_adam_state(source.checkpoint, source.model) if source.checkpoint is not None else None
-    state = source.trainer_state or {}
-    payload = {"step": source.step or 0, "data_position": int(state.get("tokens", 0)), "params": params,
+    tokens = 0 if source.trainer_state is None else source.trainer_state.tokens
+    payload = {"step": source.step or 0, "data_position": tokens, "params": params,
                "opt_state": optimizer_state(params, adam, source.model.config)}
     with open(out / CHECKPOINT, "wb") as f:
         _Pickler(f, protocol=4).dump(payload)

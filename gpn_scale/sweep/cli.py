@@ -15,6 +15,7 @@ from pathlib import Path
 
 from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
+from gpn_scale.outputs import SWEEP, check_resumable
 
 
 def _collect(argv: list[str]) -> int:
@@ -72,6 +73,7 @@ def main(argv: list[str]) -> int:
     out = Path(args.out) if args.out else out
     if args.nproc < 1:
         raise UserError(f"--nproc: expected >= 1, got {args.nproc}")
+    check_resumable(out, "--out", "sweep", (SWEEP,))  # a rerun resumes its own sweep; nothing else is written into
     points = plan(spec)
     print(f"sweep {args.spec}: {len(points)} points -> {out}")
     print(f"  {'point':32s} {'params':>13s} {'tokens':>13s} {'steps':>7s} {'lr':>9s}")

@@ -83,8 +83,9 @@ class SweepSpec:
         if unknown:
             raise ValueError(f"families: {unknown[0]!r} is not one of {', '.join(sizing.RULES)}")
         for name in ("params", "tokens_per_param"):
-            if min(getattr(self, name)) <= 0:
-                raise ValueError(f"{name}: expected positive numbers")
+            bad = [v for v in getattr(self, name) if not (math.isfinite(v) and v > 0)]  # YAML's .nan, .inf
+            if bad:
+                raise ValueError(f"{name}: expected finite positive numbers, got {bad[0]!r}")
         if not isinstance(self.model, dict) or any(f not in sizing.RULES or not isinstance(v, dict)
                                                    for f, v in self.model.items()):
             raise ValueError(f"model: expected a mapping of family -> model keys (families: {', '.join(sizing.RULES)})")

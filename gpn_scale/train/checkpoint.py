@@ -17,15 +17,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpn_scale import atomic, manifest, safe_load
-from gpn_scale.checkpoints import MANIFEST, TRAINER_STATE, step_of, tags, verify
+from gpn_scale import atomic, leases, manifest, safe_load
+from gpn_scale.checkpoints import DERIVED, MANIFEST, TRAINER_STATE, UNIVERSAL, read_trainer_state, step_of, tags, verify
 from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
 from gpn_scale.train import optim
 from gpn_scale.train.config import TrainSection
 
 LATEST = "latest"
-UNIVERSAL = "universal"  # sub-directory with the world-size-independent form of a checkpoint
 
 
 # DeepSpeed's per-rank files (zero_pp_rank_{r}_mp_rank_00_optim_states.pt, and at ZeRO-3 the
@@ -34,8 +33,9 @@ _WRITER = re.compile(r"(?:pp_rank_|rng_rank)(\d+)")
 
 
 def files_of(tag_dir: Path) -> list[str]:
-    """Every file under tag_dir (universal/ included) but the manifest, relative, sorted."""
-    return sorted(str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    """The files its manifest lists: every file under tag_dir but the manifest and the universal
+    form (`checkpoints.DERIVED`), relative, sorted."""
+    return manifest.files_under(tag_dir, besides=DERIVED)
 
 
 def writer_rank(name: str, world: int) -> int:
@@ -81,7 +81,7 @@ def hash_own_files(tag_dir: Path, rank: int, world: int, known: dict[str, dict] 
 
 
 def write_manifest(tag_dir: Path) -> None:
-    """Every file under tag_dir, hashed here, in the format native checkpoints share."""
+    """The files of tag_dir (`files_of`), hashed here, in the format native checkpoints share."""
     manifest.write_manifest(tag_dir, files_of(tag_dir))
 
 
@@ -92,7 +92,8 @@ def commit(root: Path, tag: str, keep_last: int, verified: set[str], reports: li
     Pruning removes only what is older than `tag`: the `keep_last - 1` newest older checkpoints
     that verify are kept with it, and a checkpoint goes only once `keep_last` verified ones newer
     than it exist. Newer directories (left by a run that resumed from an earlier step) stay until
-    this run's saves replace them.
+    this run's saves replace them. One a reader holds (`gpn_scale.leases`) stays too, beyond
+    `keep_last`, until a save after the reader is done.
 
     `verified`: the tags this process has verified or written itself (the caller keeps it; `tag`
     is added). Only the others are hashed again, so a save does not re-read the checkpoints
@@ -109,8 +110,7 @@ def commit(root: Path, tag: str, keep_last: int, verified: set[str], reports: li
         if kept < keep_last and (old in verified or verify(root / old) is None):
             verified.add(old)
             kept += 1
-        elif kept >= keep_last:
-            shutil.rmtree(root / old, ignore_errors=True)
+        elif kept >= keep_last and leases.remove_unless_read(root, old):
             verified.discard(old)
 
 
@@ -142,20 +142,31 @@ def load_rng(tag_dir: Path, rank: int) -> bool:
     return True
 
 
+def converted(tag_dir: Path) -> Path | None:
+    """The universal form converted before, where it is complete and intact (to be reused)."""
+    out = tag_dir / UNIVERSAL
+    return out if (out / MANIFEST).is_file() and manifest.verify_manifest(out) is None else None
+
+
 def to_universal(tag_dir: Path, workers: int = 1) -> Path:
-    """Convert a DeepSpeed ZeRO checkpoint to its world-size-independent (universal) form."""
+    """Convert a DeepSpeed ZeRO checkpoint to its world-size-independent (universal) form, or reuse
+    the one converted before if it verifies against its manifest (one that does not is derived
+    data, converted again from the verified checkpoint)."""
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    safe_load.check_checkpoint(tag_dir)  # DeepSpeed unpickles its files (and an existing universal/) itself
-    out = tag_dir / UNIVERSAL
-    if (out / MANIFEST).is_file():
+    out = converted(tag_dir)
+    if out is not None:
+        safe_load.check_checkpoint(out)
         return out
+    out = tag_dir / UNIVERSAL
+    safe_load.check_checkpoint(tag_dir, besides=DERIVED)  # before DeepSpeed loads any of its files
     shutil.rmtree(out, ignore_errors=True)
     args = argparse.Namespace(
         input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=workers, num_merge_workers=workers,
         keep_temp_folder=False, strict=True, inject_missing_state=True,  # plain models carry no version tag
     )
-    ds_to_universal(args)  # unpickles tag_dir's files unrestricted: scanned just above
+    with safe_load.restricted(tag_dir):  # ds_to_universal's torch.load calls, in its worker processes too
+        ds_to_universal(args)
     write_manifest(out)
     return out
 
@@ -173,7 +184,8 @@ def load_engine(engine, load_dir: Path, tag: str, t: TrainSection) -> str | None
     would advance it twice and use the bias corrections of later steps (all but the first group's
     first update): each state gets a counter of its own here.
     """
-    path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_lr_scheduler_states=True)
+    with safe_load.restricted(load_dir / tag):  # DeepSpeed's own torch.load calls, restricted
+        path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_lr_scheduler_states=True)
     if path is None:
         return None
     base = getattr(engine.optimizer, "optimizer", engine.optimizer)  # ZeRO's wrapper holds torch's AdamW
@@ -201,12 +213,41 @@ def main(argv: list[str]) -> int:
             raise UserError(f"{path}: {problem}")
         print(f"wrote {to_universal(path)}")
         return 0
-    targets = [path] if (path / MANIFEST).exists() or path.name.startswith("step_") else [path / t for t in tags(path)]
+    if (path / MANIFEST).exists() or path.name.startswith("step_"):
+        targets = [path]
+    else:  # a run directory, or its checkpoints/
+        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        targets = [root / t for t in tags(root)]
     if not targets:
-        raise UserError(f"{path}: no checkpoints there")
+        raise UserError(f"{path}: no checkpoints there (expected a checkpoint directory, a run directory or its "
+                        "checkpoints/)")
     bad = 0
     for t in targets:
-        problem = verify(t) or safe_load.scan_checkpoint(t)
+        problem = verify_all(t)
         bad += problem is not None
         print(f"{t}: {problem or 'ok'}")
     return 1 if bad else 0
+
+
+def verify_all(tag_dir: Path) -> str | None:
+    """What `ckpt verify` checks: the manifest (every file listed, each intact), trainer_state.json,
+    then that every pickle file is one plain zip that torch's restricted unpickler loads; the same
+    for a universal form that has its manifest (one without is an unfinished conversion, which is
+    redone when needed). A native checkpoint: its manifest (safetensors holds no pickle)."""
+    from gpn_scale.native import CONFIG, WEIGHTS
+
+    if (tag_dir / WEIGHTS).is_file():
+        return manifest.verify_manifest(tag_dir, required=(WEIGHTS, CONFIG))
+    problem = verify(tag_dir)
+    if problem is None:
+        try:
+            read_trainer_state(tag_dir)
+        except UserError as e:
+            return str(e)
+        problem = safe_load.checkpoint_problem(tag_dir, besides=DERIVED)
+    universal = tag_dir / UNIVERSAL
+    if problem is None and (universal / MANIFEST).is_file():
+        in_universal = manifest.verify_manifest(universal) or safe_load.checkpoint_problem(universal)
+        if in_universal:
+            return f"{UNIVERSAL}/: {in_universal}"
+    return problem

@@ -164,12 +164,17 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
     for name, section_cls in _SECTIONS.items():
         value = data.get(name, {})
         if not isinstance(value, dict):
-            raise UserError(f"{where}: {name}: expected a mapping, got {type(value).__name__}")
-        sections[name] = build_dataclass(section_cls, value, where, prefix=f"{name}.")
+            raise UserError(f"{OVERRIDE if name in overrides else where}: {name}: expected a mapping, got "
+                            f"{type(value).__name__}")
+        given = overrides.get(name)
+        sections[name] = build_dataclass(section_cls, value, where, prefix=f"{name}.",
+                                         overridden=frozenset(given) if isinstance(given, dict) else frozenset())
     top = {k: data[k] for k in ("precision", "seed") if k in data}
-    cfg = build_dataclass(TrainConfig, dict(top, model=model_cfg.to_dict(), **sections), where)
+    cfg = build_dataclass(TrainConfig, dict(top, model=model_cfg.to_dict(), **sections), where,
+                          overridden=frozenset(k for k in top if k in overrides))
     if cfg.precision not in ("fp32", "bf16"):
-        raise UserError(f"{where}: precision: expected fp32 or bf16, got {cfg.precision!r}")
+        raise UserError(f"{OVERRIDE if 'precision' in overrides else where}: precision: expected fp32 or bf16, "
+                        f"got {cfg.precision!r}")
     core, segments = cfg.model.get("core"), cfg.model.get("checkpoint_every")
     if segments and core != "naive":  # GPN families only: the others have no checkpoint_every
         raise UserError(f"{where}: model.checkpoint_every: {segments} has no effect with model.core={core} (it segments "

@@ -14,9 +14,7 @@ import torch
 import torch.distributed as dist
 
 from gpn_scale.errors import UserError
-
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
+from gpn_scale.train import stop
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -64,29 +62,19 @@ def device() -> torch.device:
 
 
 class StopFlag:
-    """Set by SIGTERM / SIGUSR1 / SIGINT on any rank; every rank learns of it at the same step
-    boundary. After a first SIGINT, a second one interrupts at once (Ctrl-C twice: no checkpoint)."""
+    """Set by SIGTERM / SIGUSR1 / SIGINT on any rank (recorded by `gpn_scale.train.stop` from the
+    command's start); every rank learns of it at the same step boundary. After a first SIGINT, a
+    second one interrupts at once (Ctrl-C twice: no checkpoint)."""
 
     def __init__(self):
-        self.signum = 0
+        stop.record()  # already recording when started from the CLI
         self.signal_name = None  # of the signal agreed on, on every rank
-        for sig in PREEMPT_SIGNALS:
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame):
-        self.signum = signum
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def close(self) -> None:
-        """Ignore further stop signals: launchers may repeat them, and one arriving while the
-        interpreter shuts down (Python resets handlers to the default then, not ignored signals)
-        would kill a run that already stopped cleanly."""
-        for sig in PREEMPT_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
+        stop.ignore()
 
     def agreed(self) -> bool:
-        flag = torch.tensor([self.signum], dtype=torch.int64, device=device())
+        flag = torch.tensor([stop.received()], dtype=torch.int64, device=device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item():
             self.signal_name = signal.Signals(flag.item()).name

@@ -31,15 +31,16 @@ import torch
 import yaml
 
 from gpn_scale import atomic, checkpoints, safe_load
+from gpn_scale.config import resolve_config_path
 from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
 from gpn_scale.jsonl import JsonLines, truncate_jsonl
+from gpn_scale.lock import RunLock
 from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import distributed as dist_utils
 from gpn_scale.train import loop, optim, preflight
 from gpn_scale.train.config import TrainConfig, config_changes, load_train_config
 from gpn_scale.train.gc import GarbageCollection
-from gpn_scale.train.lock import RunLock
 from gpn_scale.train.loop import Audit, Outcome
 from gpn_scale.train.metrics import (MetricsLog, RunClock, RunSummary, StepMetrics, flops_per_token, peak_flops,
                                      peak_memory_bytes, summary_line)
@@ -144,25 +145,48 @@ class Trainer:
             if problem:
                 raise UserError(f"--resume {resume}: {problem}")
             tag = Path(resume).name
-        unsafe = safe_load.scan_checkpoint(self.ckpt_root / tag)  # before any rank's DeepSpeed unpickles its files
+        # before any rank's DeepSpeed loads a file: the checkpoint's, and a universal form it would reuse
+        saved = checkpoints.read_trainer_state(self.ckpt_root / tag)
+        reused = ckpt.converted(self.ckpt_root / tag) if saved.world_size != self.world and saved.zero_stage > 0 else None
+        unsafe = safe_load.checkpoint_problem(self.ckpt_root / tag, besides=checkpoints.DERIVED)
+        if unsafe is None and reused is not None:
+            unsafe = safe_load.checkpoint_problem(reused)
         if unsafe:
             raise UserError(unsafe)
-        saved = checkpoints.read_trainer_state(self.ckpt_root / tag)
-        if saved["global_batch"] != self.global_batch:
+        if saved.global_batch != self.global_batch:
             raise UserError(
-                f"train: the checkpoint was trained with a global batch of {saved['global_batch']}, this run has "
-                f"{self.global_batch}; set train.global_batch={saved['global_batch']} to keep the data order"
+                f"train: the checkpoint was trained with a global batch of {saved.global_batch}, this run has "
+                f"{self.global_batch}; set train.global_batch={saved.global_batch} to keep the data order"
             )
-        safe, unsafe = config_changes(saved["config"], self.cfg.to_dict())
-        seq_then, seq_now = saved.get("data_seq_len"), self.data_info and self.data_info.seq_len
+        safe, unsafe = config_changes(saved.config, self.cfg.to_dict())
+        seq_then, seq_now = saved.data_seq_len, self.data_info and self.data_info.seq_len
         if seq_then and seq_now and seq_then != seq_now:
             unsafe.append(("data.train windows", seq_then, seq_now))
         if unsafe and not allow_config_change:
             listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in unsafe)
             raise UserError(f"--resume: {tag} was trained with other settings: {listed}; set them back, or pass "
                             "--allow-config-change to apply them from here on")
+        if any(key.startswith("model.") for key, _, _ in unsafe):
+            self._check_weight_shapes(saved, tag)
         self.config_changes = safe + unsafe
         return tag
+
+    def _check_weight_shapes(self, saved: checkpoints.TrainerState, tag: str) -> None:
+        """--allow-config-change may change what the model computes, not the shapes of its weights,
+        which DeepSpeed would find only half-way through loading them. Both models are built on
+        the meta device: no memory, no initialisation."""
+        from gpn_scale.config import model_config
+        from gpn_scale.models import build_model
+
+        with torch.device("meta"):
+            then = build_model(model_config(saved.config["model"], where=f"{tag}/{checkpoints.TRAINER_STATE}: config.model"))
+            now = build_model(model_config(self.cfg.model, where="config: model"))
+        shapes = [{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in (then, now)]
+        if shapes[0] != shapes[1]:
+            name = next(k for k in sorted(shapes[0].keys() | shapes[1].keys()) if shapes[0].get(k) != shapes[1].get(k))
+            held, wanted = (list(s[name]) if name in s else "absent" for s in shapes)
+            raise UserError(f"--allow-config-change: {tag} holds weights of another shape ({name}: {held} in the "
+                            f"checkpoint, {wanted} in this run's model); a model of another shape needs a new run.dir")
 
     def _build(self):
         import deepspeed
@@ -177,7 +201,7 @@ class Trainer:
         spec = MODEL_FAMILIES[self.model.config.family]
 
         saved = checkpoints.read_trainer_state(self.ckpt_root / self.resume_tag) if self.resume_tag else None
-        universal = saved is not None and saved["world_size"] != self.world and saved["zero_stage"] > 0
+        universal = saved is not None and saved.world_size != self.world and saved.zero_stage > 0
 
         optimizer, scheduler = optim.build(spec.param_groups(self.model), cfg.train)
         t = cfg.train
@@ -202,22 +226,22 @@ class Trainer:
         if saved is not None:
             self._load(saved, universal)
 
-    def _load(self, saved: dict, universal: bool) -> None:
+    def _load(self, saved: checkpoints.TrainerState, universal: bool) -> None:
         tag_dir = self.ckpt_root / self.resume_tag
         if universal:
             if self.is_main:
-                self._say(f"world size {saved['world_size']} -> {self.world}: converting {tag_dir} to universal form")
+                self._say(f"world size {saved.world_size} -> {self.world}: converting {tag_dir} to universal form")
                 ckpt.to_universal(tag_dir)
             torch.distributed.barrier()
             load_dir, tag = tag_dir, ckpt.UNIVERSAL
         else:
             load_dir, tag = self.ckpt_root, self.resume_tag
-        # DeepSpeed unpickles these files without torch's restrictions: they are trusted because rank 0
-        # scanned every file of this checkpoint, universal/ included, in _resume_choice (safe_load).
+        # Rank 0 checked every file of this checkpoint in _resume_choice; DeepSpeed's loads run
+        # under torch's restricted unpickler (safe_load.restricted, in load_engine).
         if ckpt.load_engine(self.engine, load_dir, tag, self.cfg.train) is None:
             raise UserError(f"{tag_dir}: DeepSpeed could not load this checkpoint")
-        self.step, self.tokens = saved["step"], saved["tokens"]
-        self.data.load_state_dict(saved["loader"])
+        self.step, self.tokens = saved.step, saved.tokens
+        self.data.load_state_dict(saved.loader)
         if not ckpt.load_rng(tag_dir, self.rank):
             torch.manual_seed(self.cfg.seed + self.rank + 1000 * self.step)  # a new rank: fresh, reproducible
         self._say(f"resumed from {tag_dir} at step {self.step} ({self.tokens:,} tokens)")
@@ -330,15 +354,16 @@ class Trainer:
 
     def _write_status(self, outcome: str) -> None:
         if self.is_main:
-            atomic.write_text(self.run_dir / "status.json",
-                              json.dumps({"status": outcome, "step": self.step, "world_size": self.world}) + "\n")
+            write_status(self.run_dir, outcome, self.step, self.world)
 
     def run(self) -> int:
         """Train to `stop_at`; after each step log, audit, evaluate, check for preemption, save."""
         self._start()
         outcome = Outcome.FINISHED
+        if self.stop_flag.agreed():  # a stop signal while the run was starting up: no step is begun
+            outcome = Outcome.INTERRUPTED if self.stop_flag.signal_name == "SIGINT" else Outcome.PREEMPTED
         with GarbageCollection() as collector:
-            while self.step < self.stop_at:
+            while self.step < self.stop_at and outcome is Outcome.FINISHED:
                 metrics = self._train_step()
                 collector.step(self.step)
                 self._log(metrics)
@@ -356,10 +381,10 @@ class Trainer:
 
     def _start(self) -> None:
         cfg, t = self.cfg, self.cfg.train
+        self._build()  # and load the checkpoint resumed from: nothing is written before that succeeded
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        self._build()
         self._write_status("running")
         self.stop_at = t.stop_at_step or t.total_steps
         self.start_step, self.start_tokens = self.step, self.tokens
@@ -437,8 +462,13 @@ class Trainer:
             return EXIT_DIVERGED
         if outcome is not Outcome.FINISHED:
             code = EXIT_INTERRUPTED if outcome is Outcome.INTERRUPTED else EXIT_PREEMPTED
-            self._say(f"{self.stop_flag.signal_name} received: checkpointed at step {self.step} "
-                      f"in {tag_dir}; exiting with {code} (resume with --resume auto)")
+            if self.step == self.start_step:
+                where = (f"stopped before step {self.step + 1}, nothing new to checkpoint"
+                         + (f" (the newest checkpoint is {tag_dir})" if tag_dir.is_dir() else ""))
+            else:
+                where = f"checkpointed at step {self.step} in {tag_dir}"
+            self._say(f"{self.stop_flag.signal_name} received: {where}; exiting with {code} "
+                      "(resume with --resume auto)")
             self._say(self._summary())
             return code
         graphs = graphs_of(self.model)
@@ -468,20 +498,69 @@ def main(argv: list[str]) -> int:
                          "the run computes (lr, model, data, ...); the change is recorded in metrics.jsonl")
     args = ap.parse_intermixed_args(argv)  # key=value overrides may come after flags
     cfg = load_train_config(args.config, args.overrides)
-    data = preflight.check(cfg, args.resume)
+    data = preflight.check(cfg, args.resume, resolve_config_path(args.config, "train"))
     os.environ.setdefault("WANDB_SILENT", "true")
     lock = RunLock(Path(cfg.run.dir)) if os.environ.get("RANK", "0") == "0" else None
+    trainer = None
     try:
-        return Trainer(cfg, args.resume, data, args.allow_config_change).run()
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise UserError(f"{e.filename or cfg.run.dir}: no space left on device") from None
+        trainer = Trainer(cfg, args.resume, data, args.allow_config_change)
+        return trainer.run()
+    except BaseException as e:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            e = UserError(f"{e.filename or cfg.run.dir}: no space left on device")
+        if lock is not None:  # every way out of a run leaves its status: never "running" after it ended
+            _record_failure(Path(cfg.run.dir), trainer, e)
+        if isinstance(e, UserError):
+            raise e from None
         raise
     finally:
         if lock is not None:
             lock.release()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def write_status(run_dir: Path, status: str, step: int | None, world: int | None, reason: str | None = None) -> None:
+    """run.dir/status.json, replaced atomically. On a full disk, where the replacement has no room,
+    the file (one small block) is rewritten in place: a launcher must not read "running" after the
+    run ended."""
+    record = {"status": status, "step": step, "world_size": world} | ({"reason": reason} if reason else {})
+    text = json.dumps(record) + "\n"
+    path = run_dir / "status.json"
+    try:
+        atomic.write_text(path, text)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not path.is_file():
+            raise
+        with open(path, "r+") as f:
+            f.truncate(0)
+            f.write(text)
+
+
+def _record_failure(run_dir: Path, trainer: Trainer | None, error: BaseException) -> None:
+    """status.json of a run that ended by an exception: "interrupted" for a second Ctrl-C (no
+    checkpoint), "failed" with the error's first line otherwise. A process refused before it began
+    (its resume, config or data refused) leaves the final status of the run's last process as it is:
+    only a run this process marked "running", or a directory without a status, gets one."""
+    try:
+        previous = json.loads((run_dir / "status.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        previous = None
+    if previous not in (None, "running"):
+        return
+    first_line = (str(error).splitlines() or [""])[0]
+    if isinstance(error, KeyboardInterrupt):
+        status, reason = Outcome.INTERRUPTED.value, "a second SIGINT stopped it at once, without a checkpoint"
+    elif isinstance(error, UserError):
+        status, reason = Outcome.FAILED.value, first_line
+    else:  # a crash: its traceback follows on stderr
+        status, reason = Outcome.FAILED.value, f"{type(error).__name__}: {first_line}"
+    step = getattr(trainer, "step", None)
+    world = trainer.world if trainer is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        write_status(run_dir, status, step, world, reason)
+    except OSError:  # the disk is gone or full beyond repair: the error line still reaches the user
+        pass
 
 
 def _disk_full(error: Exception, path: Path) -> bool:

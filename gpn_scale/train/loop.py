@@ -14,6 +14,7 @@ class Outcome(enum.Enum):
     PREEMPTED = "preempted"  # SIGTERM / SIGUSR1: checkpointed, exit 75
     INTERRUPTED = "interrupted"  # SIGINT: checkpointed, exit 130
     DIVERGED = "diverged"  # non-finite loss or gradient norm: nothing saved after it, exit 3
+    FAILED = "failed"  # an error (2 for bad input) or a crash: status.json gives the reason
 
 
 class Audit:

@@ -10,8 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpn_scale import checkpoints, outputs
 from gpn_scale.errors import UserError
-from gpn_scale import checkpoints
 from gpn_scale.train.config import TrainConfig
 from gpn_scale.train.data import resolve_location
 
@@ -49,8 +49,18 @@ def data_info(location: str, split: str) -> DataInfo | None:
     return DataInfo(lengths.pop() if lengths else None, samples, vocab)
 
 
-def check(cfg: TrainConfig, resume: str) -> DataInfo | None:
-    """Everything that can be checked before the run starts; returns what the training data holds."""
+def check_run_dir(run_dir: Path, config_file: Path | None) -> None:
+    """run.dir is new, empty, a training run (to resume, or to start anew beside no checkpoints) or
+    a sweep point's directory; it may hold the config file the run is started from."""
+    inside = config_file is not None and config_file.resolve().parent == run_dir.resolve()
+    outputs.check_resumable(run_dir, "run.dir", "train", (outputs.TRAINING_RUN, outputs.SWEEP_POINT),
+                            allowed=(config_file.name,) if inside else ())
+
+
+def check(cfg: TrainConfig, resume: str, config_file: Path | None = None) -> DataInfo | None:
+    """Everything that can be checked before the run starts; returns what the training data holds.
+    `config_file`: the YAML the run is started from (run.dir may hold it)."""
+    check_run_dir(Path(cfg.run.dir), config_file)
     model_vocab = cfg.model.get("vocab_size")
     infos = {}
     for split, location in (("train", cfg.data.train), ("val", cfg.data.val)):
