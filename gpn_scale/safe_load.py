@@ -7,9 +7,9 @@ things stand between a checkpoint file and that:
 - torch's restricted unpickler guards every load (`restricted`): inside it, every `torch.load`
   unpickles with `weights_only=True`, which builds tensors and containers and resolves only the
   globals on torch's own list and on `ALLOWED`. That includes the loads DeepSpeed makes itself
-  (`engine.load_checkpoint` at ZeRO 0-3, `ds_to_universal`, `zero_to_fp32`), which pass
-  `weights_only=False`: the scope sets `TORCH_FORCE_WEIGHTS_ONLY_LOAD`, which torch reads at every
-  call and which overrides the caller's choice. Worker processes started inside the scope inherit
+  (`engine.load_checkpoint` at ZeRO 0-3, `ds_to_universal`, `zero_to_fp32`), which ask torch for
+  its unrestricted unpickler: the scope sets `TORCH_FORCE_WEIGHTS_ONLY_LOAD`, which torch reads at
+  every call and which overrides the caller's choice. Worker processes started inside the scope inherit
   the variable; forked ones also inherit the allow-list, while a spawned one has none and refuses
   any file that names a DeepSpeed record, so the guard fails closed.
 - Before a checkpoint is used, each of its pickle files must be one plain zip archive as torch
