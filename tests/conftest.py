@@ -15,3 +15,15 @@ def _deterministic_torch():
 
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tensors this small gain nothing from threads; on a busy 2-core machine they cost 50x.
+    A module that computes only such tensors uses it: `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -28,12 +28,7 @@ GPN_CASES = {
 KERNELS = ["torch", pytest.param("cpp", marks=pytest.mark.cpu_only)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_gpn(dtype=torch.float64, **changes):

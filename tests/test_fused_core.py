@@ -25,13 +25,7 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tensors this small gain nothing from threads; on a busy 2-core machine they cost 50x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make(dtype=torch.float32, seed=0, **changes):
