@@ -55,6 +55,8 @@ def _prep_parser() -> argparse.ArgumentParser:
     p.add_argument("--bos-token", help="BOS token of a tokenizer.json (default: a usual name, e.g. <s>)")
     p.add_argument("--compression", default="zstd", help="MDS shard compression, e.g. zstd, zstd:7, none")
     p.add_argument("--size-limit", type=int, default=1 << 26, help="MDS shard size limit in bytes")
+    p.add_argument("--allow-empty", action="store_true",
+                   help="write a split that gets no window (no document reached it) instead of refusing")
     return p
 
 
@@ -119,7 +121,7 @@ def _prep(argv: list[str]) -> int:
         if Tokenizer(a.tokenizer, a.eos_token, a.bos_token).info.bos_id is None:
             raise UserError(f"{a.tokenizer}: --bos given but the tokenizer has no BOS token; pass --bos-token")
     prepare(a.inputs, settings, val_inputs=a.val_files, max_docs=a.max_docs, max_tokens=a.max_tokens,
-            workers=a.workers, num_nodes=num_nodes, node_rank=node_rank)
+            workers=a.workers, num_nodes=num_nodes, node_rank=node_rank, allow_empty=a.allow_empty)
     return 0
 
 
@@ -164,8 +166,10 @@ def _merge(argv: list[str]) -> int:
     p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="gpn-scale prep merge",
                                 description="Write OUT's root indexes and stats once every node's units are committed.")
     p.add_argument("out", metavar="DIR", help="the output directory every node's `prep` wrote to")
+    p.add_argument("--allow-empty", action="store_true",
+                   help="write a split that gets no window (no document reached it) instead of refusing")
     a = p.parse_args(argv)
-    stats = merge(Path(a.out))
+    stats = merge(Path(a.out), a.allow_empty)
     windows = ", ".join(f"{s['windows']:,} {name} windows" for name, s in stats["splits"].items())
     print(f"merged {a.out}: {stats['units']} units, {windows}")
     return 0

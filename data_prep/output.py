@@ -32,7 +32,9 @@ from pathlib import Path
 import numpy as np
 from streaming.base.util import merge_index
 
+from gpn_scale import mds_index
 from gpn_scale.errors import UserError
+from gpn_scale.textfiles import read_json
 
 SPLITS = ("train", "val")
 MAX_LISTED = 1000  # bad documents listed by name in stats.json; all are counted
@@ -154,21 +156,14 @@ def _describe(source) -> str:
 
 
 def _damage(out: Path, uid: str, stats: dict, manifest: dict) -> str | None:
-    """What is wrong with a committed unit's files, if anything: each split's index must parse
-    and each shard have the size its index records (MDS records no hashes, so that is the check)."""
+    """What is wrong with a committed unit's files, if anything: each split's index must pass the
+    readers' check (plain names inside the unit, each shard of the size its index records: MDS
+    records no hashes, so that is the check), before the merge joins it into the root index."""
     for split in stats["splits"]:
-        index_path = out / split / uid / "index.json"
         try:
-            shards = json.loads(index_path.read_text())["shards"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            return f"{index_path} is missing or unreadable ({type(e).__name__})"
-        for shard in shards:
-            info = shard.get("zip_data") or shard.get("raw_data") or {}
-            path = out / split / uid / str(info.get("basename"))
-            size = path.stat().st_size if path.is_file() else None
-            if size != info.get("bytes"):
-                found = "is missing" if size is None else f"holds {size} bytes"
-                return f"{path} {found}, its index records {info.get('bytes')}"
+            mds_index.check(out / split / uid, hashes=False)
+        except UserError as e:
+            return str(e)
     npy = out / "units" / f"{uid}.npy"
     try:
         shape = np.load(npy, mmap_mode="r").shape
@@ -215,7 +210,7 @@ def check_manifest(out: Path, manifest: dict) -> None:
         out.mkdir(parents=True, exist_ok=True)
         write_atomic(out, path, dump_json(manifest))
         return
-    old = json.loads(path.read_text())
+    old = read_json(path)
     old_tok, new_tok = old["tokenizer"], manifest["tokenizer"]
     # The tokenizer first: the likeliest mistake. Its path may differ between machines.
     if (old_tok["sha256"], old_tok["vocab_size"]) != (new_tok["sha256"], new_tok["vocab_size"]):
@@ -240,19 +235,21 @@ def read_manifest(out: Path) -> dict:
             raise UserError(f"{path}: missing; rerun `gpn-scale prep` with this output's arguments to write it "
                             f"again (it checks every committed unit against them)")
         raise UserError(f"{out}: no prep.json; not a prep output directory (run `gpn-scale prep` first)")
-    return json.loads(path.read_text())
+    return read_json(path)
 
 
-def merge(out: Path) -> dict:
+def merge(out: Path, allow_empty: bool = False) -> dict:
     """Write the root indexes, stats.json and unigram.npy from the committed units; return stats.
 
     Refuses (UserError) when nothing was kept because every input was bad, and when the train
-    documents never fill one window; an output without documents is written with a warning."""
+    documents never fill one window. A split without windows (no documents reached it, or too few
+    tokens) is refused too, before any root index is written, unless `allow_empty`: then it is
+    written empty, with a warning. The committed units stay either way (a rerun merges them)."""
     with disk_space_errors(out):
-        return _merge(out)
+        return _merge(out, allow_empty)
 
 
-def _merge(out: Path) -> dict:
+def _merge(out: Path, allow_empty: bool) -> dict:
     manifest = read_manifest(out)
     config, n_units = manifest["config"], len(manifest["units"])
     kept, missing, tokens = [], [], 0
@@ -276,6 +273,9 @@ def _merge(out: Path) -> dict:
                         f"{', '.join(missing[:3])}); run prep on every node (reruns resume) before merging")
     stats = _aggregate(manifest, [s for _, s in kept])
     stats["warnings"] = _check_windows(out, stats, [s for _, s in kept])
+    if stats["warnings"] and not allow_empty:
+        raise UserError(f"{out}: {stats['warnings'][0]}; nothing merged (the prepared units are kept): pass "
+                        f"--allow-empty to write the empty split anyway")
 
     for split in config["splits"]:
         (out / split).mkdir(exist_ok=True)  # absent when no unit was planned

@@ -35,7 +35,8 @@ def _work(index: int, unit, settings: Settings, recorded: dict) -> dict:
 
 
 def prepare(inputs: list[str], settings: Settings, *, val_inputs: list[str], max_docs: int | None,
-            max_tokens: int | None, workers: int, num_nodes: int, node_rank: int) -> dict | None:
+            max_tokens: int | None, workers: int, num_nodes: int, node_rank: int,
+            allow_empty: bool = False) -> dict | None:
     """Prepare this node's units; on a single node also merge. Returns the merged stats, if merged."""
     out = Path(settings.out)
     tokenizer = Tokenizer(settings.tokenizer_path, settings.eos_token, settings.bos_token)
@@ -72,9 +73,10 @@ def prepare(inputs: list[str], settings: Settings, *, val_inputs: list[str], max
 
     print(progress.summary(elapsed), file=sys.stderr)
     if num_nodes > 1:
-        print(f"node {node_rank}/{num_nodes} done; once every node is, run: gpn-scale prep merge {out}", file=sys.stderr)
+        print(f"node {node_rank}/{num_nodes} done; once every node is, run: gpn-scale prep merge {out}"
+              + (" --allow-empty" if allow_empty else ""), file=sys.stderr)
         return None
-    stats = output.merge(out)
+    stats = output.merge(out, allow_empty)
     print(_final_summary(out, stats), file=sys.stderr)
     return stats
 

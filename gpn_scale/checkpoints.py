@@ -278,8 +278,12 @@ def read_adam_state(path: Path, model: torch.nn.Module) -> AdamState:
 
 
 def check_manifest(path: Path) -> None:
-    """UserError unless the files match the manifest; a checkpoint without one: a warning."""
+    """UserError unless the files match the manifest; a checkpoint without one: a warning (and no
+    symlink leading out of it, which holds either way)."""
     if not (path / MANIFEST).is_file():
+        outside = manifest.link_outside(path)
+        if outside:
+            raise UserError(f"{path}: {outside}")
         print(f"warning: {path} has no {MANIFEST} (written before native checkpoints had one): its files are "
               "not verified; gpn_scale.native.add_manifest(DIR) writes one", file=sys.stderr)
         return

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from gpn_scale.errors import UserError
+from gpn_scale.textfiles import read_text
 
 # The bundled configs/ and launchers/: in a checkout the package's symlinks to the repository's
 # own, in a wheel their copies, so a name like `gpn_m_tiny` resolves either way.
@@ -26,9 +27,9 @@ CONFIG_ROOT = (BUNDLE_ROOT / "configs").resolve()  # in a checkout: the reposito
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+        data = yaml.safe_load(read_text(path))
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
     except yaml.YAMLError as e:
         raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):

@@ -14,7 +14,6 @@ chex, flax) become inert placeholders, so `opt_state` can be skipped without opt
 from __future__ import annotations
 
 import argparse
-import json
 import pickle
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
 from gpn_scale.models import GPN, GPNConfig
+from gpn_scale.textfiles import read_json
 
 # What a reference pickle may build: NumPy arrays, dtypes and scalars, and plain containers.
 _SAFE_GLOBALS = {
@@ -106,9 +106,9 @@ def read_reference_config(config: str | Path | dict, params: dict | None = None)
     if not isinstance(config, dict):
         source = str(config)
         try:
-            config = json.loads(Path(config).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise UserError(f"{source}: cannot read the reference JSON config ({e})") from None
+            config = read_json(config)
+        except FileNotFoundError:
+            raise UserError(f"{source}: no such reference JSON config") from None
     model = config.get("model", config)
     if not isinstance(model, dict):
         raise UserError(f"{source}: expected the model fields under 'model'")

@@ -24,6 +24,7 @@ from gpn_scale.config import CONFIG_ROOT
 from gpn_scale.helptext import HelpFormatter
 from gpn_scale.jsonl import read_jsonl
 from gpn_scale.outputs import DEMO, check_resumable
+from gpn_scale.textfiles import read_json
 
 DEMO_CONFIG = CONFIG_ROOT / "train" / "demo.yaml"
 ANALYSIS_WINDOWS = 32  # 4,096 states: the analysis and its ablations in seconds
@@ -109,7 +110,7 @@ def main(argv: list[str]) -> int:
     report = {
         "model": model.config.to_dict(),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "data": json.loads((data / "stats.json").read_text()),
+        "data": read_json(data / "stats.json"),
         "train": {"steps": train_rows[-1]["step"], "tokens": train_rows[-1]["tokens"],
                   "first_loss": train_rows[0]["loss"], "final_loss": train_rows[-1]["loss"],
                   "median_tokens_per_s": float(np.median([m["tokens_per_s"] for m in train_rows]))},

@@ -93,7 +93,7 @@ class RunLock:
 
     def _take_over_if_stale(self, warn) -> None:
         try:
-            text = self.path.read_text()
+            text = self.path.read_bytes()  # bytes: a torn or foreign file is stale, not a decode error
             age = time.time() - self.path.stat().st_mtime
         except FileNotFoundError:  # released meanwhile: try again
             return
@@ -113,7 +113,7 @@ class RunLock:
             os.replace(self.path, aside)
         except FileNotFoundError:
             return
-        if aside.read_text() != text:  # another starter's fresh lock: put it back, and lose the race
+        if aside.read_bytes() != text:  # another starter's fresh lock: put it back, and lose the race
             os.replace(aside, self.path)
             return
         aside.unlink()

@@ -125,6 +125,27 @@ def files_under(directory: str | Path, besides: tuple[str, ...] = ()) -> list[st
     return sorted(found)
 
 
+def link_outside(directory: str | Path, besides: tuple[str, ...] = ()) -> str | None:
+    """The first entry under `directory` (but the top-level names `besides`) that is a symlink
+    leading out of it, as "NAME is a symlink to TARGET, outside DIR"; None when there is none. A
+    loader follows links, so a link out would load (or verify) a file the checkpoint does not hold."""
+    directory = Path(directory)
+    root = directory.resolve()
+    for here, dirs, names in os.walk(directory, followlinks=True):
+        rel_here = Path(here).relative_to(directory)
+        if rel_here == Path("."):
+            dirs[:] = [d for d in dirs if d not in besides]
+            names = [n for n in names if n not in besides]
+        for name in sorted(dirs + names):
+            path = Path(here) / name
+            if path.is_symlink():
+                target = path.resolve()
+                if not target.is_relative_to(root):
+                    dirs[:] = [d for d in dirs if d != name]  # not walked into
+                    return f"{rel_here / name} is a symlink to {target}, outside {directory}"
+    return None
+
+
 def _entries(directory: Path) -> dict[str, dict] | str:
     """The manifest's entries, or what is wrong with it."""
     try:
@@ -151,6 +172,9 @@ def verify_manifest(directory: str | Path, required: tuple[str, ...] = (), besid
     wrong, in a few words (the caller names the directory). Sizes are checked first (a truncated
     file costs no hashing), then the hashes, in parallel."""
     directory = Path(directory)
+    outside = link_outside(directory, besides)
+    if outside:
+        return outside
     entries = _entries(directory)
     if isinstance(entries, str):
         return entries

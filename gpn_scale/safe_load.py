@@ -164,6 +164,9 @@ def checkpoint_problem(directory: str | Path, besides: tuple[str, ...] = ()) -> 
     """None when every pickle file under `directory` (recursively, but not under the top-level names
     `besides`) passes `check_file`, else the one-line reason to refuse the first that does not."""
     directory = Path(directory)
+    outside = manifest.link_outside(directory, besides)
+    if outside:
+        return f"{directory}: {outside}"
     for rel in manifest.files_under(directory, besides):
         if Path(rel).name not in TEXT_FILES:
             problem = check_file(directory / rel)

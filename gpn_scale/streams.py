@@ -17,6 +17,13 @@ node-wide file lock while it constructs the dataset, so the next job scans only 
 is taken. A single-node job's other ranks attach to what rank 0 registered; the leaders of a
 multi-node job's other nodes register on their own nodes without the lock (they meet rank 0 at
 Streaming's barriers inside the construction, so waiting for a lock rank 0 holds would never end).
+
+**Checking.** Streaming trusts the index: each shard's file name is joined to the dataset's
+directory and read, fetched or decompressed there. `open_dataset` checks the index first
+(`gpn_scale.mds_index`); a remote dataset's index is fetched into the cache by the node's leader
+under a temporary name, checked, then renamed into place, where Streaming finds it and fetches no
+index of its own. The node's other ranks check a cached index too (names and sizes; hashes are the
+leader's), and wait in Streaming for one that is still being fetched: it only appears checked.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+
+from gpn_scale import mds_index
+from gpn_scale.errors import UserError
 
 LOCK_NAME = "gpn_scale_streaming_prefix.lock"  # in the temp dir, beside Streaming's own file locks
 
@@ -88,7 +98,41 @@ def dataset_class():
 
 
 def open_dataset(cls=None, **kwargs):
-    """`cls(**kwargs)` (default `StreamingDataset`), constructed under the node's lock."""
+    """`cls(**kwargs)` (default `StreamingDataset`), its index checked, constructed under the node's lock."""
     cls = dataset_class() if cls is None else cls
+    check_index(kwargs["local"], kwargs.get("remote"))
     with registering():
         return cls(**kwargs)
+
+
+def check_index(local: str, remote: str | None) -> None:
+    """The dataset's index checked before Streaming reads it (see the module's docstring)."""
+    leader = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    if remote and leader:
+        fetch_remote_index(remote, Path(local))
+    if not remote or (Path(local) / mds_index.INDEX).exists():
+        mds_index.check(local, remote=bool(remote), hashes=leader)
+
+
+def fetch_remote_index(remote: str, local: Path, timeout: float = 60.0) -> None:
+    """`remote`'s index in the cache directory `local`, checked before it takes its real name (a
+    bad one is removed: it was this call's own temporary file). An index already there is kept."""
+    final, tmp = local / mds_index.INDEX, local / f"{mds_index.INDEX}.gpn-scale.tmp"
+    if final.exists():
+        return
+    dataset_class()  # Streaming's packages, without their heavy __init__
+    from streaming.base.storage.download import CloudDownloader
+
+    source = f"{remote.rstrip('/')}/{mds_index.INDEX}"
+    tmp.unlink(missing_ok=True)
+    try:
+        CloudDownloader.direct_download(source, str(tmp), timeout)
+    except Exception as e:  # each store's client raises its own kinds
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise UserError(f"{source}: cannot fetch it ({type(e).__name__}{': ' + first if first else ''})") from None
+    try:
+        mds_index.check(local, remote=True, index_path=tmp, shown=source)
+    except UserError:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, final)

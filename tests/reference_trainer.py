@@ -12,14 +12,18 @@ Run as a program, in a process of its own as the paper's code runs (and so that 
 live in a process that later forks):
 
     python tests/reference_trainer.py CKPT_DIR --train TRAIN.json --batch TOKENS.npy --out RESULT
+    python tests/reference_trainer.py CKPT_DIR --train TRAIN.json --data WINDOWS.npy --batch-size B --out RESULT
 
-loads CKPT_DIR, checks what it restored, takes one training step on the batch, and writes
-RESULT.json (what was restored, the loss) and RESULT.npz (the parameters after the step).
+loads CKPT_DIR, checks what it restored, takes one training step on the batch (given, or the next
+one the paper's loader reads from WINDOWS: `Dataset.batches(B, start=data_position)`), and writes
+RESULT.json (what was restored, the batch index read, the loss) and RESULT.npz (the parameters
+after the step).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import pickle
 import sys
@@ -109,6 +113,22 @@ def loss_fn(params: dict, model_cfg: dict, tokens) -> jax.Array:
     return jnp.mean(losses)
 
 
+class Dataset:
+    """The paper's loader as its trainer drives it: `batches(batch_size, start)` yields batch after
+    batch of consecutive windows from batch index `start` on (the trainer adds one to data_position
+    per batch it trains on), and ends where a whole batch no longer fits."""
+
+    def __init__(self, windows: np.ndarray):
+        self.windows = windows
+
+    def batches(self, batch_size: int, start: int = 0):
+        for index in itertools.count(start):
+            batch = self.windows[index * batch_size:(index + 1) * batch_size]
+            if len(batch) < batch_size:
+                return
+            yield batch
+
+
 class Trainer:
     """config: the run's JSON config, the model fields under "model", the optimiser's under "train"."""
 
@@ -143,7 +163,10 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint")
     ap.add_argument("--train", required=True, help="JSON: the optimiser settings (lr, warmup_steps, ...)")
-    ap.add_argument("--batch", required=True, help=".npy of token windows (B, T)")
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--batch", help=".npy of token windows (B, T)")
+    source.add_argument("--data", help=".npy of token windows (N, T), read by the paper's loader from data_position")
+    ap.add_argument("--batch-size", type=int, help="with --data: windows per batch")
     ap.add_argument("--out", required=True, help="RESULT: RESULT.json and RESULT.npz are written")
     args = ap.parse_args(argv)
     config = json.loads((Path(args.checkpoint) / "config.json").read_text())
@@ -160,7 +183,16 @@ def main(argv: list[str]) -> None:
         "nu_nonzero": all(bool(v.any()) for v in jax.tree.leaves(adam.nu)),
     }
     before = trainer.params
-    loss = trainer.train_step(np.load(args.batch))
+    if args.data:
+        batch = next(Dataset(np.load(args.data)).batches(args.batch_size, start=trainer.data_position), None)
+        if batch is None:  # past the end of its data: the paper's trainer trains on nothing
+            Path(args.out + ".json").write_text(json.dumps({"restored": restored, "after": None}))
+            return
+        restored["batch_read"] = trainer.data_position
+        trainer.data_position += 1
+    else:
+        batch = np.load(args.batch)
+    loss = trainer.train_step(batch)
     moved = all(bool((a != b).any()) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(trainer.params)))
     after = {"loss": loss, "step": trainer.step, "count": int(trainer.opt_state[1][0].count), "all_moved": moved}
     Path(args.out + ".json").write_text(json.dumps({"restored": restored, "after": after}))

@@ -186,3 +186,25 @@ def test_a_run_trained_with_relative_paths_evaluates_from_another_directory(tmp_
                            "--json"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads(proc.stdout.splitlines()[-1])["lambada_examples"] == 1
+
+
+@pytest.mark.parametrize("command", [["train"], ["model-info"], ["sweep", "--dry-run"]])
+def test_a_config_that_is_not_utf8_is_one_line_naming_it(command, tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"model:\n  family: \xff\xfe gpn\n")
+    assert main([*command, str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {bad}: not UTF-8 text (at byte offset 17)\n", err
+
+
+def test_json_state_files_that_are_not_utf8_are_one_line_naming_them(tmp_path):
+    from gpn_scale.eval.data import open_data
+
+    from gpn_scale.errors import UserError
+
+    (tmp_path / "val").mkdir()
+    (tmp_path / "val" / "index.json").write_text('{"version": 2, "shards": []}')
+    (tmp_path / "stats.json").write_bytes(b'{"vocab_size": "\xff"}')
+
+    with pytest.raises(UserError, match=r"stats.json: not UTF-8 text \(at byte offset 16\)"):
+        open_data(tmp_path)

@@ -224,9 +224,11 @@ def test_reference_export_round_trips_bit_exactly_through_convert(setup, capsys,
             assert torch.equal(a[key], b[key]), key
 
 
-def paper_resume(ref: Path, train: dict, batch: np.ndarray, tmp: Path) -> tuple[dict, dict]:
+def paper_resume(ref: Path, train: dict, batch: np.ndarray, tmp: Path, batch_size: int | None = None
+                 ) -> tuple[dict, dict]:
     """The paper's trainer (tests/reference_trainer.py, a process of its own) resumed from an `--to reference`
-    export and one step on `batch`: (what it restored and the step's loss, the parameters after the step)."""
+    export and one step on `batch`, or, with `batch_size`, on the batch its loader reads next from the
+    windows `batch`: (what it restored and the step's loss, the parameters after the step)."""
     import importlib.util
 
     if importlib.util.find_spec("jax") is None or importlib.util.find_spec("optax") is None:
@@ -235,8 +237,10 @@ def paper_resume(ref: Path, train: dict, batch: np.ndarray, tmp: Path) -> tuple[
     np.save(tmp / "batch.npy", batch)
     # XLA's cheapest code generation: the compile of one tiny step is most of the run, the numbers are the same
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+    given = ["--batch", str(tmp / "batch.npy")] if batch_size is None else [
+        "--data", str(tmp / "batch.npy"), "--batch-size", str(batch_size)]
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "reference_trainer.py"), str(ref), "--train",
-                           str(tmp / "train.json"), "--batch", str(tmp / "batch.npy"), "--out", str(tmp / "result")],
+                           str(tmp / "train.json"), *given, "--out", str(tmp / "result")],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with np.load(tmp / "result.npz") as params:
@@ -511,7 +515,8 @@ def test_native_export_of_a_run_takes_its_newest_complete_checkpoint(setup, trai
 @pytest.mark.slow
 def test_reference_export_resumes_in_the_papers_trainer_as_the_run_went_on(setup, trained_run, capsys, tmp_path):
     """Step 4 exported with its AdamW state mapped into the paper's chain state: the paper's loader
-    restores it, and its training step on the samples the run used for step 5 gives the run's step-5
+    restores it, and, given the windows in the order the run read them, reads next the batch the run's
+    step 5 read (data_position is a batch index: 4), and its training step on it gives the run's step-5
     weights (gpn-scale's own uninterrupted step: DeepSpeed's clipped AdamW)."""
     _, _, prep, _ = setup
     ckpts = trained_run / "checkpoints"
@@ -519,12 +524,13 @@ def test_reference_export_resumes_in_the_papers_trainer_as_the_run_went_on(setup
     assert code == 0, err
     state = read_trainer_state(ckpts / "step_00000004")
     records = [json.loads(line) for line in (trained_run / "samples.jsonl").read_text().splitlines()]
-    (samples,) = [r["samples"] for r in records if r["step"] == 5]
-    batch = read_windows(open_data(prep / "train"))[samples].numpy()
-    info, params = paper_resume(tmp_path / "ref", state.config["train"], batch, tmp_path)
+    in_order = [i for step in range(1, 6) for r in records if r["step"] == step for i in r["samples"]]
+    assert len(in_order) == 5 * state.global_batch
+    windows = read_windows(open_data(prep / "train"))[in_order].numpy()  # the stream as the run read it
+    info, params = paper_resume(tmp_path / "ref", state.config["train"], windows, tmp_path, state.global_batch)
     restored, after = info["restored"], info["after"]
     assert restored["structure_matches"] and restored["classes"] == OPTAX_CLASSES
-    assert (restored["step"], restored["data_position"]) == (4, state.tokens)
+    assert (restored["step"], restored["data_position"], restored["batch_read"]) == (4, 4, 4)
     assert restored["counts"] == [4, 4] and restored["nu_nonzero"]
     (logged,) = [m["loss"] for m in map(json.loads, (trained_run / "metrics.jsonl").read_text().splitlines())
                  if m.get("step") == 5 and "loss" in m]
@@ -537,3 +543,31 @@ def test_reference_export_resumes_in_the_papers_trainer_as_the_run_went_on(setup
         assert np.abs(moved).max() > 0, name
         np.testing.assert_allclose(params[reference_name(name, step5.config)] - before, moved, rtol=1e-3, atol=1e-7,
                                    err_msg=name)
+
+
+def test_reference_data_position_counts_the_papers_batches():
+    """The paper's trainer reads `dataset.batches(batch_size, start=data_position)`: a batch index. Its
+    batch may differ from the run's (said in a note); a remainder rounds down (re-read, never skipped)."""
+    from gpn_scale.checkpoints import TrainerState
+    from gpn_scale.export.reference import data_position
+
+    state = TrainerState(step=6, tokens=6 * 16 * 32, loader={}, world_size=2, zero_stage=2, global_batch=16,
+                         data_seq_len=32, config={})
+    notes = []
+    assert data_position(state, None, notes.append) == 6 and notes == []
+    assert data_position(state, 32, notes.append) == 3
+    assert notes == ["note: the run's batches held 16 windows; data_position 3 counts batches of 32: run the "
+                     "paper's trainer with batch_size 32"]
+    notes.clear()
+    assert data_position(state, 40, notes.append) == 2  # 96 windows: 2 batches of 40, 16 left over
+    assert "the paper's trainer starts 16 windows before where the run stopped" in notes[1]
+    assert data_position(None, None, notes.append) == 0
+    with pytest.raises(UserError, match="--batch-size: expected a number of windows >= 1, got 0"):
+        data_position(state, 0)
+
+
+def test_batch_size_is_for_reference_exports_only(setup, capsys, tmp_path):
+    root, _, _, _ = setup
+    code, _, err = run(capsys, "export", root / "gpn_m_2l", "--to", "native", "--out", tmp_path / "n", "--batch-size", 8)
+    assert code == 2 and err == "error: --batch-size: only for --to reference (the paper's loader), not --to native\n"
+    assert not (tmp_path / "n").exists()

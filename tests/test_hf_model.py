@@ -236,6 +236,13 @@ def test_export_carries_pad_generation_config_and_a_model_card(setup, recwarn, c
     with caplog.at_level("WARNING"):
         hf.generate(windows[:1, :6], max_new_tokens=3, do_sample=False)
     assert "pad_token_id" not in caplog.text and not [w for w in recwarn if "pad_token_id" in str(w.message)]
+    # The tokenizer's whole output (input_ids and attention_mask), as docs/export.md says: no warning at all.
+    caplog.clear()
+    recwarn.clear()
+    with caplog.at_level("WARNING"):
+        hf.generate(input_ids=windows[:1, :6], attention_mask=torch.ones(1, 6, dtype=torch.long), max_new_tokens=3,
+                    do_sample=False)
+    assert "attention" not in caplog.text and not [w for w in recwarn if "attention" in str(w.message)], caplog.text
     card = (path / "README.md").read_text()
     total = sum(p.numel() for p in model.parameters())
     assert card.startswith("---\nlibrary_name: transformers\n") and f"| parameters | {total:,} |" in card

@@ -137,11 +137,14 @@ def test_every_document_bad_is_an_error_saying_so(tokenizer, tmp_path):
     assert "nothing prepared" in line and "3 bad documents" in line and "nulls.parquet" in line, line
 
 
-def test_an_empty_input_gives_an_empty_output_and_a_warning(tokenizer, tmp_path):
+def test_an_empty_input_is_refused_unless_allowed_then_gives_an_empty_output_and_a_warning(tokenizer, tmp_path):
     path = tmp_path / "empty.parquet"
     pq.write_table(fineweb_table([]), path)
     out = tmp_path / "out"
-    code, output = prep_cli(path, *args(out, tokenizer))
+    line = one_error(*prep_cli(path, *args(out, tokenizer)))
+    assert "train: 0 windows: no document was kept" in line and "--allow-empty" in line, line
+    assert not (out / "train" / "index.json").exists() and not (out / "stats.json").exists()
+    code, output = prep_cli(path, *args(out, tokenizer), "--allow-empty")  # resumes: the units are kept
     assert code == 0 and "Traceback" not in output, output
     assert any(line.startswith("warning:") and "0 windows" in line for line in output.splitlines()), output
     stats = json.loads((out / "stats.json").read_text())

@@ -437,3 +437,46 @@ def test_native_checkpoint_manifest_is_checked(tmp_path, capsys):
     add_manifest(ckpt_dir)
     assert main(args()) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+# ---- symlinks out of a checkpoint
+
+def test_a_checkpoint_file_linked_to_outside_is_refused_by_verify_resume_and_eval(runs, tmp_path, capsys):
+    run = copy_run(runs, 2, tmp_path)
+    tag_dir = run / "checkpoints" / TAG
+    weights = tag_dir / "mp_rank_00_model_states.pt"
+    outside = tmp_path / "elsewhere.pt"
+    shutil.move(weights, outside)
+    weights.symlink_to(outside)
+    reseal(tag_dir)  # the manifest lists the link's target bytes: only the link itself is wrong
+    assert main(["ckpt", "verify", str(tag_dir)]) == 1
+    assert f"mp_rank_00_model_states.pt is a symlink to {outside}, outside {tag_dir}" in capsys.readouterr().out
+    assert main(["eval", str(run), "--data", str(runs / "data" / "val"), "--out", str(tmp_path / "eval")]) == 2
+    assert "no complete training checkpoint there" in capsys.readouterr().err
+    assert safe_load.checkpoint_problem(tag_dir, besides=DERIVED).endswith(f"outside {tag_dir}")
+    # a link inside the checkpoint is one of its files
+    weights.unlink()
+    shutil.move(outside, tag_dir / "weights.real")
+    weights.symlink_to(tag_dir / "weights.real")
+    reseal(tag_dir)
+    assert main(["ckpt", "verify", str(tag_dir)]) == 0
+
+
+def test_a_native_checkpoint_or_export_linked_to_outside_is_refused_with_or_without_a_manifest(tmp_path, capsys):
+    from eval_fixtures import tiny_model
+
+    ckpt_dir = save_native(tiny_model(64), tmp_path / "native")
+    write_windows(tmp_path / "val", 2, 16, 64)
+    weights = ckpt_dir / "model.safetensors"
+    shutil.move(weights, tmp_path / "outside.safetensors")
+    weights.symlink_to(tmp_path / "outside.safetensors")
+    for manifest_there in (True, False):
+        if manifest_there:
+            add_manifest(ckpt_dir)
+        else:
+            (ckpt_dir / "manifest.json").unlink()
+        assert main(["eval", str(ckpt_dir), "--data", str(tmp_path / "val"), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1] == (f"error: {ckpt_dir}: model.safetensors is a symlink to {tmp_path / 'outside.safetensors'}, "
+                           f"outside {ckpt_dir}"), err
+        assert not (tmp_path / "out").exists()

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from gpn_scale.errors import UserError
 from gpn_scale.eval.codec import Codec
 from gpn_scale.native import TokenizerSource, read_tokenizer
 from gpn_scale.streams import open_dataset
+from gpn_scale.textfiles import read_json
 
 
 @dataclass
@@ -60,10 +60,7 @@ def open_data(path: str | Path) -> PrepData:
         raise UserError(f"{path}: not an MDS directory (no index.json) nor a prep output with a val split")
     stats = None
     if root is not None:
-        try:
-            stats = json.loads((root / "stats.json").read_text())
-        except json.JSONDecodeError as e:
-            raise UserError(f"{root / 'stats.json'}: not valid JSON ({e})") from None
+        stats = read_json(root / "stats.json")
     return PrepData(split, stats, root)
 
 
@@ -110,7 +107,7 @@ def training_prep(checkpoint: str | Path) -> PrepData | None:
         return None
     for root in (Path(train_dir), Path(train_dir).parent):
         if (root / "stats.json").is_file():
-            return PrepData(Path(train_dir), json.loads((root / "stats.json").read_text()), root)
+            return PrepData(Path(train_dir), read_json(root / "stats.json"), root)
     return None
 
 

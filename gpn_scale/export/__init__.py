@@ -81,10 +81,16 @@ def write_native(source: Source, tokenizer: TokenizerSource, out: Path) -> None:
     write_manifest(out, [WEIGHTS, CONFIG, *names])  # the tokenizer is verified with the weights
 
 
-def export(checkpoint: str | Path, to: str, out: str | Path, tokenizer: str | None = None) -> Path:
-    """Export CKPT as `to` into the new directory `out`; returns it."""
+def export(checkpoint: str | Path, to: str, out: str | Path, tokenizer: str | None = None,
+           batch_size: int | None = None) -> Path:
+    """Export CKPT as `to` into the new directory `out`; returns it. `batch_size`: `--to reference`'s
+    windows per batch of the paper's loader (default: the run's global batch)."""
     if to not in FORMATS:
         raise UserError(f"--to: expected one of {', '.join(FORMATS)}, got {to!r}")
+    if batch_size is not None and to != "reference":
+        raise UserError(f"--batch-size: only for --to reference (the paper's loader), not --to {to}")
+    if batch_size is not None and batch_size < 1:
+        raise UserError(f"--batch-size: expected a number of windows >= 1, got {batch_size}")
     out = Path(out)
     check_new(out, "--out", "export")  # before the checkpoint is read: a refusal costs nothing
     source = load_source(checkpoint)
@@ -101,7 +107,7 @@ def export(checkpoint: str | Path, to: str, out: str | Path, tokenizer: str | No
         if to == "hf":
             hf.write(source, tok, staging)
         elif to == "reference":
-            reference.write(source, staging)
+            reference.write(source, staging, batch_size)
         else:
             write_native(source, tok, staging)
     return out
@@ -118,7 +124,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", required=True, metavar="DIR", help="directory to create (must not exist, or be empty)")
     ap.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json or sentencepiece .model for hf and native "
                     "(default: the one of the run's training data, or the one in a native export)")
+    ap.add_argument("--batch-size", type=int, metavar="WINDOWS",
+                    help="reference: windows per batch the paper's trainer will run with; data_position counts "
+                         "its batches (default: the run's train.global_batch)")
     args = ap.parse_args(argv)
-    out = export(args.checkpoint, args.to, args.out, args.tokenizer)
+    out = export(args.checkpoint, args.to, args.out, args.tokenizer, args.batch_size)
     print(f"wrote {out} ({args.to})")
     return 0

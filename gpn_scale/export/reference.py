@@ -15,7 +15,12 @@ optax.clip_by_global_norm(.), optax.adamw(schedule, ..., mask=matrices))`, gives
 
 mu and nu are gpn-scale's AdamW moments (exp_avg, exp_avg_sq: the same recurrences), both counts
 the number of updates made (zeros and 0 for a checkpoint without optimiser state, such as a native
-one). `data_position` is the number of training tokens the run consumed. Arrays are NumPy: the
+one). `data_position` is in the paper's unit: its trainer passes it to its loader as
+`dataset.batches(batch_size, start=data_position)` and adds one per batch, so it is the index of the
+next batch, the run's consumed windows (step x global batch) divided by the batch size the paper's
+trainer will run with (`--batch-size`, default the run's global batch). Where the two differ, or
+the windows are not a whole number of such batches, a note says so; the position is rounded down,
+so the paper's trainer re-reads at most one partial batch and skips none. Arrays are NumPy: the
 paper's loader puts them back on its devices.
 
 Writing it needs neither jax nor optax: optax's state classes are stood in for by NamedTuples of
@@ -108,13 +113,34 @@ def optimizer_state(params: dict[str, np.ndarray], adam, cfg) -> tuple:
     return (EmptyState(), (ScaleByAdamState(count(), mu, nu), MaskedState(EmptyState()), ScaleByScheduleState(count())))
 
 
-def write(source, out: Path) -> None:
+def data_position(state, batch_size: int | None, note=print) -> int:
+    """The paper's batch index that follows the windows the run consumed (see the module's docstring);
+    `state`: the checkpoint's TrainerState (None: a checkpoint that never trained here, position 0)."""
+    if batch_size is not None and batch_size < 1:
+        raise UserError(f"--batch-size: expected a number of windows >= 1, got {batch_size}")
+    if state is None:
+        return 0
+    consumed = state.step * state.global_batch
+    size = batch_size or state.global_batch
+    position, left = divmod(consumed, size)
+    if size != state.global_batch:
+        note(f"note: the run's batches held {state.global_batch} windows; data_position {position} counts "
+             f"batches of {size}: run the paper's trainer with batch_size {size}")
+    if left:
+        note(f"note: the run consumed {consumed} windows, not a whole number of batches of {size}: the paper's "
+             f"trainer starts {left} windows before where the run stopped (re-reading them, skipping none)")
+    return position
+
+
+def write(source, out: Path, batch_size: int | None = None) -> None:
+    import sys
+
     from gpn_scale.checkpoints import read_adam_state
 
     params = to_reference(source.model)
     adam = read_adam_state(source.checkpoint, source.model) if source.checkpoint is not None else None
-    tokens = 0 if source.trainer_state is None else source.trainer_state.tokens
-    payload = {"step": source.step or 0, "data_position": tokens, "params": params,
+    position = data_position(source.trainer_state, batch_size, lambda line: print(line, file=sys.stderr))
+    payload = {"step": source.step or 0, "data_position": position, "params": params,
                "opt_state": optimizer_state(params, adam, source.model.config)}
     with open(out / CHECKPOINT, "wb") as f:
         _Pickler(f, protocol=4).dump(payload)

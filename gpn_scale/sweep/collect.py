@@ -12,6 +12,7 @@ from gpn_scale.errors import UserError
 from gpn_scale.jsonl import read_jsonl
 from gpn_scale.sweep.fit import fit_power_law
 from gpn_scale.sweep.run import final_val_loss, status
+from gpn_scale.textfiles import read_json
 
 COLUMNS = ["name", "family", "seed", "target_params", "params", "tokens_per_param", "tokens", "flops", "lr",
            "steps", "status", "final_train_loss", "val_loss"]
@@ -31,7 +32,7 @@ def _train_flops(point: dict, tokens: int) -> float:
 def results(out: Path) -> list[dict]:
     rows = []
     for point_file in sorted(out.glob("*/point.json")):
-        point, run_dir = json.loads(point_file.read_text()), point_file.parent
+        point, run_dir = read_json(point_file), point_file.parent
         train_rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
         tokens = train_rows[-1]["tokens"] if train_rows else 0
         rows.append({**{k: point[k] for k in COLUMNS if k in point}, "tokens": tokens,

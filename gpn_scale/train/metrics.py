@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from gpn_scale.jsonl import JsonLines, truncate_jsonl
+from gpn_scale.textfiles import read_text
 
 # Off a terminal (a SLURM log, nohup) a redrawn bar is unreadable: a plain line this often instead.
 LINE_EVERY_S = 30.0
@@ -180,7 +181,7 @@ class MetricsLog:
             import wandb
 
             id_file = run_dir / "wandb_id"
-            run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)
+            run_id = read_text(id_file).strip() if id_file.is_file() else secrets.token_hex(6)
             id_file.write_text(run_id)
             self.wandb = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(run_dir),
                                     mode=wandb_mode, config=config)

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpn_scale import checkpoints, outputs
+from gpn_scale import checkpoints, mds_index, outputs
 from gpn_scale.errors import UserError
 from gpn_scale.train.config import TrainConfig
 from gpn_scale.train.data import resolve_location
@@ -29,16 +29,10 @@ def data_info(location: str, split: str) -> DataInfo | None:
     if "://" in location:
         return None
     resolve_location(location, None, split)  # an MDS directory, or a one-line error
-    index_path = Path(location) / "index.json"
     try:
-        shards = json.loads(index_path.read_text())["shards"]
-        encodings = {s["column_encodings"][s["column_names"].index("tokens")] for s in shards}
-        samples = sum(s["samples"] for s in shards)
-    except (ValueError, KeyError, TypeError, IndexError):
-        raise UserError(f"data.{split}: {index_path}: not an index of the prep's MDS shards (a `tokens` column)") from None
-    lengths = {int(e.rsplit(":", 1)[-1]) for e in encodings if e.count(":") == 2}
-    if len(lengths) > 1:
-        raise UserError(f"data.{split}: {index_path}: shards of different window lengths {sorted(lengths)}")
+        index = mds_index.check(location, hashes=False)  # hashes: by the loader's leader, once per node
+    except UserError as e:
+        raise UserError(f"data.{split}: {e}") from None
     vocab = None
     stats_path = Path(location).parent / "stats.json"
     if stats_path.is_file():
@@ -46,7 +40,7 @@ def data_info(location: str, split: str) -> DataInfo | None:
             vocab = int(json.loads(stats_path.read_text())["vocab_size"])
         except (ValueError, KeyError, TypeError):
             raise UserError(f"{stats_path}: unreadable (expected the prep's stats.json with vocab_size)") from None
-    return DataInfo(lengths.pop() if lengths else None, samples, vocab)
+    return DataInfo(index.seq_len, index.samples, vocab)
 
 
 def check_run_dir(run_dir: Path, config_file: Path | None) -> None:
