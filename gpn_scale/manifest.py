@@ -131,7 +131,13 @@ def link_outside(directory: str | Path, besides: tuple[str, ...] = ()) -> str | 
     loader follows links, so a link out would load (or verify) a file the checkpoint does not hold."""
     directory = Path(directory)
     root = directory.resolve()
+    seen: set[Path] = set()
     for here, dirs, names in os.walk(directory, followlinks=True):
+        real_here = Path(here).resolve()
+        if real_here in seen:  # reached again through a link: its entries were looked at
+            dirs[:] = []
+            continue
+        seen.add(real_here)
         rel_here = Path(here).relative_to(directory)
         if rel_here == Path("."):
             dirs[:] = [d for d in dirs if d not in besides]
@@ -141,8 +147,9 @@ def link_outside(directory: str | Path, besides: tuple[str, ...] = ()) -> str | 
             if path.is_symlink():
                 target = path.resolve()
                 if not target.is_relative_to(root):
-                    dirs[:] = [d for d in dirs if d != name]  # not walked into
                     return f"{rel_here / name} is a symlink to {target}, outside {directory}"
+                if target.is_dir() and real_here.is_relative_to(target):  # a loop: walked forever by a loader
+                    return f"{rel_here / name} is a symlink to {target}, a directory that holds it"
     return None
 
 

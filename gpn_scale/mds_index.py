@@ -9,6 +9,9 @@ what the project's own prep writes: version 2 MDS shards whose every file name i
 path that stays inside the split's directory (no `.`/`..` part, no duplicate, no symlink leading
 out), a `tokens` column of fixed-length integer windows, sizes (and hashes, where the index
 lists any) that match the files present, and a shard header that agrees with the sample count.
+Streaming writes a fetched or decompressed file to `NAME.tmp` first and then renames it, and an
+open for writing follows a symlink: a `NAME.tmp` that is a symlink (or anything but a file left by
+an interrupted write) is refused too.
 Anything else is one line naming the file, the shard and the field (`UserError`), before
 Streaming has read or written anything.
 
@@ -36,8 +39,9 @@ SHARD_KEYS = {"column_encodings", "column_names", "column_sizes", "compression",
               "raw_data", "samples", "size_limit", "version", "zip_data"}  # MDSReader's fields, no others
 TOKEN_ENCODING = re.compile(r"ndarray:(u?int(?:8|16|32|64)):([1-9][0-9]*)")
 COMPRESSION = re.compile(r"(br|bz2|gz|snappy|zstd)(:[0-9]+)?")  # Streaming's codecs, with a level
-# Cheapest first: one listed hash is checked per file.
+# Cheapest first: one listed hash is checked per file (any other hashlib or xxhash name, if none of these).
 HASH_ORDER = ("xxh3_64", "xxh64", "xxh3_128", "xxh128", "xxh32", "md5", "sha1", "sha256", "sha512")
+STAGING = ".tmp"  # Streaming's suffix for a file it is writing (download, decompression)
 READ_BLOCK = 1 << 22
 
 
@@ -127,7 +131,7 @@ def _tokens_column(where: str, shard: dict) -> tuple[int, str]:
             and len(names) == len(encodings) == len(sizes) and all(isinstance(x, str) for x in names + encodings)):
         raise UserError(f"{where}: column_names/column_encodings/column_sizes: expected three lists of one length")
     if TOKENS not in names:
-        raise UserError(f"{where}: column_names: no {TOKENS!r} column (columns: {', '.join(names) or 'none'})")
+        raise UserError(f"{where}: column_names: no {TOKENS!r} column (columns: {', '.join(map(repr, names)) or 'none'})")
     for name, encoding in zip(names, encodings):
         if encoding in ("pkl", "pickle"):  # decoding a pickle runs code
             raise UserError(f"{where}: column_encodings: column {name!r} is a pickle; refused")
@@ -150,6 +154,10 @@ def _file_info(where: str, field: str, info, root: Path, seen: dict[str, int], s
     if not (root / name).resolve().is_relative_to(root):
         raise UserError(f"{where}: {field}.basename: {root / name} leads outside the dataset's directory {root} "
                         "(a symlink)")
+    staging = root / (name + STAGING)
+    if staging.is_symlink() or (os.path.lexists(staging) and not staging.is_file()):
+        raise UserError(f"{where}: {field}.basename: {staging}, where Streaming writes {name} before renaming it, "
+                        "is a symlink or not a file (a write through it would land elsewhere)")
     if name in seen:
         raise UserError(f"{where}: {field}.basename: {name!r} is also shard {seen[name]}'s file")
     seen[name] = shard
@@ -162,7 +170,8 @@ def _file_info(where: str, field: str, info, root: Path, seen: dict[str, int], s
 
 def _plain_relative(name: str) -> bool:
     parts = name.split("/")
-    return (bool(name) and "\\" not in name and "\0" not in name and not name.startswith("/")
+    return (bool(name) and "\\" not in name and not any(ord(c) < 32 or ord(c) == 127 for c in name)
+            and not name.startswith("/")
             and not re.match(r"[A-Za-z]:", name) and all(p not in ("", ".", "..") for p in parts))
 
 
@@ -177,15 +186,22 @@ def _check_present(where: str, field: str, info: dict, root: Path, hashes: bool)
     if size != info["bytes"]:
         raise UserError(f"{where}: {field}.bytes: the index lists {info['bytes']}, {path} holds {size} bytes")
     if hashes and info.get("hashes"):
-        algo = next((a for a in HASH_ORDER if a in info["hashes"]), None)
+        algo = next((a for a in HASH_ORDER if a in info["hashes"]), None) or next(
+            (a for a in sorted(info["hashes"]) if _supported(a)), None)
         if algo is None:
             raise UserError(f"{where}: {field}.hashes: none of {sorted(info['hashes'])} is a hash gpn-scale checks "
-                            f"(one of {', '.join(HASH_ORDER)})")
+                            f"(hashlib's or xxhash's, e.g. {', '.join(HASH_ORDER[:3])})")
         digest = _digest(path, algo)
         if digest != info["hashes"][algo].lower():
             raise UserError(f"{where}: {field}.hashes.{algo}: {path} hashes to {digest}, the index lists "
                             f"{info['hashes'][algo]}")
     return True
+
+
+def _supported(algo: str) -> bool:
+    import xxhash
+
+    return algo in xxhash.algorithms_available or (algo in hashlib.algorithms_available and not algo.startswith("shake"))
 
 
 def _digest(path: Path, algo: str) -> str:

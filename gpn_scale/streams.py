@@ -34,6 +34,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -117,9 +118,12 @@ def check_index(local: str, remote: str | None) -> None:
 def fetch_remote_index(remote: str, local: Path, timeout: float = 60.0) -> None:
     """`remote`'s index in the cache directory `local`, checked before it takes its real name (a
     bad one is removed: it was this call's own temporary file). An index already there is kept."""
-    final, tmp = local / mds_index.INDEX, local / f"{mds_index.INDEX}.gpn-scale.tmp"
+    final = local / mds_index.INDEX
     if final.exists():
         return
+    # A name of this process's own: two jobs sharing a cache (or two nodes' leaders on one host) may
+    # fetch at once, and each renames only what it checked itself.
+    tmp = local / f"{mds_index.INDEX}.gpn-scale.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     dataset_class()  # Streaming's packages, without their heavy __init__
     from streaming.base.storage.download import CloudDownloader
 

@@ -266,13 +266,14 @@ def test_other_formats_and_gadgets_in_one_plain_zip_are_refused(tmp_path):
     assert not (tmp_path / "marker").exists()
 
 
-def test_a_directory_linked_into_a_checkpoint_is_checked_like_one_inside_it(tmp_path):
+def test_a_directory_linked_into_a_checkpoint_from_outside_is_refused_before_any_file_is_read(tmp_path):
     (tmp_path / "elsewhere").mkdir()
     plant_torch_save(tmp_path / "elsewhere" / "fp32.pt", tmp_path / "marker")
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "zero").symlink_to(tmp_path / "elsewhere")
     problem = safe_load.checkpoint_problem(tmp_path / "ckpt")
-    assert f"{tmp_path / 'ckpt' / 'zero' / 'fp32.pt'}: refusing to load" in problem and "posix.system" in problem
+    assert problem == f"{tmp_path / 'ckpt'}: zero is a symlink to {tmp_path / 'elsewhere'}, outside {tmp_path / 'ckpt'}"
+    assert not (tmp_path / "marker").exists()
 
 
 # ---- refusals of other plantings, through the CLI
@@ -454,8 +455,16 @@ def test_a_checkpoint_file_linked_to_outside_is_refused_by_verify_resume_and_eva
     assert main(["eval", str(run), "--data", str(runs / "data" / "val"), "--out", str(tmp_path / "eval")]) == 2
     assert "no complete training checkpoint there" in capsys.readouterr().err
     assert safe_load.checkpoint_problem(tag_dir, besides=DERIVED).endswith(f"outside {tag_dir}")
-    # a link inside the checkpoint is one of its files
+    # a link to a directory that holds it: a loader would walk it forever
     weights.unlink()
+    shutil.move(outside, weights)
+    (tag_dir / "loop").symlink_to(tag_dir)
+    assert main(["ckpt", "verify", str(tag_dir)]) == 1
+    assert f"loop is a symlink to {tag_dir.resolve()}, a directory that holds it" in capsys.readouterr().out
+    (tag_dir / "loop").unlink()
+    outside = tmp_path / "elsewhere.pt"
+    shutil.move(weights, outside)
+    # a link inside the checkpoint is one of its files
     shutil.move(outside, tag_dir / "weights.real")
     weights.symlink_to(tag_dir / "weights.real")
     reseal(tag_dir)
