@@ -6,6 +6,9 @@
     PYTHONPATH=. python bench/step_cost.py --device cuda              # the same count on a GPU
     PYTHONPATH=. python bench/step_cost.py memory_form=step           # the memory's step form (default: as on a GPU, chunk)
     PYTHONPATH=. python bench/step_cost.py --config transformer_130m  # the Transformer++ baseline alone
+    PYTHONPATH=. python bench/step_cost.py --batch 4,8,16,32,64,128,256,512   # what each batch buys
+    PYTHONPATH=. python bench/step_cost.py --config transformer_130m --batch 256 --contexts 2048,8192,32768,131072
+    PYTHONPATH=. python bench/step_cost.py --config bench/gpt2_124m.yaml --hardware h100 --baseline-seq-len 1024 --batch 64
 
 A GPN+M step is a strictly sequential chain of kernels, repeated T times forward and again in the
 reverse sweep, so its speed on a GPU is set by what each step launches. This script runs a
@@ -47,16 +50,28 @@ M once forward, and backward reads M_c once (the rebuild), dL/dM twice and write
 `memory_reads=compute` under bf16 the per-step reads are of a bf16 copy of M_c, made once per chunk
 each way (M_c read, the half-size copy written).
 
-The baseline (`--baseline`, default transformer_130m) is Transformer++ counted the same way: one
-window of `--baseline-seq-len` tokens forward and backward at the measured batches, extrapolated,
-its GEMMs, norms and elementwise ops as launched (eager), attention replaced by FlashAttention-2's
-causal costs: forward 2 B H T^2 D FLOPs (QK^T and PV, half the square), backward 2.5 times that,
-bytes Q, K, V read and O written forward, Q, K, V, O, dO read and dQ, dK, dV written backward
-(bf16, plus the row statistics in float32), at the same roofline as a GEMM. Its tokens/s is
-B T over the window's time; printed beside it, the bound of its GEMMs and attention alone
-(what a compiler that fused every elementwise op into them would approach).
+The schedule (bench/schedule.py): every launch of the windows is a node with its roofline time,
+its shares of the bandwidth, the arithmetic and the SMs, and its stream; the step's estimate is the
+critical path of the launches on their streams, each after a graph's launch gap, kernels that run
+at once sharing the device so that nothing is used beyond 100%. On one stream that is the launches'
+times and gaps one after another. Launches are extrapolated to `--batch` one by one.
 
-Imports only torch and triton besides the source tree (and yaml, through gpn_scale.config).
+The baseline (`--baseline`, default transformer_130m) is Transformer++ counted the same way and
+then as a tuned implementation runs it: one window of `--baseline-seq-len` tokens forward and
+backward at the measured batches, attention replaced by FlashAttention-2's causal costs (forward
+2 B H T^2 D FLOPs, QK^T and PV over half the square, backward 2.5 times that; bytes Q, K, V read
+and O written forward, Q, K, V, O, dO read and dQ, dK, dV written backward, bf16, plus the row
+statistics in float32; timed as a GEMM), and every run of launches between two GEMMs or attention
+calls fused into one kernel that reads what comes from outside the run once and writes what is
+read after it (`fuse_elementwise`, torch.compile's fusion). Its tokens/s is B T over the window's
+time with a graph's gap per launch; printed beside it, the same window as launched (eager) and the
+bound of its GEMMs and attention alone. Every ratio GPN+M prints is against the tuned count.
+`--contexts` gives it at longer windows holding as many tokens per step (what is not attention is
+linear in the tokens, attention is FlashAttention's at the context). `--config bench/gpt2_124m.yaml
+--hardware h100 --baseline-seq-len 1024` is the calibration against published GPT-2 runs.
+
+Imports only torch and triton besides the source tree (and yaml, through gpn_scale.config); run it from the
+repository's root with PYTHONPATH=. (bench/schedule.py is imported as bench.schedule).
 """
 
 from __future__ import annotations
@@ -74,6 +89,8 @@ from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench.schedule import Node, critical_path, wave_share
 
 PHASES = ("forward", "backward")
 KINDS = ("gemm", "triton", "cast", "copy", "other")
@@ -96,6 +113,10 @@ class Hardware:
 
 
 H200 = Hardware()
+# The H100 SXM has the H200's compute and 3.35 TB/s (datasheet) of HBM3 against 4.8: the same 90%
+# of it achieved by a copy as on the H200. Used to calibrate the baseline against published H100 runs.
+H100 = Hardware(name="H100", bytes_per_s=3.0e12)
+HARDWARE = {"h200": H200, "h100": H100}
 
 
 @dataclass
@@ -113,6 +134,12 @@ class Launch:
     # Triton: (bytes, contents changed) per tensor argument; `settle_writes` sets read and written
     args: tuple = ()
     memory: bool = False  # launched by the memory's code (kernels/memory, kernels/memory_chunk)
+    # the storages it reads and writes, (storage address, bytes) each: its place in the window's
+    # data flow (`dataflow`), which the tuned baseline's fusion and the schedule follow
+    reads: tuple = ()
+    writes: tuple = ()
+    stream: int = 0  # the stream it was launched on (the fused core uses one today)
+    shape: tuple = ()  # a GEMM's (batch, m, n): its output tiles, the SMs it occupies
 
 
 # ---- the counter -----------------------------------------------------------------------------
@@ -133,6 +160,17 @@ def _nbytes(t: torch.Tensor) -> int:
     for size, stride in zip(t.shape, t.stride()):
         n *= size if stride != 0 else min(size, 1)
     return n * t.element_size()
+
+
+def _place(t: torch.Tensor) -> tuple[int, int]:
+    """(the address of t's storage, t's bytes): which data a launch touches, and how much of it."""
+    return t.untyped_storage().data_ptr(), _nbytes(t)
+
+
+def _rescaled(places: list, total: int) -> list:
+    """`places` with their bytes scaled to sum to `total` (an indexed op touches a share of each)."""
+    whole = sum(n for _, n in places)
+    return [(ptr, n * total / whole) for ptr, n in places] if whole else places
 
 
 def _indexed_bytes(name, args, out) -> tuple[int, int]:
@@ -174,11 +212,11 @@ def _tensors(x):
     return []
 
 
-def _gemm_flops(name, args) -> tuple[int, str]:
+def _gemm_flops(name, args) -> tuple[int, str, tuple]:
     a, b = (args[i] for i in _GEMM_OPERANDS[name])
     batch = a.shape[0] if a.dim() == 3 else 1
     m, k = a.shape[-2:]
-    return 2 * batch * m * k * b.shape[-1], str(a.dtype).removeprefix("torch.")
+    return 2 * batch * m * k * b.shape[-1], str(a.dtype).removeprefix("torch."), (batch, m, b.shape[-1])
 
 
 class LaunchCounter(TorchDispatchMode):
@@ -198,34 +236,38 @@ class LaunchCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if self._in_triton or func.is_view or name in _NO_LAUNCH:
             return out
-        read = written = 0
-        mutated = []
+        reads, writes = [], []
         for i, a in enumerate(func._schema.arguments):
             value = kwargs[a.name] if a.name in kwargs else args[i] if i < len(args) and not a.kwarg_only else None
             for t in _tensors(value):
-                writes = a.alias_info is not None and a.alias_info.is_write
-                if writes:
-                    mutated.append(t)
-                    written += _nbytes(t)
-                if not writes or not (a.is_out or name in _OVERWRITES):
-                    read += _nbytes(t)
-        written += sum(_nbytes(t) for t in _tensors(out) if not any(t is m for m in mutated))
+                mutates = a.alias_info is not None and a.alias_info.is_write
+                if mutates:
+                    writes.append(t)
+                if not mutates or not (a.is_out or name in _OVERWRITES):
+                    reads.append(t)
+        writes += [t for t in _tensors(out) if not any(t is m for m in writes)]
+        read, written = sum(map(_nbytes, reads)), sum(map(_nbytes, writes))
+        reads, writes = [_place(t) for t in reads], [_place(t) for t in writes]
         if name in _INDEXED:
             read, written = _indexed_bytes(name, args, out)
+            # the indexed tensor's share is the elements touched: scale its entries to the totals
+            reads = _rescaled(reads, read)
+            writes = _rescaled(writes, written)
         elif name in _METADATA_ONLY:
-            read = 0
+            read, reads = 0, []
         inputs = _tensors(args)
         dtype = str(inputs[0].dtype).removeprefix("torch.") if inputs else ""
-        flops, kind = 0, "other"
+        flops, kind, shape = 0, "other", ()
         if name in _GEMM_OPERANDS:
             kind = "gemm"
-            flops, dtype = _gemm_flops(name, args)
+            flops, dtype, shape = _gemm_flops(name, args)
         elif name in ("_to_copy", "copy_", "clone", "_copy_from"):
             src = args[1] if name == "copy_" else args[0]
             dst = _tensors(out)[0]
             kind = "cast" if src.dtype != dst.dtype else "copy"
             dtype = f"{src.dtype}->{dst.dtype}".replace("torch.", "") if kind == "cast" else str(dst.dtype).removeprefix("torch.")
-        self.launches.append(Launch(self.phase, kind, name, dtype, 0, read, written, flops, memory=_from_memory_code()))
+        self.launches.append(Launch(self.phase, kind, name, dtype, 0, read, written, flops, memory=_from_memory_code(),
+                                    reads=tuple(reads), writes=tuple(writes), shape=shape))
         return out
 
     # Triton launches
@@ -248,7 +290,7 @@ class LaunchCounter(TorchDispatchMode):
                 dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
                 module = getattr(getattr(fn, "fn", None), "__module__", "")
                 counter.launches.append(Launch(counter.phase, "triton", fn.__name__, dtype, math.prod(grid), 0, 0, 0,
-                                               tuple(zip(map(_nbytes, tensors), changed)), module.startswith(MEMORY_MODULES)))
+                                               tuple(zip(map(_place, tensors), changed)), module.startswith(MEMORY_MODULES)))
                 return result
             finally:
                 counter._in_triton = False
@@ -279,8 +321,9 @@ def settle_writes(windows: list[list[Launch]]) -> None:
     for launches in windows:
         for x in launches:
             if x.kind == "triton":
-                x.written = sum(n for i, (n, _) in enumerate(x.args) if i in written[x.name])
-                x.read = sum(n for i, (n, _) in enumerate(x.args) if i not in written[x.name])
+                x.writes = tuple(place for i, (place, _) in enumerate(x.args) if i in written[x.name])
+                x.reads = tuple(place for i, (place, _) in enumerate(x.args) if i not in written[x.name])
+                x.written, x.read = sum(n for _, n in x.writes), sum(n for _, n in x.reads)
 
 
 def _triton_kernel_classes() -> list:
@@ -371,8 +414,8 @@ def difference(short: dict[Key, Tally], long: dict[Key, Tally], steps: tuple[int
     return per_step, fixed
 
 
-def step_costs(model, batches: list[int], steps: tuple[int, int], dtype: str, device, warm: bool = True):
-    """Per batch, (per step, once per window) tallies from windows of steps[0] and steps[1] steps.
+def measure(model, batches: list[int], steps: tuple[int, int], dtype: str, device, warm: bool = True) -> dict:
+    """Per batch, the launches of a window of steps[0] and of steps[1] steps, their writes settled.
 
     `warm`: one window first, uncounted, which compiles the kernels and makes the constants that
     are made once (not needed when this model has already run windows of these shapes)."""
@@ -380,13 +423,47 @@ def step_costs(model, batches: list[int], steps: tuple[int, int], dtype: str, de
         window(model, batches[0], steps[0], dtype, device, counted=False)
     runs = {b: [window(model, b, T, dtype, device) for T in steps] for b in batches}
     settle_writes([w for pair in runs.values() for w in pair])
+    return runs
+
+
+def costs_of(runs: dict, steps: tuple[int, int]) -> dict:
+    """Per batch, (per step, once per window) tallies from `measure`'s windows."""
     return {b: difference(tally(short), tally(long), steps) for b, (short, long) in runs.items()}
+
+
+def step_costs(model, batches: list[int], steps: tuple[int, int], dtype: str, device, warm: bool = True):
+    """Per batch, (per step, once per window) tallies from windows of steps[0] and steps[1] steps."""
+    return costs_of(measure(model, batches, steps, dtype, device, warm), steps)
+
+
+def save_launches(path: str, runs: dict, steps) -> None:
+    """`measure`'s windows as JSON, for `--launches` to report from again without counting."""
+    with open(path, "w") as f:
+        json.dump(dict(steps=list(steps), windows={str(b): [[dataclasses.asdict(x) for x in w] for w in pair]
+                                                   for b, pair in runs.items()}), f)
+
+
+def load_launches(path: str) -> tuple[dict, tuple[int, int]]:
+    from gpn_scale.textfiles import read_json
+
+    data = read_json(path)
+
+    def launch(d):
+        d = {k: tuple(tuple(e) if isinstance(e, list) else e for e in v) if isinstance(v, list) else v for k, v in d.items()}
+        d["args"] = tuple((tuple(place), changed) for place, changed in d["args"])
+        return Launch(**d)
+
+    return {int(b): [[launch(d) for d in w] for w in pair] for b, pair in data["windows"].items()}, tuple(data["steps"])
 
 
 def extrapolate(at: dict[int, dict[Key, Tally]], batch: int) -> dict[Key, Tally]:
     """Tallies at `batch` from those at two batches: counts equal, the rest linear in the batch."""
     if len(at) == 1:
-        return next(iter(at.values()))
+        (measured, tallies), = at.items()
+        if batch != measured:
+            raise SystemExit(f"error: counted at batch {measured} alone, asked for {batch:g}: measure two batches "
+                             "(--measure-batches) to extrapolate")
+        return tallies
     (b0, x0), (b1, x1) = sorted(at.items())
     out = {}
     for key in x0.keys() | x1.keys():
@@ -454,6 +531,42 @@ def memory_floor(cfg, hw: Hardware, dtype: str = "fp32") -> dict | None:
                 backward_bytes_per_token=bwd, tokens_per_s=hw.bytes_per_s / (fwd + bwd))
 
 
+def weight_floor(costs: dict, batch: int, floor: dict | None, hw: Hardware) -> dict | None:
+    """The step's batch-independent bytes (the per-step tallies extrapolated to batch 0: the loop's
+    weights read by the step GEMMs each way, the weight gradients spread over the chunk) and the
+    tokens/s they leave at `batch` beside M's floor: B / (those bytes + B x M's bytes per token) at
+    the bandwidth."""
+    if len(costs) < 2:
+        return None
+    at_zero = extrapolate({b: c[0] for b, c in costs.items()}, 0)
+    fixed = sum(t.read + t.written for t in at_zero.values())
+    m = (floor["forward_bytes_per_token"] + floor["backward_bytes_per_token"]) if floor else 0
+    return dict(bytes_per_step=fixed, seconds=fixed / hw.bytes_per_s,
+                tokens_per_s=batch * hw.bytes_per_s / (fixed + batch * m))
+
+
+def peak_memory(cfg, batch: int, seq_len: int, params: int) -> dict:
+    """Bytes per GPU of a training step of GPN+M, from docs/core.md's "Memory and time trade-offs":
+    what the forward keeps per token, M at every chunk's start, the backward's one chunk of work,
+    and the weights with their gradients and Adam's two moments in float32 (ZeRO 0; ZeRO shards
+    the last three over the data-parallel ranks)."""
+    d, H, dk, dv, L, C = cfg.d_state, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.n_layers, cfg.core_chunk
+    f32, tokens = 4, batch * seq_len
+    m = H * dk * dv * f32 * batch
+    per_token = (2 * d + (L - 1) * (d + 1) + 3 * H) * f32  # u, P; later layers' inputs and rms; the write's gates
+    if cfg.memory_form == "chunk":
+        per_token += (L + 2) * H * dv * f32  # each step's reads, the write's error and delta
+        chunk_m = 4 * m  # M_c, its copy in the reads' dtype, dL/dM in two buffers
+    else:
+        chunk_m = (C + 2) * m  # the chunk's rebuilt M's, dL/dM in two buffers
+    n_rows = 2 * H * dk + 2 * H * dv + 2 * H + 2 * cfg.d_ffn + d  # layer 0's fused projection
+    chunk_rows = C * batch * (2 * n_rows + 2 * (cfg.d_ffn + H * dv) + 4 * d) * f32  # projections, second-GEMM rows, grads
+    logits = 2 * cfg.ce_chunk * cfg.vocab_size * f32
+    parts = dict(saved=tokens * per_token, m_per_chunk=math.ceil(seq_len / C) * m, backward_chunk=chunk_m + chunk_rows,
+                 logits=logits, weights_and_optimizer=params * 16)
+    return dict(parts, total=sum(parts.values()))
+
+
 # ---- the baseline: Transformer++ counted the same way -----------------------------------------
 
 _ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
@@ -474,9 +587,95 @@ def flash_attention(phase: str, batch: int, heads: int, seq: int, head_dim: int)
     return Tally(1, 5 * qkv + 2 * rows, 3 * qkv, 2.5 * fwd_flops)
 
 
-def baseline_tallies(args) -> dict[int, dict[Key, Tally]]:
-    """Transformer++'s training window (--baseline) counted at the measured batches, attention
-    replaced by FlashAttention's costs."""
+@dataclass
+class Flow:
+    """A launch's place in its window's data flow: the versions of storages it reads and writes,
+    with their bytes. Every write makes a new version of its storage; a read reads the latest."""
+
+    reads: dict
+    writes: dict
+
+
+def dataflow(launches: list[Launch]) -> list[Flow]:
+    """The launches' flows, in order. A storage read before any launch wrote it (a parameter, the
+    input) is read at a version of its own; an allocator's reuse of an address is a new write, so
+    it starts a new version as any write does."""
+    latest, flows, fresh = {}, [], iter(range(1 << 62))
+    for x in launches:
+        reads, writes = {}, {}
+        for ptr, n in x.reads:
+            if n:
+                v = latest.setdefault(ptr, next(fresh))
+                reads[v] = max(reads.get(v, 0), n)
+        for ptr, n in x.writes:
+            if n:
+                v = latest[ptr] = next(fresh)
+                writes[v] = n
+        flows.append(Flow(reads, writes))
+    return flows
+
+
+UNFUSED = ("gemm", "attention")  # what a compiler leaves as library calls; everything else it fuses
+
+
+def fuse_elementwise(launches: list[Launch], results: set) -> list[Launch]:
+    """The window as torch.compile runs it: every run of launches between two GEMMs or attention
+    calls, within a phase, becomes one kernel (norm + rotary + casts, SwiGLU's activation, the
+    cross-entropy's passes), which reads once what the run reads from outside it and writes only
+    what is read after the run or is a result of the window (`results`: the storages of the
+    gradients). Its FLOPs are its ops'; GEMMs and attention stay as they are."""
+    flows = dataflow(launches)
+    last_read = {}
+    for i, f in enumerate(flows):
+        for v in f.reads:
+            last_read[v] = i
+    latest = {}
+    for x, f in zip(launches, flows):
+        for (ptr, n), v in zip(((p, n) for p, n in x.writes if n), f.writes):
+            latest[ptr] = v
+    final = {latest[p] for p in results if p in latest}
+    out, i = [], 0
+    while i < len(launches):
+        if launches[i].kind in UNFUSED:
+            out.append(launches[i])
+            i += 1
+            continue
+        j = i
+        while j < len(launches) and launches[j].kind not in UNFUSED and launches[j].phase == launches[i].phase:
+            j += 1
+        made, outside = {}, {}
+        for f in flows[i:j]:
+            for v, n in f.reads.items():
+                if v not in made:
+                    outside[v] = max(outside.get(v, 0), n)
+            made.update(f.writes)
+        written = sum(n for v, n in made.items() if last_read.get(v, -1) >= j or v in final)
+        x = launches[i]
+        out.append(Launch(x.phase, "fused", "elementwise", "mixed", 0, sum(outside.values()), written,
+                          sum(y.flops for y in launches[i:j])))
+        i = j
+    return out
+
+
+@dataclass
+class BaselineCount:
+    """Transformer++'s window counted at the measured batches, at `seq_len`: per batch, the tallies
+    of everything but attention as launched (`eager`) and fused (`tuned`), and the attention calls
+    per phase, whose costs come from `flash_attention` at any context."""
+
+    config: str
+    seq_len: int
+    heads: int
+    head_dim: int
+    eager: dict  # batch -> {Key: Tally}
+    tuned: dict
+    attention_calls: dict  # phase -> attention launches per window
+
+
+def baseline_tallies(args) -> BaselineCount:
+    """Transformer++'s training window (--baseline) counted at the measured batches, as launched
+    and as a compiler fuses it; attention's own launches are set apart (FlashAttention's costs
+    replace them)."""
     from gpn_scale.config import model_config
     from gpn_scale.models import build_model
 
@@ -486,59 +685,180 @@ def baseline_tallies(args) -> dict[int, dict[Key, Tally]]:
     torch.manual_seed(0)
     model = build_model(cfg).to(args.device)
     device, T = torch.device(args.device), args.baseline_seq_len
-    heads, head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
-    at = {}
+    eager, tuned, calls = {}, {}, {}
     for b in args.measure_batches:
         launches = window(model, b, T, args.dtype, device)
-        kept = []
+        results = {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
         for x in launches:
             if x.name in _ATTENTION or x.name in _ATTENTION_BWD:
-                fa = flash_attention(x.phase, b, heads, T, head_dim)
-                x = Launch(x.phase, "attention", "flash_attention", "bfloat16", 0, fa.read, fa.written, fa.flops)
-            kept.append(x)
-        at[b] = tally(kept)
-    return at
+                x.kind = "attention"
+        calls = {p: sum(1 for x in launches if x.kind == "attention" and x.phase == p) for p in PHASES}
+        eager[b] = tally([x for x in launches if x.kind != "attention"])
+        tuned[b] = tally([x for x in fuse_elementwise(launches, results) if x.kind != "attention"])
+    return BaselineCount(args.baseline, T, cfg.n_heads, cfg.d_model // cfg.n_heads, eager, tuned, calls)
 
 
-def baseline_window(args, at: dict[int, dict[Key, Tally]], batch: int, hw: Hardware) -> dict:
-    """The baseline's window at `batch` on the roofline (from `baseline_tallies`): its time and
-    tokens/s, and the bound of its GEMMs and attention alone."""
-    T = args.baseline_seq_len
-    window_tally = extrapolate(at, batch)
-    seconds = sum(kernel_seconds(k, t, hw) for k, t in window_tally.items())
-    launches_n = sum(t.count for t in window_tally.values())
-    graph_s = seconds + launches_n * hw.graph_launch_s
-    core = {k: t for k, t in window_tally.items() if k.kind in ("gemm", "attention")}
-    core_s = sum(kernel_seconds(k, t, hw) for k, t in core.items())
+def baseline_window(count: BaselineCount, batch: int, hw: Hardware, seq_len: int | None = None) -> dict:
+    """The baseline's window of `batch` x `seq_len` tokens (default: as counted) on the roofline:
+    tokens/s tuned (fused, the comparison every GPN+M ratio uses), eager (as launched) and the
+    bound of its GEMMs and attention alone. What is not attention is linear in the tokens beside
+    a part once per window (the weights), so another context is the counted window's tallies at
+    the same number of tokens; attention is FlashAttention-2's at the context itself."""
+    T = seq_len or count.seq_len
     tokens = batch * T
-    return dict(config=args.baseline, seq_len=T, batch=batch, launches=launches_n,
-                bytes=sum(t.read + t.written for t in window_tally.values()), flops=sum(t.flops for t in window_tally.values()),
-                device_s=seconds, graph_s=graph_s, tokens_per_s=tokens / graph_s,
-                gemm_attention_s=core_s, gemm_attention_tokens_per_s=tokens / core_s)
+    same_tokens = tokens / count.seq_len  # the counted context's batch holding as many tokens
+    attention = {}
+    for p in PHASES:
+        fa = flash_attention(p, batch, count.heads, T, count.head_dim)
+        n = count.attention_calls[p]
+        attention[Key(p, "attention", "flash_attention", "bfloat16")] = Tally(n, n * fa.read, n * fa.written, n * fa.flops)
+
+    def timed(at):
+        window_tally = {**extrapolate(at, same_tokens), **attention}
+        seconds = sum(kernel_seconds(k, t, hw) for k, t in window_tally.items())
+        n = sum(t.count for t in window_tally.values())
+        core_s = sum(kernel_seconds(k, t, hw) for k, t in window_tally.items() if k.kind in UNFUSED)
+        return dict(launches=n, bytes=sum(t.read + t.written for t in window_tally.values()),
+                    flops=sum(t.flops for t in window_tally.values()), device_s=seconds,
+                    graph_s=seconds + n * hw.graph_launch_s, core_s=core_s)
+
+    tuned, eager = timed(count.tuned), timed(count.eager)
+    return dict(config=count.config, seq_len=T, batch=batch, hardware=hw.name, launches=tuned["launches"],
+                bytes=tuned["bytes"], flops=tuned["flops"], device_s=tuned["device_s"], graph_s=tuned["graph_s"],
+                tokens_per_s=tokens / tuned["graph_s"], eager=dict(launches=eager["launches"], bytes=eager["bytes"],
+                graph_s=eager["graph_s"], tokens_per_s=tokens / eager["graph_s"]),
+                gemm_attention_s=tuned["core_s"], gemm_attention_tokens_per_s=tokens / tuned["core_s"])
+
+
+# ---- the schedule: kernels on their streams ----------------------------------------------------
+
+GEMM_TILE = (128, 128)  # a GEMM's output tile per thread block (cuBLAS's on Hopper are this or larger)
+
+
+def launches_at(pair: tuple[list[Launch], list[Launch]], batches: tuple[int, int], batch: int) -> list[Launch]:
+    """One window's launches at `batch` from the same window at two batches: the same launches in
+    the same order, bytes, FLOPs, grids and GEMM shapes linear in the batch."""
+    (b0, w0), (b1, w1) = sorted(zip(batches, pair))
+    if len(w0) != len(w1) or any((x.name, x.phase, x.stream) != (y.name, y.phase, y.stream) for x, y in zip(w0, w1)):
+        raise SystemExit(f"error: the window launches differently at batch {b0} and {b1}: measure at --batch directly")
+    f = (batch - b0) / (b1 - b0)
+    line = lambda p, q: p + (q - p) * f  # noqa: E731
+    return [dataclasses.replace(x, read=line(x.read, y.read), written=line(x.written, y.written),
+                                flops=line(x.flops, y.flops), programs=round(line(x.programs, y.programs)),
+                                shape=tuple(round(line(p, q)) for p, q in zip(x.shape, y.shape)))
+            for x, y in zip(w0, w1)]
+
+
+def launch_node(x: Launch, hw: Hardware):
+    """A launch as a node of the schedule (bench/schedule.py): its time alone, its shares of the
+    device. A Triton grid takes its programs' share of the SMs (all of them from one wave up); a
+    GEMM its output tiles' share averaged over its waves; other torch ops the whole GPU."""
+    seconds = kernel_seconds(Key(x.phase, x.kind, x.name, x.dtype), Tally(1, x.read, x.written, x.flops, x.programs), hw)
+    peak = hw.flops_per_s.get(x.dtype, hw.flops_per_s["float32"])
+    if x.programs:
+        sms = min(1.0, x.programs / hw.sms)
+    elif x.shape:
+        batch, m, n = x.shape
+        sms = wave_share(batch * math.ceil(m / GEMM_TILE[0]) * math.ceil(n / GEMM_TILE[1]), hw.sms)
+    else:
+        sms = 1.0
+    share = lambda v: v / seconds if seconds else 0.0  # noqa: E731
+    return Node(x.name, x.stream, seconds, share((x.read + x.written) / hw.bytes_per_s), share(x.flops / peak), sms,
+                gap=hw.graph_launch_s)
+
+
+def scheduled_step(runs: dict, steps: tuple[int, int], batch: int, hw: Hardware) -> dict:
+    """Per phase, one time step's time on the schedule: the critical path of the window of
+    steps[1] steps minus that of steps[0], over the difference; with graph replay's gaps."""
+    batches = tuple(sorted(runs))
+    out = {}
+    for phase in PHASES:
+        spans = []
+        for i in range(2):
+            if len(batches) == 1:
+                window_launches = runs[batches[0]][i]
+            else:
+                window_launches = launches_at((runs[batches[0]][i], runs[batches[1]][i]), batches[:2], batch)
+            spans.append(critical_path([launch_node(x, hw) for x in window_launches if x.phase == phase]))
+        out[phase] = (spans[1] - spans[0]) / (steps[1] - steps[0])
+    streams = {x.stream for pair in runs.values() for w in pair for x in w}
+    return dict(phases=out, seconds=sum(out.values()), tokens_per_s=batch / sum(out.values()), streams=len(streams))
+
+
+ONCE_PER_CHUNK_KERNELS = {"_gate_factors", "_chunk_carry_back", "_chunk_dm_products", "_ce_lse", "_ce_grad"}
+MEMORY_STEP_KERNELS = ("_chunk_step", "_step_fwd", "_step_bwd", "_read_fwd", "_read_bwd", "_gated_rms", "_head_sums")
+
+
+def _once_per_chunk(x: Launch, batch: int) -> bool:
+    """Whether a launch of the reverse sweep is once-per-chunk work rather than a step's: a GEMM
+    not of the step's B rows (the recomputed projection, the weight gradients), a Triton kernel of
+    the chunk's, any torch op (the chunk algebra, the factors, the bias sums)."""
+    if x.kind == "gemm":
+        return x.shape[1] != batch
+    return x.kind != "triton" or x.name in ONCE_PER_CHUNK_KERNELS
+
+
+OVERLAPS = {
+    "once-per-chunk work beside the sweep": lambda x, b: x.phase == "backward" and _once_per_chunk(x, b),
+    "memory kernels beside the step's GEMMs": lambda x, b: x.kind == "triton" and x.name.startswith(MEMORY_STEP_KERNELS),
+}
+
+
+def overlap_bounds(runs: dict, steps: tuple[int, int], batch: int, hw: Hardware) -> dict:
+    """What moving work to a second stream could buy, under the overlap rule: the step's time with
+    the launches each overlap names (and with both) on stream 1 and no wait between the streams at
+    all, so no data dependency holds them back. Optimistic, for planning, not a schedule the code
+    could run: a real one waits for its inputs."""
+    batches = tuple(sorted(runs))
+    if len(batches) < 2:
+        return {}
+
+    def step_time(side) -> float:
+        total = 0.0
+        for phase in PHASES:
+            spans = []
+            for i in range(2):
+                w = launches_at((runs[batches[0]][i], runs[batches[1]][i]), batches[:2], batch)
+                spans.append(critical_path([launch_node(dataclasses.replace(x, stream=1 if side(x, batch) else 0), hw)
+                                            for x in w if x.phase == phase]))
+            total += (spans[1] - spans[0]) / (steps[1] - steps[0])
+        return total
+
+    bounds = {name: step_time(side) for name, side in OVERLAPS.items()}
+    bounds["both"] = step_time(lambda x, b: any(side(x, b) for side in OVERLAPS.values()))
+    return {name: dict(seconds=t, tokens_per_s=batch / t) for name, t in bounds.items()}
 
 
 # ---- report ----------------------------------------------------------------------------------
 
 
-def report(args, cfg, batch: int, per_step, fixed, hw: Hardware, baseline: dict | None = None) -> dict:
+def report(args, cfg, batch: int, costs: dict, hw: Hardware, baseline: dict | None, runs: dict, params: int) -> dict:
+    per_step = extrapolate({m: c[0] for m, c in costs.items()}, batch)
+    fixed = costs[min(costs)][1]
     phases = {p: phase_cost(per_step, p, hw) for p in PHASES}
     eager = sum(c.eager_s for c in phases.values())
-    graph = sum(c.graph_s for c in phases.values())
+    serial = sum(c.graph_s for c in phases.values())
+    schedule = scheduled_step(runs, tuple(args.steps), batch, hw)
+    graph = schedule["seconds"]
     memory = {p: sum(t.memory for k, t in per_step.items() if k.phase == p) / batch for p in PHASES}
     memory_s = sum(kernel_seconds(k, Tally(t.count, t.memory, 0, 0, t.programs), hw) for k, t in per_step.items() if t.memory)
     rows = [dict(k._asdict(), **dataclasses.asdict(t), seconds=kernel_seconds(k, t, hw))
             for k, t in sorted(per_step.items(), key=lambda kv: (PHASES.index(kv[0].phase), KINDS.index(kv[0].kind), kv[0][2:]))]
     floor = memory_floor(cfg, hw, args.dtype)
-    return dict(config=args.config, overrides=args.overrides, batch=batch, dtype=args.dtype, kernel=args.kernel,
+    return dict(config=args.config, overrides=args.overrides, batch=batch, seq_len=args.seq_len, dtype=args.dtype, kernel=args.kernel,
                 device=args.device, steps=list(args.steps), measured_batches=args.measure_batches,
                 hardware=dataclasses.asdict(hw), phases={p: dataclasses.asdict(c) for p, c in phases.items()},
                 kernels=rows, once_per_window={p: sum(t.count for k, t in fixed.items() if k.phase == p) for p in PHASES},
-                tokens_per_s=dict(eager=batch / eager, graph=batch / graph), memory_floor=floor,
+                tokens_per_s=dict(eager=batch / eager, graph=batch / graph, serial=batch / serial), schedule=schedule,
+                memory_floor=floor, weight_floor=weight_floor(costs, batch, floor, hw),
+                overlap_bounds=overlap_bounds(runs, tuple(args.steps), batch, hw),
+                peak_memory=peak_memory(cfg, batch, args.seq_len, params) if cfg.memory else None,
                 graph_over_floor=(batch / graph) / floor["tokens_per_s"] if floor else None,
                 memory_form=cfg.memory_form if cfg.memory else None, chunk=cfg.core_chunk,
                 memory_bytes_per_token=memory, memory_kernels_us=memory_s * 1e6, baseline=baseline,
                 over_baseline=None if baseline is None else dict(
-                    graph=(batch / graph) / baseline["tokens_per_s"],
+                    tuned=(batch / graph) / baseline["tokens_per_s"],
+                    eager=(batch / graph) / baseline["eager"]["tokens_per_s"],
                     gemm_attention=(batch / graph) / baseline["gemm_attention_tokens_per_s"]))
 
 
@@ -594,6 +914,11 @@ def print_report(r: dict, hw: Hardware) -> None:
           f"{hw.graph_launch_s * 1e6:g} us in a graph): a step of batch {r['batch']} takes "
           f"{r['batch'] / tps['eager'] * 1e6:.1f} us eager, {r['batch'] / tps['graph'] * 1e6:.1f} us replayed: "
           f"{tps['eager'] / 1e3:.1f}K tok/s eager, {tps['graph'] / 1e3:.1f}K tok/s with CUDA graphs")
+    sch = r["schedule"]
+    print(f"schedule: the step's launches on the {sch['streams']} stream{'s' * (sch['streams'] > 1)} they run on, "
+          f"overlapping where they may (bench/schedule.py): forward {sch['phases']['forward'] * 1e6:.1f} us + backward "
+          f"{sch['phases']['backward'] * 1e6:.1f} us; each kernel's time one after another, as counted per kernel: "
+          f"{r['batch'] / tps['serial'] * 1e6:.1f} us ({tps['serial'] / 1e3:.1f}K tok/s)")
     f = r["memory_floor"]
     if f:
         mem = r["memory_bytes_per_token"]
@@ -604,14 +929,47 @@ def print_report(r: dict, hw: Hardware) -> None:
               + (", its per-step reads from a bf16 copy" if f["reads"] == "bf16" else "") + "), "
               f"{f['forward_bytes_per_token'] / MB:.3g} MB per token forward + {f['backward_bytes_per_token'] / MB:.3g} MB "
               f"backward -> {f['tokens_per_s'] / 1e3:.1f}K tok/s; graph estimate / floor: {r['graph_over_floor']:.2f}")
+    if r["overlap_bounds"]:
+        print("with launches on a second stream and no wait between the streams (optimistic, for planning: "
+              + "; ".join(f"{name}: {o['seconds'] * 1e6:.1f} us, {o['tokens_per_s'] / 1e3:.1f}K tok/s"
+                          for name, o in r["overlap_bounds"].items()) + ")")
+    w = r["weight_floor"]
+    if w:
+        print(f"weight floor: {w['bytes_per_step'] / MB:.1f} MB per step whatever the batch (the loop's weights, read "
+              f"each way; the weight gradients) = {w['seconds'] * 1e6:.1f} us; with M's bytes: {w['tokens_per_s'] / 1e3:.1f}K "
+              f"tok/s at batch {r['batch']}")
+    pm = r["peak_memory"]
+    if pm:
+        print(f"peak memory, batch {r['batch']} x {r['seq_len']}: {pm['total'] / 1e9:.1f} GB ("
+              + ", ".join(f"{k.replace('_', ' ')} {v / 1e9:.1f}" for k, v in pm.items() if k != "total")
+              + "); an H200 holds 141 GB")
     b = r["baseline"]
     if b:
-        print(f"baseline {b['config']}: a window of {b['batch']} x {b['seq_len']} tokens, {b['launches']:g} launches, "
-              f"{b['bytes'] / 1e9:.1f} GB, {b['flops'] / 1e12:.1f} TFLOP: {b['graph_s'] * 1e3:.1f} ms -> "
-              f"{b['tokens_per_s'] / 1e3:.1f}K tok/s (GEMMs and attention alone: {b['gemm_attention_tokens_per_s'] / 1e3:.1f}K)")
+        print("baseline " + baseline_line(b))
         o = r["over_baseline"]
-        print(f"GPN estimate / Transformer++ estimate: {o['graph']:.3f} (against its GEMMs and attention alone: "
-              f"{o['gemm_attention']:.3f})")
+        print(f"GPN estimate / Transformer++ (tuned): {o['tuned']:.3f} (against it as launched, eager: {o['eager']:.3f}; "
+              f"against its GEMMs and attention alone: {o['gemm_attention']:.3f})")
+
+
+def print_batches(results: list[dict]) -> None:
+    """What each batch buys: GPN+M's estimate per GPU beside its floors, Transformer++'s, the ratio."""
+    print("\nper batch (tokens/s per GPU; floors: the weight floor with M's bytes, M's bytes alone):")
+    print(f"{'batch':>6s} {'GPN+M':>9s} {'weights+M':>10s} {'M floor':>9s} {'Transformer++':>14s} {'ratio':>6s} "
+          f"{'peak GB':>8s}")
+    for r in results:
+        w, f, b, pm = r["weight_floor"], r["memory_floor"], r["baseline"], r["peak_memory"]
+        cell = lambda v: f"{v / 1e3:8.1f}K" if v else f"{'-':>9s}"  # noqa: E731
+        print(f"{r['batch']:6d} {cell(r['tokens_per_s']['graph'])} {cell(w and w['tokens_per_s']):>10s} "
+              f"{cell(f and f['tokens_per_s'])} {cell(b and b['tokens_per_s']):>14s} "
+              f"{(r['over_baseline'] or {}).get('tuned', float('nan')):6.3f} {pm['total'] / 1e9 if pm else float('nan'):8.1f}")
+
+
+def baseline_line(b: dict) -> str:
+    return (f"{b['config']}: a window of {b['batch']:g} x {b['seq_len']} tokens at the {b['hardware']} roofline, tuned "
+            f"(elementwise work fused, FlashAttention-2): {b['launches']:g} launches, {b['bytes'] / 1e9:.1f} GB, "
+            f"{b['flops'] / 1e12:.1f} TFLOP, {b['graph_s'] * 1e3:.1f} ms -> {b['tokens_per_s'] / 1e3:.1f}K tok/s "
+            f"(as launched, eager: {b['eager']['launches']:g} launches, {b['eager']['tokens_per_s'] / 1e3:.1f}K; "
+            f"GEMMs and attention alone: {b['gemm_attention_tokens_per_s'] / 1e3:.1f}K)")
 
 
 # ---- command line ----------------------------------------------------------------------------
@@ -635,6 +993,13 @@ def parse_args(argv):
     p.add_argument("--baseline", default="transformer_130m",
                    help="a Transformer++ config counted the same way, whose estimate the GPN's is compared with ('none': skip)")
     p.add_argument("--baseline-seq-len", type=int, default=2048, help="the baseline's window length")
+    p.add_argument("--contexts", help="the baseline at these window lengths too, comma-separated, each at as many tokens "
+                   "per step as --batch x --baseline-seq-len (e.g. 2048,8192,32768,131072)")
+    p.add_argument("--seq-len", type=int, default=2048, help="the training window whose peak memory is estimated")
+    p.add_argument("--hardware", choices=sorted(HARDWARE), default="h200", help="the roofline's GPU")
+    p.add_argument("--save-launches", help="write the counted windows' launches here (JSON)")
+    p.add_argument("--launches", help="report from launches saved by --save-launches instead of counting (the same "
+                   "config, overrides, dtype and kernel)")
     args = p.parse_args(argv)
 
     def ints(flag, text, n):
@@ -650,7 +1015,8 @@ def parse_args(argv):
         args.steps = ints("--steps", args.steps, (2,))
         if args.steps[0] >= args.steps[1]:
             p.error(f"--steps: expected two lengths, the shorter first, got {args.steps}")
-    args.batches = ints("--batch", args.batch, range(1, 9))
+    args.contexts = ints("--contexts", args.contexts, range(1, 9)) if args.contexts else []
+    args.batches = ints("--batch", args.batch, range(1, 13))
     args.batch = args.batches[0]
     if args.device != "cpu" and len(args.batches) > 1:
         p.error("--batch: one batch on a GPU (it is measured there, not extrapolated)")
@@ -661,44 +1027,67 @@ def parse_args(argv):
     return args
 
 
-def build(args):
-    """The model of the config, on the device, with the counted kernels and eager loops."""
+def gpn_config(args):
+    """The config counted: core fused, the chosen kernels, loops launched one by one (a graph's
+    replay launches nothing the counter could see), the memory in the form a GPU runs."""
     from gpn_scale.config import model_config, parse_overrides
-    from gpn_scale.models import build_model
 
     cfg = model_config(args.config, parse_overrides(args.overrides))
     if getattr(cfg, "family", None) not in ("gpn", "gpn_m"):
         raise SystemExit(f"error: {args.config}: family: step_cost counts the GPN / GPN+M fused core, got {cfg.family!r}")
-    # Launched one by one (a graph's replay launches nothing the counter could see), the memory in
-    # the form a GPU runs (memory_form auto: chunk).
     cfg = dataclasses.replace(cfg, core="fused", kernel=args.kernel, cuda_graphs=False)
     if cfg.memory:
         cfg = dataclasses.replace(cfg, memory_form=cfg.memory_form_on("cuda"))
+    return cfg
+
+
+def build(args):
+    """The model of the config (`gpn_config`), on the device."""
+    from gpn_scale.models import build_model
+
+    cfg = gpn_config(args)
     torch.manual_seed(0)
     return build_model(cfg).to(args.device), cfg
 
 
-def run(args, hw: Hardware = H200) -> list[dict]:
+def baseline_contexts(args, count: BaselineCount, batch: int, hw: Hardware) -> list[dict]:
+    """The baseline at each of --contexts, as many tokens per step as `batch` windows of the counted length."""
+    tokens = batch * count.seq_len
+    return [baseline_window(count, tokens / T, hw, T) for T in args.contexts]
+
+
+def run(args) -> list[dict]:
     """The reports of the command line's `args` (see parse_args), one per batch."""
+    hw = HARDWARE[args.hardware]
     if args.threads:
         torch.set_num_threads(args.threads)
     from gpn_scale.config import model_config, parse_overrides
 
     if getattr(model_config(args.config, parse_overrides(args.overrides)), "family", None) == "transformer":
         args.baseline = args.config
-        at = baseline_tallies(args)
-        return [dict(config=args.config, baseline=baseline_window(args, at, b, hw)) for b in args.batches]
+        count = baseline_tallies(args)
+        return [dict(config=args.config, baseline=baseline_window(count, b, hw),
+                     contexts=baseline_contexts(args, count, b, hw)) for b in args.batches]
     model, cfg = build(args)
-    if args.steps is None:
-        args.steps = [1, cfg.core_chunk + 1]
-    device = torch.device(args.device)
-    costs = step_costs(model, args.measure_batches, tuple(args.steps), args.dtype, device)
-    at = None if args.baseline == "none" else baseline_tallies(args)
+    params = sum(p.numel() for p in model.parameters())
+    if args.launches:
+        runs, steps = load_launches(args.launches)
+        args.steps, args.measure_batches = list(steps), sorted(runs)
+    else:
+        if args.steps is None:
+            args.steps = [1, cfg.core_chunk + 1]
+        runs = measure(model, args.measure_batches, tuple(args.steps), args.dtype, torch.device(args.device))
+        if args.save_launches:
+            save_launches(args.save_launches, runs, args.steps)
+    costs = costs_of(runs, tuple(args.steps))
+    count = None if args.baseline == "none" else baseline_tallies(args)
     reports = []
     for b in args.batches:
-        per_step = extrapolate({m: c[0] for m, c in costs.items()}, b)
-        baseline = None if at is None else baseline_window(args, at, b, hw)
-        reports.append(report(args, cfg, b, per_step, costs[args.measure_batches[0]][1], hw, baseline))
+        baseline = None if count is None else baseline_window(count, b, hw)
+        r = report(args, cfg, b, costs, hw, baseline, runs, params)
+        if count is not None:
+            r["contexts"] = baseline_contexts(args, count, b, hw)
+        reports.append(r)
     return reports
 
 
@@ -717,13 +1106,13 @@ def main(argv=None) -> int:
         if i:
             print()
         if "kernels" in result:
-            print_report(result, H200)
+            print_report(result, HARDWARE[args.hardware])
         else:
-            b = result["baseline"]
-            print(f"{b['config']}: a window of {b['batch']} x {b['seq_len']} tokens at the {H200.name} roofline, "
-                  f"{b['launches']:g} launches, {b['bytes'] / 1e9:.1f} GB, {b['flops'] / 1e12:.1f} TFLOP: "
-                  f"{b['device_s'] * 1e3:.1f} ms of kernels, {b['graph_s'] * 1e3:.1f} ms replayed -> "
-                  f"{b['tokens_per_s'] / 1e3:.1f}K tok/s (GEMMs and attention alone: {b['gemm_attention_tokens_per_s'] / 1e3:.1f}K tok/s)")
+            print(baseline_line(result["baseline"]))
+        for c in result.get("contexts", []):
+            print("  at another context: " + baseline_line(c))
+    if len(results) > 1 and "kernels" in results[0]:
+        print_batches(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results[0] if len(results) == 1 else results, f, indent=1)

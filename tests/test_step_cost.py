@@ -182,15 +182,15 @@ def tiny_chunk():
             mp.setenv("TRITON_INTERPRET", "1")
         args = step_cost.parse_args(["--config", "gpn_m_tiny", "--device", DEVICE, "memory_form=chunk", "core_chunk=4"])
         model, cfg = step_cost.build(args)
-        costs = step_cost.step_costs(model, [2, 3], (1, 1 + cfg.core_chunk), "bf16", torch.device(DEVICE))
-    return cfg, costs
+        runs = step_cost.measure(model, [2, 3], (1, 1 + cfg.core_chunk), "bf16", torch.device(DEVICE))
+    return cfg, step_cost.costs_of(runs, (1, 1 + cfg.core_chunk)), runs
 
 
 def test_chunk_form_reads_M_once_per_step_and_writes_it_once_per_chunk(tiny_chunk):
     """Per step the chunk form's kernels read M_c once each way (and the chunk's rows, which are
     a few vectors per step), the step form's kernels are gone, and what passes over M and dL/dM
     once per chunk is counted per step at 1 / chunk length."""
-    cfg, costs = tiny_chunk
+    cfg, costs, _ = tiny_chunk
     C, B = cfg.core_chunk, 3
     per_step, _ = costs[B]
     m = B * cfg.n_heads * cfg.d_key * cfg.d_val * 4
@@ -258,10 +258,112 @@ def test_command_line_table_json_and_bad_config(tmp_path, capsys):
     # test's verdict never depends on how fast this machine is at the moment
     base = result["baseline"]
     assert base["config"] == "transformer_tiny" and base["seq_len"] == 16 and base["tokens_per_s"] > 0
-    assert result["over_baseline"]["graph"] == pytest.approx(result["tokens_per_s"]["graph"] / base["tokens_per_s"])
-    assert "GPN estimate / Transformer++ estimate" in printed
-    assert step_cost.main(["--config", "transformer_tiny", "--baseline-seq-len", "16"]) == 0  # the baseline alone
-    assert "transformer_tiny: a window of 32 x 16 tokens" in capsys.readouterr().out
+    assert result["over_baseline"]["tuned"] == pytest.approx(result["tokens_per_s"]["graph"] / base["tokens_per_s"])
+    assert result["over_baseline"]["eager"] == pytest.approx(result["tokens_per_s"]["graph"] / base["eager"]["tokens_per_s"])
+    assert "GPN estimate / Transformer++ (tuned)" in printed
+    assert result["schedule"]["streams"] == 1
+    assert step_cost.main(["--config", "transformer_tiny", "--baseline-seq-len", "16", "--contexts", "64"]) == 0  # alone
+    printed = capsys.readouterr().out
+    assert "transformer_tiny: a window of 32 x 16 tokens" in printed and "a window of 8 x 64 tokens" in printed
     assert step_cost.main(["--config", "no_such_model"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "no_such_model" in err[0]
+
+
+def test_single_stream_schedule_is_the_serial_sum_of_its_launches(tiny_chunk_runs):
+    """Today's code runs one stream: the scheduled step is the launches' roofline times and graph
+    gaps one after another, per step (the window of C + 1 steps minus the window of 1), and it is
+    the per-kernel serial count; at each batch, extrapolated per launch."""
+    cfg, runs = tiny_chunk_runs
+    hw, steps = step_cost.H200, (1, 1 + cfg.core_chunk)
+    for batch in (3, 256):
+        sch = step_cost.scheduled_step(runs, steps, batch, hw)
+        assert sch["streams"] == 1
+        for phase in step_cost.PHASES:
+            serial = []
+            for i in range(2):
+                window = step_cost.launches_at((runs[2][i], runs[3][i]), (2, 3), batch)
+                serial.append(sum(step_cost.kernel_seconds(step_cost.Key(x.phase, x.kind, x.name, x.dtype),
+                                                           step_cost.Tally(1, x.read, x.written, x.flops, x.programs), hw)
+                                  + hw.graph_launch_s for x in window if x.phase == phase))
+            assert sch["phases"][phase] == pytest.approx((serial[1] - serial[0]) / cfg.core_chunk, rel=1e-9)
+        # the count per kernel name (all its launches summed, timed at their smallest grid) differs
+        # only where one kernel's launches differ in grid or in what binds them
+        per_step = step_cost.extrapolate({b: c[0] for b, c in step_cost.costs_of(runs, steps).items()}, batch)
+        tally_s = sum(step_cost.phase_cost(per_step, p, hw).graph_s for p in step_cost.PHASES)
+        assert sch["seconds"] == pytest.approx(tally_s, rel=0.01)
+        # work moved to a second stream with no waits never takes longer than the one stream
+        bounds = step_cost.overlap_bounds(runs, steps, batch, hw)
+        assert set(bounds) == set(step_cost.OVERLAPS) | {"both"}
+        assert all(0 < b["seconds"] <= sch["seconds"] * (1 + 1e-9) for b in bounds.values())
+
+
+@pytest.fixture(scope="module")
+def tiny_chunk_runs(tiny_chunk):
+    cfg, _, runs = tiny_chunk
+    return cfg, runs
+
+
+def test_fusion_reads_what_comes_from_outside_once_and_writes_what_is_read_after():
+    """A run of elementwise ops between two GEMMs is one kernel: it reads h (the first GEMM's
+    output) once although three ops read it, writes g (read by the next GEMM) and s (read again
+    after the second GEMM), and nothing of its other temporaries; a gradient (a result of the
+    window) is written although nothing reads it."""
+    a, w, w2 = torch.randn(64, 32), torch.randn(32, 16), torch.randn(16, 8)
+    grad = torch.zeros(16)
+    with step_cost.LaunchCounter() as counter:
+        h = a @ w
+        s = torch.sigmoid(h)
+        g = s * h + h
+        grad.add_(h.sum(0))
+        y = g @ w2
+        z = y.sum() + s.sum()
+    del z
+    fused = step_cost.fuse_elementwise(counter.launches, results={grad.untyped_storage().data_ptr()})
+    assert [x.kind for x in fused] == ["gemm", "fused", "gemm", "fused"]
+    f32 = 4
+    group = fused[1]
+    assert group.read == 64 * 16 * f32 + 16 * f32  # h once, and the gradient it accumulates into
+    assert group.written == 64 * 16 * f32 * 2 + 16 * f32  # g and s, and the gradient
+    eager = sum(x.read for x in counter.launches[1:-3])
+    assert eager > 3 * 64 * 16 * f32  # as launched, each op reads h or its temporaries again
+
+
+def test_tuned_baseline_between_its_gemms_and_its_eager_count():
+    """The tuned Transformer++ launches fewer kernels and takes less time than as launched, and no
+    less than its GEMMs and attention alone; another context at as many tokens keeps every
+    non-attention byte and FLOP, and attention's FLOPs grow with the context."""
+    args = step_cost.parse_args(["--config", "transformer_tiny", "--baseline-seq-len", "16", "--device", "cpu"])
+    args.baseline = "transformer_tiny"
+    count = step_cost.baseline_tallies(args)
+    hw = step_cost.H200
+    b = step_cost.baseline_window(count, 8, hw)
+    assert b["launches"] < b["eager"]["launches"] and b["bytes"] < b["eager"]["bytes"]
+    assert b["gemm_attention_s"] <= b["device_s"] and b["graph_s"] < b["eager"]["graph_s"]
+    longer = step_cost.baseline_window(count, 2, hw, seq_len=64)
+    fa = lambda bb, T: sum(step_cost.flash_attention(p, bb, count.heads, T, count.head_dim).flops * count.attention_calls[p]  # noqa: E731
+                           for p in step_cost.PHASES)
+    assert longer["flops"] - fa(2, 64) == pytest.approx(b["flops"] - fa(8, 16))
+    assert fa(2, 64) == pytest.approx(4 * fa(8, 16))  # T^2 per sequence, a quarter of the sequences
+    assert count.attention_calls == {"forward": 2, "backward": 2}  # one per layer each way
+
+
+def test_peak_memory_is_the_documented_formula():
+    """docs/core.md's per-token saved floats (u, P, later layers' inputs, the write's gates; the
+    chunk form's reads, errors and deltas), M at every chunk's start, one chunk of backward work,
+    the logits of one cross-entropy chunk and the weights with gradients and Adam's moments."""
+    from gpn_scale.models.gpn import GPNConfig
+
+    cfg = GPNConfig(family="gpn_m", vocab_size=64, d_state=32, d_emb=16, d_ffn=48, n_layers=2, n_heads=3, d_key=4,
+                    d_val=8, core_chunk=8, memory_form="chunk", ce_chunk=16)
+    B, T, params = 5, 20, 1000
+    pm = step_cost.peak_memory(cfg, B, T, params)
+    m = 3 * 4 * 8 * 4 * B
+    assert pm["saved"] == B * T * 4 * (2 * 32 + 1 * 33 + 3 * 3 + 4 * 3 * 8)
+    assert pm["m_per_chunk"] == 3 * m  # chunks of 8 in 20 steps: 3
+    n = 2 * 3 * 4 + 2 * 3 * 8 + 2 * 3 + 2 * 48 + 32
+    assert pm["backward_chunk"] == 4 * m + 8 * B * (2 * n + 2 * (48 + 24) + 4 * 32) * 4
+    assert pm["logits"] == 2 * 16 * 64 * 4 and pm["weights_and_optimizer"] == 16 * params
+    assert pm["total"] == sum(v for k, v in pm.items() if k != "total")
+    step = step_cost.peak_memory(dataclasses.replace(cfg, memory_form="step"), B, T, params)
+    assert step["saved"] == B * T * 4 * (2 * 32 + 33 + 9) and step["backward_chunk"] - pm["backward_chunk"] == (8 + 2 - 4) * m
