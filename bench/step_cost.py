@@ -138,7 +138,8 @@ class Launch:
     # data flow (`dataflow`), which the tuned baseline's fusion and the schedule follow
     reads: tuple = ()
     writes: tuple = ()
-    stream: int = 0  # the stream it was launched on (the fused core uses one today)
+    stream: int = 0  # the stream it was launched on (kernels/streams: 0 the main one, 1 the side one)
+    waits: tuple = ()  # launches of the window (indices) it waits for: events, forks and joins
     shape: tuple = ()  # a GEMM's (batch, m, n): its output tiles, the SMs it occupies
 
 
@@ -228,6 +229,32 @@ class LaunchCounter(TorchDispatchMode):
         self.phase = "forward"
         self._in_triton = False
         self._patched = []
+        # The streams: on CPU the stand-in's (kernels/streams), observed; elsewhere one stream is
+        # recorded (CUDA's events cannot be seen from here).
+        self.lanes = None
+        self._last: dict[int, int] = {}  # stream -> its last launch
+        self._waits: dict[int, set] = defaultdict(set)  # stream -> launches its next launch waits for
+
+    def _append(self, launch: Launch) -> None:
+        stream = self.lanes.current if self.lanes is not None else 0
+        launch.stream, launch.waits = stream, tuple(sorted(self._waits.pop(stream, ())))
+        self._last[stream] = len(self.launches)
+        self.launches.append(launch)
+
+    def stream_event(self, kind: str, token):
+        """The stand-in's fork, record, wait or join (kernels.streams.CpuLanes.observer)."""
+        from kernels.streams import MAIN, SIDE
+
+        add = lambda stream, launch: launch is not None and self._waits[stream].add(launch)  # noqa: E731
+        if kind == "record":
+            return self._last.get(self.lanes.current)
+        if kind == "wait":
+            add(self.lanes.current, token)
+        elif kind == "fork":
+            add(SIDE, self._last.get(MAIN))
+        elif kind == "join":
+            add(MAIN, self._last.get(SIDE))
+        return None
 
     # torch ops
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -266,8 +293,8 @@ class LaunchCounter(TorchDispatchMode):
             dst = _tensors(out)[0]
             kind = "cast" if src.dtype != dst.dtype else "copy"
             dtype = f"{src.dtype}->{dst.dtype}".replace("torch.", "") if kind == "cast" else str(dst.dtype).removeprefix("torch.")
-        self.launches.append(Launch(self.phase, kind, name, dtype, 0, read, written, flops, memory=_from_memory_code(),
-                                    reads=tuple(reads), writes=tuple(writes), shape=shape))
+        self._append(Launch(self.phase, kind, name, dtype, 0, read, written, flops, memory=_from_memory_code(),
+                            reads=tuple(reads), writes=tuple(writes), shape=shape))
         return out
 
     # Triton launches
@@ -289,8 +316,8 @@ class LaunchCounter(TorchDispatchMode):
                                      else torch.equal(t, b)) for t, b in zip(tensors, before))
                 dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
                 module = getattr(getattr(fn, "fn", None), "__module__", "")
-                counter.launches.append(Launch(counter.phase, "triton", fn.__name__, dtype, math.prod(grid), 0, 0, 0,
-                                               tuple(zip(map(_place, tensors), changed)), module.startswith(MEMORY_MODULES)))
+                counter._append(Launch(counter.phase, "triton", fn.__name__, dtype, math.prod(grid), 0, 0, 0,
+                                       tuple(zip(map(_place, tensors), changed)), module.startswith(MEMORY_MODULES)))
                 return result
             finally:
                 counter._in_triton = False
@@ -298,12 +325,19 @@ class LaunchCounter(TorchDispatchMode):
         return run
 
     def __enter__(self):
+        from kernels.streams import CPU_STREAMS_ENV, cpu_lanes
+
+        if os.environ.get(CPU_STREAMS_ENV) == "1":
+            self.lanes = cpu_lanes()
+            self.lanes.observer = self
         for cls in _triton_kernel_classes():
             self._patched.append((cls, cls.run))
             cls.run = self._triton_run(cls.run)
         return super().__enter__()
 
     def __exit__(self, *exc):
+        if self.lanes is not None:
+            self.lanes.observer = None
         for cls, run in reversed(self._patched):
             cls.run = run
         self._patched.clear()
@@ -560,7 +594,9 @@ def peak_memory(cfg, batch: int, seq_len: int, params: int) -> dict:
     else:
         chunk_m = (C + 2) * m  # the chunk's rebuilt M's, dL/dM in two buffers
     n_rows = 2 * H * dk + 2 * H * dv + 2 * H + 2 * cfg.d_ffn + d  # layer 0's fused projection
-    chunk_rows = C * batch * (2 * n_rows + 2 * (cfg.d_ffn + H * dv) + 4 * d) * f32  # projections, second-GEMM rows, grads
+    # projections, second-GEMM rows, their gradients: two workspaces, used in turn on a GPU (the
+    # weight gradients of one chunk run on a side stream beside the next chunk's sweep)
+    chunk_rows = 2 * C * batch * (2 * n_rows + 2 * (cfg.d_ffn + H * dv) + 4 * d) * f32
     logits = 2 * cfg.ce_chunk * cfg.vocab_size * f32
     parts = dict(saved=tokens * per_token, m_per_chunk=math.ceil(seq_len / C) * m, backward_chunk=chunk_m + chunk_rows,
                  logits=logits, weights_and_optimizer=params * 16)
@@ -739,7 +775,8 @@ def launches_at(pair: tuple[list[Launch], list[Launch]], batches: tuple[int, int
     """One window's launches at `batch` from the same window at two batches: the same launches in
     the same order, bytes, FLOPs, grids and GEMM shapes linear in the batch."""
     (b0, w0), (b1, w1) = sorted(zip(batches, pair))
-    if len(w0) != len(w1) or any((x.name, x.phase, x.stream) != (y.name, y.phase, y.stream) for x, y in zip(w0, w1)):
+    if len(w0) != len(w1) or any((x.name, x.phase, x.stream, x.waits) != (y.name, y.phase, y.stream, y.waits)
+                                 for x, y in zip(w0, w1)):
         raise SystemExit(f"error: the window launches differently at batch {b0} and {b1}: measure at --batch directly")
     f = (batch - b0) / (b1 - b0)
     line = lambda p, q: p + (q - p) * f  # noqa: E731
@@ -767,6 +804,24 @@ def launch_node(x: Launch, hw: Hardware):
                 gap=hw.graph_launch_s)
 
 
+def phase_nodes(window: list[Launch], phase: str, hw: Hardware, moved=None) -> list[Node]:
+    """The launches of one phase of a window as schedule nodes, their waits within the phase (the
+    forward has ended before the backward starts). `moved(x)`: launches put on stream 1 instead,
+    with no waits at all (`overlap_bounds`)."""
+    index, nodes = {}, []
+    for i, x in enumerate(window):
+        if x.phase != phase:
+            continue
+        index[i] = len(nodes)
+        node = launch_node(x, hw)
+        if moved is None:
+            node = dataclasses.replace(node, waits=tuple(index[w] for w in x.waits if w in index))
+        else:
+            node = dataclasses.replace(node, stream=1 if moved(x) else 0)
+        nodes.append(node)
+    return nodes
+
+
 def scheduled_step(runs: dict, steps: tuple[int, int], batch: int, hw: Hardware) -> dict:
     """Per phase, one time step's time on the schedule: the critical path of the window of
     steps[1] steps minus that of steps[0], over the difference; with graph replay's gaps."""
@@ -779,7 +834,7 @@ def scheduled_step(runs: dict, steps: tuple[int, int], batch: int, hw: Hardware)
                 window_launches = runs[batches[0]][i]
             else:
                 window_launches = launches_at((runs[batches[0]][i], runs[batches[1]][i]), batches[:2], batch)
-            spans.append(critical_path([launch_node(x, hw) for x in window_launches if x.phase == phase]))
+            spans.append(critical_path(phase_nodes(window_launches, phase, hw)))
         out[phase] = (spans[1] - spans[0]) / (steps[1] - steps[0])
     streams = {x.stream for pair in runs.values() for w in pair for x in w}
     return dict(phases=out, seconds=sum(out.values()), tokens_per_s=batch / sum(out.values()), streams=len(streams))
@@ -819,8 +874,7 @@ def overlap_bounds(runs: dict, steps: tuple[int, int], batch: int, hw: Hardware)
             spans = []
             for i in range(2):
                 w = launches_at((runs[batches[0]][i], runs[batches[1]][i]), batches[:2], batch)
-                spans.append(critical_path([launch_node(dataclasses.replace(x, stream=1 if side(x, batch) else 0), hw)
-                                            for x in w if x.phase == phase]))
+                spans.append(critical_path(phase_nodes(w, phase, hw, moved=lambda x: side(x, batch))))
             total += (spans[1] - spans[0]) / (steps[1] - steps[0])
         return total
 
@@ -1096,12 +1150,23 @@ def main(argv=None) -> int:
     if args.kernel == "triton" and args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
     from gpn_scale.errors import UserError
+    from kernels.streams import CPU_STREAMS_ENV
 
+    # On CPU the fused core's streams as on a GPU, in the stand-in the counter observes (for this
+    # command only: a caller's later models keep their one stream).
+    before = os.environ.get(CPU_STREAMS_ENV)
+    if args.device == "cpu":
+        os.environ[CPU_STREAMS_ENV] = "1"
     try:
         results = run(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if before is None:
+            os.environ.pop(CPU_STREAMS_ENV, None)
+        else:
+            os.environ[CPU_STREAMS_ENV] = before
     for i, result in enumerate(results):
         if i:
             print()

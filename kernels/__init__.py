@@ -4,10 +4,10 @@ kernel is asked for), never the model code that calls it.
 Each family is a folder with its reference twin and its implementations side by side:
 `kernels.memory` (the memory step) and `kernels.step` (the elementwise groups and GEMMs of a
 step), each with `reference.py` (plain PyTorch), `triton.py` (GPUs) and `cpu.py` (C++, built on
-first use, kernels/cpu_build.py); `kernels.graph` captures the core's loops as CUDA graphs.
+first use, kernels/cpu_build.py); `kernels.graph` captures the core's loops as CUDA graphs, `kernels.streams` gives them a side stream.
 
 `backend(kernel, device_type, graphs)` bundles what the fused core runs on one device into a
-`Backend`: the memory ops, the step ops and the graph factory. Triton is imported only when a
+`Backend`: the memory ops, the step ops, the graph factory and the streams. Triton is imported only when a
 Triton implementation is asked for, and the C++ one is built only when asked for, so the model
 package imports fast and runs anywhere.
 """
@@ -22,6 +22,7 @@ from kernels.graph import GraphFactory, factory_for
 from kernels.memory import MemoryOps
 from kernels.memory_chunk import ChunkOps
 from kernels.step import StepOps
+from kernels.streams import Lanes, lanes_for
 
 KERNELS = ("auto", "triton", "cpp", "torch")
 
@@ -30,13 +31,15 @@ KERNELS = ("auto", "triton", "cpp", "torch")
 class Backend:
     """What the fused core runs on one device: `name` is "triton", "cpp" or "torch"; `chunk`: the
     memory's chunk form (the torch twin's where there is no kernel of its own: cpp); `graphs`
-    captures its loops (None: they run eagerly)."""
+    captures its loops (None: they run eagerly); `lanes` the side stream the reverse sweep's
+    weight gradients run on (kernels.streams)."""
 
     name: str
     memory: MemoryOps
     chunk: ChunkOps
     step: StepOps
     graphs: GraphFactory | None
+    lanes: Lanes
 
 
 def resolve(kernel: str, device_type: str) -> str:
@@ -80,4 +83,5 @@ def backend(kernel: str, device_type: str, graphs: bool) -> Backend:
         from kernels.memory import reference as memory
         from kernels.memory_chunk import reference as chunk
         from kernels.step import reference as step
-    return Backend(name, memory.OPS, chunk.OPS, step.OPS, factory_for(device_type) if graphs else None)
+    return Backend(name, memory.OPS, chunk.OPS, step.OPS, factory_for(device_type) if graphs else None,
+                   lanes_for(device_type))

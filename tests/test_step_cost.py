@@ -79,6 +79,7 @@ def tiny():
     with pytest.MonkeyPatch.context() as mp:
         if INTERPRET:
             mp.setenv("TRITON_INTERPRET", "1")
+        mp.setenv("GPN_SCALE_CPU_STREAMS", "1")  # the core's side stream, in the stand-in the counter observes
         args = step_cost.parse_args(["--config", "gpn_m_tiny", "--device", DEVICE, "--batch", "4", "memory_form=step"])
         model, cfg = step_cost.build(args)
         costs = step_cost.step_costs(model, [2, 3, 4], STEPS, "bf16", torch.device(DEVICE))
@@ -180,6 +181,7 @@ def tiny_chunk():
     with pytest.MonkeyPatch.context() as mp:
         if INTERPRET:
             mp.setenv("TRITON_INTERPRET", "1")
+        mp.setenv("GPN_SCALE_CPU_STREAMS", "1")  # the core's side stream, in the stand-in the counter observes
         args = step_cost.parse_args(["--config", "gpn_m_tiny", "--device", DEVICE, "memory_form=chunk", "core_chunk=4"])
         model, cfg = step_cost.build(args)
         runs = step_cost.measure(model, [2, 3], (1, 1 + cfg.core_chunk), "bf16", torch.device(DEVICE))
@@ -261,7 +263,7 @@ def test_command_line_table_json_and_bad_config(tmp_path, capsys):
     assert result["over_baseline"]["tuned"] == pytest.approx(result["tokens_per_s"]["graph"] / base["tokens_per_s"])
     assert result["over_baseline"]["eager"] == pytest.approx(result["tokens_per_s"]["graph"] / base["eager"]["tokens_per_s"])
     assert "GPN estimate / Transformer++ (tuned)" in printed
-    assert result["schedule"]["streams"] == 1
+    assert result["schedule"]["streams"] == 2  # the weight gradients' side stream
     assert step_cost.main(["--config", "transformer_tiny", "--baseline-seq-len", "16", "--contexts", "64"]) == 0  # alone
     printed = capsys.readouterr().out
     assert "transformer_tiny: a window of 32 x 16 tokens" in printed and "a window of 8 x 64 tokens" in printed
@@ -271,10 +273,11 @@ def test_command_line_table_json_and_bad_config(tmp_path, capsys):
 
 
 def test_single_stream_schedule_is_the_serial_sum_of_its_launches(tiny_chunk_runs):
-    """Today's code runs one stream: the scheduled step is the launches' roofline times and graph
-    gaps one after another, per step (the window of C + 1 steps minus the window of 1), and it is
-    the per-kernel serial count; at each batch, extrapolated per launch."""
+    """The launches on one stream: the scheduled step is their roofline times and graph gaps one
+    after another, per step (the window of C + 1 steps minus the window of 1), and it is the
+    per-kernel serial count; at each batch, extrapolated per launch."""
     cfg, runs = tiny_chunk_runs
+    runs = {b: [[dataclasses.replace(x, stream=0, waits=()) for x in w] for w in pair] for b, pair in runs.items()}
     hw, steps = step_cost.H200, (1, 1 + cfg.core_chunk)
     for batch in (3, 256):
         sch = step_cost.scheduled_step(runs, steps, batch, hw)
@@ -362,8 +365,32 @@ def test_peak_memory_is_the_documented_formula():
     assert pm["saved"] == B * T * 4 * (2 * 32 + 1 * 33 + 3 * 3 + 4 * 3 * 8)
     assert pm["m_per_chunk"] == 3 * m  # chunks of 8 in 20 steps: 3
     n = 2 * 3 * 4 + 2 * 3 * 8 + 2 * 3 + 2 * 48 + 32
-    assert pm["backward_chunk"] == 4 * m + 8 * B * (2 * n + 2 * (48 + 24) + 4 * 32) * 4
+    assert pm["backward_chunk"] == 4 * m + 2 * 8 * B * (2 * n + 2 * (48 + 24) + 4 * 32) * 4  # two workspaces
     assert pm["logits"] == 2 * 16 * 64 * 4 and pm["weights_and_optimizer"] == 16 * params
     assert pm["total"] == sum(v for k, v in pm.items() if k != "total")
     step = step_cost.peak_memory(dataclasses.replace(cfg, memory_form="step"), B, T, params)
     assert step["saved"] == B * T * 4 * (2 * 32 + 33 + 9) and step["backward_chunk"] - pm["backward_chunk"] == (8 + 2 - 4) * m
+
+
+def test_the_weight_gradients_run_on_the_side_stream_after_the_sweep(tiny_chunk_runs):
+    """The count sees the fused core's streams: the side stream holds the weight gradients (GEMMs
+    of d_in x d_out, the bias and dA_log sums and their accumulation), each chunk's first launch
+    there waits for the sweep, the main stream waits for them before the chunk after the next;
+    the schedule of both streams takes no longer than the same launches on one."""
+    cfg, runs = tiny_chunk_runs
+    hw, steps = step_cost.H200, (1, 1 + cfg.core_chunk)
+    long_window = runs[3][1]
+    side = [x for x in long_window if x.stream == 1]
+    assert side and all(x.phase == "backward" for x in side)
+    gemms = {x.shape[1:] for x in side if x.kind == "gemm"}
+    assert gemms and all(m in (cfg.d_state, cfg.d_ffn + cfg.n_heads * cfg.d_val) for m, _ in gemms)  # dW = X^T dY
+    assert not any(x.kind == "triton" for x in side)  # the sweep's kernels stay on the main stream
+    waits_side = [x for x in side if x.waits]
+    waits_main = [x for x in long_window if x.stream == 0 and any(long_window[w].stream == 1 for w in x.waits)]
+    assert waits_side and waits_main
+    one = {b: [[dataclasses.replace(x, stream=0, waits=()) for x in w] for w in pair] for b, pair in runs.items()}
+    for batch in (3, 256):
+        two_s = step_cost.scheduled_step(runs, steps, batch, hw)
+        one_s = step_cost.scheduled_step(one, steps, batch, hw)
+        assert two_s["streams"] == 2 and one_s["streams"] == 1
+        assert two_s["seconds"] <= one_s["seconds"] * (1 + 1e-9)

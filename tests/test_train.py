@@ -29,6 +29,7 @@ from gpn_scale.train.gc import GarbageCollection
 from gpn_scale.train.metrics import flops_per_token
 from gpn_scale.train.optim import lr_factor
 from kernels.graph import CPU_GRAPHS_ENV
+from kernels.streams import CPU_STREAMS_ENV
 from mds_fixture import write_windows
 from wandb_records import history
 
@@ -145,11 +146,12 @@ def test_resume_is_bitwise_identical(data, reference_runs, tmp_path, stage):
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
 def test_graphed_core_trains_as_the_eager_one(data, reference_runs, tmp_path, stage):
-    """The fused core's loops through the CPU stand-in for CUDA graphs (kernels/graph.py), with
-    gradient accumulation on 2 ranks: ZeRO-1 keeps the accumulated .grad across micro-batches,
-    ZeRO-2 moves it into its buckets after each."""
+    """The fused core's loops through the CPU stand-ins for CUDA graphs (kernels/graph.py) and for
+    the reverse sweep's side stream (kernels/streams.py, which checks its events), with gradient
+    accumulation on 2 ranks: ZeRO-1 keeps the accumulated .grad across micro-batches, ZeRO-2 moves
+    it into its buckets after each."""
     run = tmp_path / "run"
-    proc = train(data, run, 2, *BATCH, f"zero.stage={stage}", extra_env={CPU_GRAPHS_ENV: "1"})
+    proc = train(data, run, 2, *BATCH, f"zero.stage={stage}", extra_env={CPU_GRAPHS_ENV: "1", CPU_STREAMS_ENV: "1"})
     ref = reference_runs / f"zero{stage}"
     assert losses(run) == losses(ref)  # bitwise: the same kernels, run from the graphs' buffers
     # eager, then capture (its replay counted); every later micro-batch replays (12 / 2 per rank, per step)

@@ -805,7 +805,12 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
     dg = S.P.new_zeros((B, d)) if dg is None else dg
     grads = [[torch.zeros_like(L.W, dtype=sd), torch.zeros_like(L.b, dtype=sd), torch.zeros_like(L.W2o, dtype=sd)] for L in layers]
     dfg_W, dfg_b = torch.zeros_like(fg_W, dtype=sd), torch.zeros_like(fg_b, dtype=sd)
-    work = _workspace(spec, layers, min(spec.chunk, T), B, S.P)
+    lanes = spec.backend.lanes
+    # With a side stream, chunk k's weight gradients run beside chunk k+1's sweep: the two use
+    # workspaces in turn, so the next chunk's buffers never overwrite rows the GEMMs still read.
+    n_chunks = len(bounds(spec, T))
+    works = [_workspace(spec, layers, min(spec.chunk, T), B, S.P) for _ in range(2 if lanes.concurrent and n_chunks > 1
+                                                                                  else 1)]
     gemm_work = _weight_grad_workspace(spec, layers, fg_W, sd)
     A = mem = BETA = DECAY = dMring = W_kT = dA_log = dk_next = None
     if spec.memory:
@@ -831,7 +836,9 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
                dg_prev, S.P.new_empty((B, d), dtype=_io_dtype(spec, sd)))
     carry = Carry(dg, dM, True)
 
-    for ci, (c0, c1) in reversed(list(enumerate(bounds(spec, T)))):
+    lanes.fork()
+    pending = None  # the chunk before's buffers and the event after its weight gradients
+    for k, (ci, (c0, c1)) in enumerate(reversed(list(enumerate(bounds(spec, T))))):
         # From two steps back: the gate of step c0 - 2 forms the input of step c0 - 1, whose
         # projection holds the key of step c0.
         sl, lo = slice(c0, c1), max(c0 - 2, 0)
@@ -842,7 +849,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
             k_first = S.k0 if c0 == 0 else l2n_relu(ew.mm(X0[c0 - 1 - first], W_k, bias=b_k).view(B, H, dk))[0]
         X0, R0 = X0[c0 - first :], R0[c0 - first :]
         C, G = _chunk_buffers(spec, S, sl, layers, cols, fg_W, fg_b, A, k_first, X0, R0, XP[c0 - lo :], RP[c0 - lo :],
-                              fg[c0 - lo :], work)
+                              fg[c0 - lo :], works[k % len(works)])
         Ms = None
         if spec.chunked:
             Ms = _chunk_algebra(spec, S, ci, C, G, sl, carry.dM, read_grads, phi)
@@ -859,8 +866,21 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
                 dM.zero_()
                 phi.zero_()
             carry = carry._replace(dM=dM)
-        _weight_grads(spec, S, sl, C, G, grads, dfg_W, dfg_b, dA_log, gemm_work)
+        # The weight gradients read the chunk's rows and nothing the sweep goes on to write: on the
+        # side stream, after the sweep. The main stream waits for the chunk before's before it
+        # rewrites that chunk's workspace or frees its buffers (kept alive in `pending` until then).
+        swept = lanes.record()
+        with lanes.side():
+            lanes.wait(swept)
+            _weight_grads(spec, S, sl, C, G, grads, dfg_W, dfg_b, dA_log, gemm_work)
+            done = lanes.record()
+        if pending is not None:
+            lanes.wait(pending[2])
+        pending = (C, G, done)
         del C, G, Ms  # before the next chunk's buffers exist, not after
+    lanes.wait(pending[2])
+    lanes.join()  # the gradients, and gemm_work, are the main stream's again
+    del pending
 
     dg, dM = carry.dg, carry.dM
     if not spec.memory:
