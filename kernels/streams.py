@@ -21,9 +21,10 @@ Implementations, by device (`lanes_for`):
   that launch by a fork, an event wait or a join; otherwise it raises `StreamRaceError` naming
   both launches and the storage (vector clocks, as race detectors keep them). A fresh output is a
   new allocation: at the address of memory its own stream made and another stream still used, it
-  is the reuse CUDA's caching allocator would make, and a race too. Torch ops are
-  seen (a TorchDispatchMode between fork and join); Triton and C++ kernels are not, so the checks
-  run with the torch twins (kernel: torch). `observer` lets a launch counter see the streams.
+  is the reuse CUDA's caching allocator would make, and a race too. Torch ops and
+  Triton launches (the interpreter's) are seen between fork and join, the C++ CPU kernels are not:
+  the checks run with the torch twins or Triton's kernels. `observer` lets a launch counter see
+  the streams.
 - `OneLane`: no side stream (CPU by default): `side()` runs on the main stream, events do nothing.
 
 Safe use of memory across the streams, as CUDA's caching allocator needs it: a tensor made on the
@@ -205,20 +206,55 @@ class CpuLanes:
 
 
 class _Accesses(TorchDispatchMode):
-    """Tells the stand-in what each torch op reads and writes."""
+    """Tells the stand-in what each torch op and each Triton launch reads and writes. A Triton
+    launch (Triton's interpreter on CPU) reads its tensor arguments and writes those whose
+    contents it changed; the torch ops the interpreter runs inside a launch (its host copies,
+    which write back every argument) are not the kernel's accesses and are not told."""
 
     _ALLOCATE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}  # memory, no kernel
     _SKIP = {"detach", "alias", "lift_fresh", "_unsafe_view", "_reshape_alias", "_local_scalar_dense", "set_", "resize_"}
 
     def __init__(self, lanes: CpuLanes):
         super().__init__()
-        self.lanes = lanes
+        self.lanes, self._in_triton, self._patched = lanes, False, []
+
+    def __enter__(self):
+        for cls in _triton_kernel_classes():
+            self._patched.append((cls, cls.run))
+            cls.run = self._triton_run(cls.run)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for cls, run in reversed(self._patched):
+            cls.run = run
+        self._patched.clear()
+        return super().__exit__(*exc)
+
+    def _triton_run(self, original):
+        mode = self
+
+        def run(fn, *args, grid, warmup, **kwargs):
+            if warmup or mode._in_triton:
+                return original(fn, *args, grid=grid, warmup=warmup, **kwargs)
+            mode._in_triton = True
+            try:
+                tensors = _tensors(list(args) + list(kwargs.values()))
+                before = [t.clone() for t in tensors]
+                result = original(fn, *args, grid=grid, warmup=warmup, **kwargs)
+                changed = [not torch.equal(t, b) and not (t.is_floating_point() and bool(((t == b) | (t.isnan() & b.isnan())).all()))
+                           for t, b in zip(tensors, before)]
+            finally:
+                mode._in_triton = False
+            mode.lanes.access(fn.__name__, [_ptr(t) for t in tensors], [_ptr(t) for t, c in zip(tensors, changed) if c], [])
+            return result
+
+        return run
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        if func.is_view or name in self._SKIP:
+        if self._in_triton or func.is_view or name in self._SKIP:
             return out
         if name in self._ALLOCATE:
             self.lanes.access(name, [], [], [_ptr(out)] if _ptr(out) else [])
@@ -232,6 +268,19 @@ class _Accesses(TorchDispatchMode):
         fresh = [_ptr(t) for t in _tensors(out) if _ptr(t) not in touched]
         self.lanes.access(name, [p for p in reads if p], [p for p in writes if p], [p for p in fresh if p])
         return out
+
+
+def _triton_kernel_classes() -> list:
+    """The classes whose `run` launches a Triton kernel, where Triton is imported (a model that
+    runs no Triton kernel has not imported it)."""
+    import sys
+
+    classes = []
+    if "triton.runtime.jit" in sys.modules:
+        classes.append(sys.modules["triton.runtime.jit"].JITFunction)
+    if "triton.runtime.interpreter" in sys.modules:
+        classes.append(sys.modules["triton.runtime.interpreter"].InterpretedFunction)
+    return classes
 
 
 def _ptr(t: torch.Tensor) -> int:

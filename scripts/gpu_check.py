@@ -8,7 +8,8 @@ with the real compiler, the GPU benchmark and a real DeepSpeed engine run.
 Stages (docs/gpu.md says what each checks):
   env      versions (python, torch, triton, CUDA, GPU, driver); the model and kernel modules
            import without deepspeed, streaming or wandb
-  graphs   the fused core with CUDA graphs against eager, in both memory forms: losses and every
+  graphs   the fused core with CUDA graphs (and the reverse sweep's side stream) against eager on one
+           stream, in both memory forms: losses and every
            parameter's gradient, after accumulating 2 micro-batches, at every optimizer step
   kernels  pytest -m "not cpu_only" tests/test_kernels.py, tests/test_kernels_memory_chunk.py (and
            tests/test_kernels_accuracy.py when present) on the device
@@ -431,6 +432,7 @@ def compare_graphs(part: Part, mode: Mode, form: str) -> dict:
     from gpn_scale.config import model_config
     from gpn_scale.models import build_model
     from kernels.graph import graphs_of
+    from kernels.streams import CpuLanes, OneLane
 
     device = torch.device("cpu" if mode.dry else "cuda")
     cfg = dataclasses.replace(model_config(mode.graph_config), core="fused", kernel="triton", memory_form=form)
@@ -443,6 +445,13 @@ def compare_graphs(part: Part, mode: Mode, form: str) -> dict:
         models[name] = build_model(dataclasses.replace(cfg, cuda_graphs=graphs)).to(device)
         opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-3)
     models["eager"].load_state_dict(models["graphs"].state_dict())
+    # The graphed model runs the reverse sweep's weight gradients on their side stream (CUDA's, or
+    # the checking stand-in on a dry run), the eager one on one stream: equal only if every event
+    # between the streams is in place.
+    for name, lanes in (("graphs", CpuLanes() if mode.dry else None), ("eager", OneLane())):
+        if lanes is not None:
+            pinned = dataclasses.replace(models[name].backend(device.type), lanes=lanes)
+            models[name].backend = lambda device_type, b=pinned: b
     names = [n for n, _ in models["graphs"].named_parameters()]
     tokens = torch.randint(0, cfg.vocab_size, (steps, micro, B, T), generator=torch.Generator().manual_seed(1)).to(device)
     fields = dict(config=mode.graph_config, memory_form=form, device=str(device), autocast="bf16", kernel="triton", batch=B,
@@ -519,7 +528,8 @@ def compare_graphs(part: Part, mode: Mode, form: str) -> dict:
         problems.append(f"{len(bad)}/{len(names)} gradients differ (worst {w}: {bad[w]:.3g} relative)")
     if any(e > 0 for e in final.values()):
         problems.append("parameters differ after the last step")
-    summary = (f"{mode.graph_config} B {B} T {T}, {steps} steps x {micro} micro-batches, {len(names)} params: "
+    summary = (f"{mode.graph_config} B {B} T {T}, {steps} steps x {micro} micro-batches, {len(names)} params, graphs on two "
+               f"streams against eager on one: "
                + ("losses and gradients bitwise equal" if not (bad or losses["graphs"] != losses["eager"]) else "NOT equal"))
     if stats:
         summary += f"; replayed fwd {stats['forward']['replayed']} bwd {stats['backward']['replayed']}"
