@@ -807,7 +807,7 @@ def launch_node(x: Launch, hw: Hardware):
 def phase_nodes(window: list[Launch], phase: str, hw: Hardware, moved=None) -> list[Node]:
     """The launches of one phase of a window as schedule nodes, their waits within the phase (the
     forward has ended before the backward starts). `moved(x)`: launches put on stream 1 instead,
-    with no waits at all (`overlap_bounds`)."""
+    with no waits at all (`overlap_what_if`)."""
     index, nodes = {}, []
     for i, x in enumerate(window):
         if x.phase != phase:
@@ -859,7 +859,7 @@ OVERLAPS = {
 }
 
 
-def overlap_bounds(runs: dict, steps: tuple[int, int], batch: int, hw: Hardware) -> dict:
+def overlap_what_if(runs: dict, steps: tuple[int, int], batch: int, hw: Hardware) -> dict:
     """What moving work to a second stream could buy, under the overlap rule: the step's time with
     the launches each overlap names (and with both) on stream 1 and no wait between the streams at
     all, so no data dependency holds them back. Optimistic, for planning, not a schedule the code
@@ -905,7 +905,7 @@ def report(args, cfg, batch: int, costs: dict, hw: Hardware, baseline: dict | No
                 kernels=rows, once_per_window={p: sum(t.count for k, t in fixed.items() if k.phase == p) for p in PHASES},
                 tokens_per_s=dict(eager=batch / eager, graph=batch / graph, serial=batch / serial), schedule=schedule,
                 memory_floor=floor, weight_floor=weight_floor(costs, batch, floor, hw),
-                overlap_bounds=overlap_bounds(runs, tuple(args.steps), batch, hw),
+                overlap_what_if=overlap_what_if(runs, tuple(args.steps), batch, hw),
                 peak_memory=peak_memory(cfg, batch, args.seq_len, params) if cfg.memory else None,
                 graph_over_floor=(batch / graph) / floor["tokens_per_s"] if floor else None,
                 memory_form=cfg.memory_form if cfg.memory else None, chunk=cfg.core_chunk,
@@ -983,10 +983,10 @@ def print_report(r: dict, hw: Hardware) -> None:
               + (", its per-step reads from a bf16 copy" if f["reads"] == "bf16" else "") + "), "
               f"{f['forward_bytes_per_token'] / MB:.3g} MB per token forward + {f['backward_bytes_per_token'] / MB:.3g} MB "
               f"backward -> {f['tokens_per_s'] / 1e3:.1f}K tok/s; graph estimate / floor: {r['graph_over_floor']:.2f}")
-    if r["overlap_bounds"]:
+    if r["overlap_what_if"]:
         print("with launches on a second stream and no wait between the streams (optimistic, for planning: "
               + "; ".join(f"{name}: {o['seconds'] * 1e6:.1f} us, {o['tokens_per_s'] / 1e3:.1f}K tok/s"
-                          for name, o in r["overlap_bounds"].items()) + ")")
+                          for name, o in r["overlap_what_if"].items()) + ")")
     w = r["weight_floor"]
     if w:
         print(f"weight floor: {w['bytes_per_step'] / MB:.1f} MB per step whatever the batch (the loop's weights, read "

@@ -296,7 +296,7 @@ def test_single_stream_schedule_is_the_serial_sum_of_its_launches(tiny_chunk_run
         tally_s = sum(step_cost.phase_cost(per_step, p, hw).graph_s for p in step_cost.PHASES)
         assert sch["seconds"] == pytest.approx(tally_s, rel=0.01)
         # work moved to a second stream with no waits never takes longer than the one stream
-        bounds = step_cost.overlap_bounds(runs, steps, batch, hw)
+        bounds = step_cost.overlap_what_if(runs, steps, batch, hw)
         assert set(bounds) == set(step_cost.OVERLAPS) | {"both"}
         assert all(0 < b["seconds"] <= sch["seconds"] * (1 + 1e-9) for b in bounds.values())
 
