@@ -91,6 +91,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.schedule import Node, critical_path, wave_share
+from kernels import launches as triton_launches
 
 PHASES = ("forward", "backward")
 KINDS = ("gemm", "triton", "cast", "copy", "other")
@@ -227,8 +228,7 @@ class LaunchCounter(TorchDispatchMode):
         super().__init__()
         self.launches: list[Launch] = []
         self.phase = "forward"
-        self._in_triton = False
-        self._patched = []
+        self._watch = None
         # The streams: on CPU the stand-in's (kernels/streams), observed; elsewhere one stream is
         # recorded (CUDA's events cannot be seen from here).
         self.lanes = None
@@ -261,7 +261,7 @@ class LaunchCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        if self._in_triton or func.is_view or name in _NO_LAUNCH:
+        if triton_launches.in_launch() or func.is_view or name in _NO_LAUNCH:
             return out
         reads, writes = [], []
         for i, a in enumerate(func._schema.arguments):
@@ -297,32 +297,11 @@ class LaunchCounter(TorchDispatchMode):
                             reads=tuple(reads), writes=tuple(writes), shape=shape))
         return out
 
-    # Triton launches
-    def _triton_run(self, original):
-        counter = self
-
-        def run(fn, *args, grid, warmup, **kwargs):
-            if warmup or counter._in_triton:
-                return original(fn, *args, grid=grid, warmup=warmup, **kwargs)
-            counter._in_triton = True
-            try:
-                if callable(grid):
-                    grid = grid({**dict(zip(fn.arg_names, args)), **kwargs})
-                grid = (grid,) if isinstance(grid, int) else tuple(grid)
-                tensors = [t for t in _tensors(list(args) + list(kwargs.values()))]
-                before = [t.clone() for t in tensors]
-                result = original(fn, *args, grid=grid, warmup=warmup, **kwargs)
-                changed = tuple(not (bool(((t == b) | (t.isnan() & b.isnan())).all()) if t.is_floating_point()
-                                     else torch.equal(t, b)) for t, b in zip(tensors, before))
-                dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
-                module = getattr(getattr(fn, "fn", None), "__module__", "")
-                counter._append(Launch(counter.phase, "triton", fn.__name__, dtype, math.prod(grid), 0, 0, 0,
-                                       tuple(zip(map(_place, tensors), changed)), module.startswith(MEMORY_MODULES)))
-                return result
-            finally:
-                counter._in_triton = False
-
-        return run
+    # Triton launches (kernels/launches.py: the torch ops a launch runs itself are not counted)
+    def _on_triton(self, x) -> None:
+        dtype = str(x.tensors[0].dtype).removeprefix("torch.") if x.tensors else ""
+        self._append(Launch(self.phase, "triton", x.name, dtype, x.programs, 0, 0, 0,
+                            tuple(zip(map(_place, x.tensors), x.changed)), x.module.startswith(MEMORY_MODULES)))
 
     def __enter__(self):
         from kernels.streams import CPU_STREAMS_ENV, cpu_lanes
@@ -330,17 +309,14 @@ class LaunchCounter(TorchDispatchMode):
         if os.environ.get(CPU_STREAMS_ENV) == "1":
             self.lanes = cpu_lanes()
             self.lanes.observer = self
-        for cls in _triton_kernel_classes():
-            self._patched.append((cls, cls.run))
-            cls.run = self._triton_run(cls.run)
+        self._watch = triton_launches.watching(self._on_triton, load=True)
+        self._watch.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         if self.lanes is not None:
             self.lanes.observer = None
-        for cls, run in reversed(self._patched):
-            cls.run = run
-        self._patched.clear()
+        self._watch.__exit__(None, None, None)
         return super().__exit__(*exc)
 
 
@@ -358,23 +334,6 @@ def settle_writes(windows: list[list[Launch]]) -> None:
                 x.writes = tuple(place for i, (place, _) in enumerate(x.args) if i in written[x.name])
                 x.reads = tuple(place for i, (place, _) in enumerate(x.args) if i not in written[x.name])
                 x.written, x.read = sum(n for _, n in x.writes), sum(n for _, n in x.reads)
-
-
-def _triton_kernel_classes() -> list:
-    """The classes whose `run` launches a Triton kernel: the JIT's, and the interpreter's
-    (TRITON_INTERPRET=1 makes `triton.jit` build those instead)."""
-    try:
-        from triton.runtime.jit import JITFunction
-    except ImportError:  # no Triton: only torch ops can launch
-        return []
-    classes = [JITFunction]
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        classes.append(InterpretedFunction)
-    except ImportError:
-        pass
-    return classes
 
 
 # ---- measuring -------------------------------------------------------------------------------

@@ -41,6 +41,8 @@ from typing import Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kernels import launches
+
 CPU_STREAMS_ENV = "GPN_SCALE_CPU_STREAMS"
 MAIN, SIDE = 0, 1
 
@@ -216,45 +218,25 @@ class _Accesses(TorchDispatchMode):
 
     def __init__(self, lanes: CpuLanes):
         super().__init__()
-        self.lanes, self._in_triton, self._patched = lanes, False, []
+        self.lanes, self._watch = lanes, None
 
     def __enter__(self):
-        for cls in _triton_kernel_classes():
-            self._patched.append((cls, cls.run))
-            cls.run = self._triton_run(cls.run)
+        self._watch = launches.watching(self._on_triton)
+        self._watch.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for cls, run in reversed(self._patched):
-            cls.run = run
-        self._patched.clear()
+        self._watch.__exit__(None, None, None)
         return super().__exit__(*exc)
 
-    def _triton_run(self, original):
-        mode = self
-
-        def run(fn, *args, grid, warmup, **kwargs):
-            if warmup or mode._in_triton:
-                return original(fn, *args, grid=grid, warmup=warmup, **kwargs)
-            mode._in_triton = True
-            try:
-                tensors = _tensors(list(args) + list(kwargs.values()))
-                before = [t.clone() for t in tensors]
-                result = original(fn, *args, grid=grid, warmup=warmup, **kwargs)
-                changed = [not torch.equal(t, b) and not (t.is_floating_point() and bool(((t == b) | (t.isnan() & b.isnan())).all()))
-                           for t, b in zip(tensors, before)]
-            finally:
-                mode._in_triton = False
-            mode.lanes.access(fn.__name__, [_ptr(t) for t in tensors], [_ptr(t) for t, c in zip(tensors, changed) if c], [])
-            return result
-
-        return run
+    def _on_triton(self, x: launches.TritonLaunch) -> None:
+        self.lanes.access(x.name, [_ptr(t) for t in x.tensors], [_ptr(t) for t, c in zip(x.tensors, x.changed) if c], [])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        if self._in_triton or func.is_view or name in self._SKIP:
+        if launches.in_launch() or func.is_view or name in self._SKIP:
             return out
         if name in self._ALLOCATE:
             self.lanes.access(name, [], [], [_ptr(out)] if _ptr(out) else [])
@@ -268,19 +250,6 @@ class _Accesses(TorchDispatchMode):
         fresh = [_ptr(t) for t in _tensors(out) if _ptr(t) not in touched]
         self.lanes.access(name, [p for p in reads if p], [p for p in writes if p], [p for p in fresh if p])
         return out
-
-
-def _triton_kernel_classes() -> list:
-    """The classes whose `run` launches a Triton kernel, where Triton is imported (a model that
-    runs no Triton kernel has not imported it)."""
-    import sys
-
-    classes = []
-    if "triton.runtime.jit" in sys.modules:
-        classes.append(sys.modules["triton.runtime.jit"].JITFunction)
-    if "triton.runtime.interpreter" in sys.modules:
-        classes.append(sys.modules["triton.runtime.interpreter"].InterpretedFunction)
-    return classes
 
 
 def _ptr(t: torch.Tensor) -> int:
