@@ -837,49 +837,51 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
     carry = Carry(dg, dM, True)
 
     lanes.fork()
-    pending = None  # the chunk before's buffers and the event after its weight gradients
-    for k, (ci, (c0, c1)) in enumerate(reversed(list(enumerate(bounds(spec, T))))):
-        # From two steps back: the gate of step c0 - 2 forms the input of step c0 - 1, whose
-        # projection holds the key of step c0.
-        sl, lo = slice(c0, c1), max(c0 - 2, 0)
-        XP, RP, fg, X0, R0 = _grounded_rows(S, lo, c1, fg_W, fg_b)
-        first = 0 if lo == 0 else lo + 1  # the step of X0[0]
-        k_first = None
-        if spec.memory:
-            k_first = S.k0 if c0 == 0 else l2n_relu(ew.mm(X0[c0 - 1 - first], W_k, bias=b_k).view(B, H, dk))[0]
-        X0, R0 = X0[c0 - first :], R0[c0 - first :]
-        C, G = _chunk_buffers(spec, S, sl, layers, cols, fg_W, fg_b, A, k_first, X0, R0, XP[c0 - lo :], RP[c0 - lo :],
-                              fg[c0 - lo :], works[k % len(works)])
-        Ms = None
-        if spec.chunked:
-            Ms = _chunk_algebra(spec, S, ci, C, G, sl, carry.dM, read_grads, phi)
-        elif spec.memory:
-            Ms = _rebuild(spec, mem, S, ci, C, G, c0, c1, Mbuf, BETA, DECAY)
-        if spec.memory:
-            G.dKQ_full[-1, 0] = dk_next
-            dk_next = torch.empty_like(dk_next)
-        carry = _sweep(spec, sw, C, G, Ms, c0, c1, T, carry, dk_next)
-        if spec.chunked:  # dL/dM leaves the chunk once, at its start (none across a truncated-BPTT cut)
-            terms = algebra.finish(Ms.keys, Ms.r, Ms.co, S.BETA[sl], Ms.queries, read_grads[:, : c1 - c0])
-            dM = Ms.ops.carry_back(carry.dM, terms, out=dMring[ci % 2])  # never carry.dM's buffer
-            if spec.bptt and c0 % spec.bptt == 0 and c0 > 0:
-                dM.zero_()
-                phi.zero_()
-            carry = carry._replace(dM=dM)
-        # The weight gradients read the chunk's rows and nothing the sweep goes on to write: on the
-        # side stream, after the sweep. The main stream waits for the chunk before's before it
-        # rewrites that chunk's workspace or frees its buffers (kept alive in `pending` until then).
-        swept = lanes.record()
-        with lanes.side():
-            lanes.wait(swept)
-            _weight_grads(spec, S, sl, C, G, grads, dfg_W, dfg_b, dA_log, gemm_work)
-            done = lanes.record()
-        if pending is not None:
-            lanes.wait(pending[2])
-        pending = (C, G, done)
-        del C, G, Ms  # before the next chunk's buffers exist, not after
-    lanes.wait(pending[2])
-    lanes.join()  # the gradients, and gemm_work, are the main stream's again
+    try:
+        pending = None  # the chunk before's buffers and the event after its weight gradients
+        for k, (ci, (c0, c1)) in enumerate(reversed(list(enumerate(bounds(spec, T))))):
+            # From two steps back: the gate of step c0 - 2 forms the input of step c0 - 1, whose
+            # projection holds the key of step c0.
+            sl, lo = slice(c0, c1), max(c0 - 2, 0)
+            XP, RP, fg, X0, R0 = _grounded_rows(S, lo, c1, fg_W, fg_b)
+            first = 0 if lo == 0 else lo + 1  # the step of X0[0]
+            k_first = None
+            if spec.memory:
+                k_first = S.k0 if c0 == 0 else l2n_relu(ew.mm(X0[c0 - 1 - first], W_k, bias=b_k).view(B, H, dk))[0]
+            X0, R0 = X0[c0 - first :], R0[c0 - first :]
+            C, G = _chunk_buffers(spec, S, sl, layers, cols, fg_W, fg_b, A, k_first, X0, R0, XP[c0 - lo :], RP[c0 - lo :],
+                                  fg[c0 - lo :], works[k % len(works)])
+            Ms = None
+            if spec.chunked:
+                Ms = _chunk_algebra(spec, S, ci, C, G, sl, carry.dM, read_grads, phi)
+            elif spec.memory:
+                Ms = _rebuild(spec, mem, S, ci, C, G, c0, c1, Mbuf, BETA, DECAY)
+            if spec.memory:
+                G.dKQ_full[-1, 0] = dk_next
+                dk_next = torch.empty_like(dk_next)
+            carry = _sweep(spec, sw, C, G, Ms, c0, c1, T, carry, dk_next)
+            if spec.chunked:  # dL/dM leaves the chunk once, at its start (none across a truncated-BPTT cut)
+                terms = algebra.finish(Ms.keys, Ms.r, Ms.co, S.BETA[sl], Ms.queries, read_grads[:, : c1 - c0])
+                dM = Ms.ops.carry_back(carry.dM, terms, out=dMring[ci % 2])  # never carry.dM's buffer
+                if spec.bptt and c0 % spec.bptt == 0 and c0 > 0:
+                    dM.zero_()
+                    phi.zero_()
+                carry = carry._replace(dM=dM)
+            # The weight gradients read the chunk's rows and nothing the sweep goes on to write: on the
+            # side stream, after the sweep. The main stream waits for the chunk before's before it
+            # rewrites that chunk's workspace or frees its buffers (kept alive in `pending` until then).
+            swept = lanes.record()
+            with lanes.side():
+                lanes.wait(swept)
+                _weight_grads(spec, S, sl, C, G, grads, dfg_W, dfg_b, dA_log, gemm_work)
+                done = lanes.record()
+            if pending is not None:
+                lanes.wait(pending[2])
+            pending = (C, G, done)
+            del C, G, Ms  # before the next chunk's buffers exist, not after
+        lanes.wait(pending[2])
+    finally:  # also when the sweep raises: the streams joined, the stand-in's checks ended
+        lanes.join()  # the gradients, and gemm_work, are the main stream's again
     del pending
 
     dg, dM = carry.dg, carry.dM
