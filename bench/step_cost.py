@@ -189,8 +189,8 @@ def _indexed_bytes(name, args, out) -> tuple[int, int]:
     # gather(self, dim, index), index(self, indices), embedding(weight, indices): the output's
     # elements, read from the source, and the indices
     indices = args[2] if name == "gather" else args[1]
-    picked = sum(_nbytes(t) for t in _tensors(out))
-    return picked + sum(map(_nbytes, _tensors(indices))), picked
+    picked = sum(_nbytes(t) for t in triton_launches.tensors(out))
+    return picked + sum(map(_nbytes, triton_launches.tensors(indices))), picked
 
 
 MEMORY_MODULES = ("kernels.memory.", "kernels.memory_chunk.")
@@ -204,14 +204,6 @@ def _from_memory_code() -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for y in x for t in _tensors(y)]
-    return []
 
 
 def _gemm_flops(name, args) -> tuple[int, str, tuple]:
@@ -266,13 +258,13 @@ class LaunchCounter(TorchDispatchMode):
         reads, writes = [], []
         for i, a in enumerate(func._schema.arguments):
             value = kwargs[a.name] if a.name in kwargs else args[i] if i < len(args) and not a.kwarg_only else None
-            for t in _tensors(value):
+            for t in triton_launches.tensors(value):
                 mutates = a.alias_info is not None and a.alias_info.is_write
                 if mutates:
                     writes.append(t)
                 if not mutates or not (a.is_out or name in _OVERWRITES):
                     reads.append(t)
-        writes += [t for t in _tensors(out) if not any(t is m for m in writes)]
+        writes += [t for t in triton_launches.tensors(out) if not any(t is m for m in writes)]
         read, written = sum(map(_nbytes, reads)), sum(map(_nbytes, writes))
         reads, writes = [_place(t) for t in reads], [_place(t) for t in writes]
         if name in _INDEXED:
@@ -282,7 +274,7 @@ class LaunchCounter(TorchDispatchMode):
             writes = _rescaled(writes, written)
         elif name in _METADATA_ONLY:
             read, reads = 0, []
-        inputs = _tensors(args)
+        inputs = triton_launches.tensors(args)
         dtype = str(inputs[0].dtype).removeprefix("torch.") if inputs else ""
         flops, kind, shape = 0, "other", ()
         if name in _GEMM_OPERANDS:
@@ -290,7 +282,7 @@ class LaunchCounter(TorchDispatchMode):
             flops, dtype, shape = _gemm_flops(name, args)
         elif name in ("_to_copy", "copy_", "clone", "_copy_from"):
             src = args[1] if name == "copy_" else args[0]
-            dst = _tensors(out)[0]
+            dst = triton_launches.tensors(out)[0]
             kind = "cast" if src.dtype != dst.dtype else "copy"
             dtype = f"{src.dtype}->{dst.dtype}".replace("torch.", "") if kind == "cast" else str(dst.dtype).removeprefix("torch.")
         self._append(Launch(self.phase, kind, name, dtype, 0, read, written, flops, memory=_from_memory_code(),

@@ -73,14 +73,14 @@ def _watched(original):
             if callable(grid):
                 grid = grid({**dict(zip(fn.arg_names, args)), **kwargs})
             grid = (grid,) if isinstance(grid, int) else tuple(grid)
-            tensors = _tensors(list(args) + list(kwargs.values()))
-            before = [t.clone() for t in tensors]
+            args_t = tensors(list(args) + list(kwargs.values()))
+            before = [t.clone() for t in args_t]
             result = original(fn, *args, grid=grid, warmup=warmup, **kwargs)
             changed = [not (bool(((t == b) | (t.isnan() & b.isnan())).all()) if t.is_floating_point() else torch.equal(t, b))
-                       for t, b in zip(tensors, before)]
+                       for t, b in zip(args_t, before)]
         finally:
             _inside = False
-        launch = TritonLaunch(fn.__name__, getattr(getattr(fn, "fn", None), "__module__", ""), math.prod(grid), tensors,
+        launch = TritonLaunch(fn.__name__, getattr(getattr(fn, "fn", None), "__module__", ""), math.prod(grid), args_t,
                               changed)
         for on_launch in list(_watchers):
             on_launch(launch)
@@ -105,9 +105,10 @@ def _kernel_classes(load: bool) -> list:
     return classes
 
 
-def _tensors(x) -> list:
+def tensors(x) -> list:
+    """The tensors in a nest of lists and tuples, in order."""
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, (list, tuple)):
-        return [t for y in x for t in _tensors(y)]
+        return [t for y in x for t in tensors(y)]
     return []

@@ -244,24 +244,16 @@ class _Accesses(TorchDispatchMode):
         reads, writes = [], []
         for i, a in enumerate(func._schema.arguments):
             value = kwargs[a.name] if a.name in kwargs else args[i] if i < len(args) and not a.kwarg_only else None
-            for t in _tensors(value):
+            for t in launches.tensors(value):
                 (writes if a.alias_info is not None and a.alias_info.is_write else reads).append(_ptr(t))
         touched = set(reads) | set(writes)  # an output in an input's storage (_unsafe_view, out=) is no new allocation
-        fresh = [_ptr(t) for t in _tensors(out) if _ptr(t) not in touched]
+        fresh = [_ptr(t) for t in launches.tensors(out) if _ptr(t) not in touched]
         self.lanes.access(name, [p for p in reads if p], [p for p in writes if p], [p for p in fresh if p])
         return out
 
 
 def _ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for y in x for t in _tensors(y)]
-    return []
 
 
 _CPU_LANES: CpuLanes | None = None
