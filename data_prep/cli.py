@@ -55,6 +55,10 @@ def _prep_parser() -> argparse.ArgumentParser:
     p.add_argument("--bos-token", help="BOS token of a tokenizer.json (default: a usual name, e.g. <s>)")
     p.add_argument("--compression", default="zstd", help="MDS shard compression, e.g. zstd, zstd:7, none")
     p.add_argument("--size-limit", type=int, default=1 << 26, help="MDS shard size limit in bytes")
+    p.add_argument("--streams", type=int, metavar="S",
+                   help="also deal each split's documents into S long streams cut into consecutive windows, in "
+                        "OUT/streams/{train,val}, for training with train.carry_state (docs/prep.md, 'Streams')")
+    p.add_argument("--val-streams", type=int, metavar="S", help="streams of the val split (default: --streams)")
     p.add_argument("--allow-empty", action="store_true",
                    help="write a split that gets no window (no document reached it) instead of refusing")
     return p
@@ -89,9 +93,13 @@ def _prep(argv: list[str]) -> int:
         ("--max-tokens", a.max_tokens, a.max_tokens is None or a.max_tokens >= 1, "at least 1"),
         ("--size-limit", a.size_limit, a.size_limit >= 1 << 10, "at least 1024"),
         ("--min-score", a.min_score, a.min_score is None or math.isfinite(a.min_score), "a finite number"),
+        ("--streams", a.streams, a.streams is None or a.streams >= 1, "at least 1"),
+        ("--val-streams", a.val_streams, a.val_streams is None or a.val_streams >= 1, "at least 1"),
     ):
         if not ok:
             raise UserError(f"{flag}: got {value}, expected {want}")
+    if a.val_streams is not None and a.streams is None:
+        raise UserError("--val-streams: given without --streams; pass --streams S as well")
     compression = None if a.compression == "none" else a.compression
     if compression is not None:
         from streaming.base.compression import is_compression
@@ -114,6 +122,8 @@ def _prep(argv: list[str]) -> int:
         compression=compression,
         size_limit=a.size_limit,
         skip_bad=a.on_error == "skip",
+        streams=a.streams,
+        val_streams=a.val_streams,
     )
     if a.bos:
         from data_prep.tokenizer import Tokenizer

@@ -8,6 +8,8 @@
     OUT/{train,val}/NNNNNN/     a unit's MDS shards and index.json
     OUT/{train,val}/index.json  the merged index over every unit, in unit order  (merge)
     OUT/stats.json, OUT/unigram.npy                                              (merge)
+    OUT/docs/{split}/NNNNNN/, OUT/streams/{split}/   with --streams: a unit's documents, and the long
+                                token streams the merge deals them into (data_prep/streams.py)
 
 Everything is written to a temporary name and renamed into place, so a reader (or a rerun after
 a crash) sees a file either complete or not at all. A committed unit is trusted only when the
@@ -32,6 +34,7 @@ from pathlib import Path
 import numpy as np
 from streaming.base.util import merge_index
 
+from data_prep import streams
 from gpn_scale import mds_index
 from gpn_scale.errors import UserError
 from gpn_scale.textfiles import read_json
@@ -171,12 +174,18 @@ def _damage(out: Path, uid: str, stats: dict, manifest: dict) -> str | None:
         return f"{npy} is missing or unreadable ({type(e).__name__})"
     if shape != (manifest["tokenizer"]["vocab_size"],):
         return f"{npy} has shape {shape}, expected ({manifest['tokenizer']['vocab_size']},)"
+    if manifest["config"].get("streams"):
+        for split in stats["splits"]:
+            damage = streams.document_damage(streams.docs_dir(out, split, uid), np.dtype(manifest["tokenizer"]["dtype"]))
+            if damage:
+                return damage
     return None
 
 
 def clear_unit(out: Path, uid: str) -> None:
     """Remove whatever an interrupted attempt at this unit left behind."""
-    for path in [out / ".tmp" / uid] + [out / split / uid for split in SPLITS]:
+    for path in [out / ".tmp" / uid] + [out / split / uid for split in SPLITS] + [streams.docs_dir(out, split, uid)
+                                                                                  for split in SPLITS]:
         shutil.rmtree(path, ignore_errors=True)
     for path in (marker(out, uid), out / "units" / f"{uid}.npy"):
         path.unlink(missing_ok=True)
@@ -189,11 +198,14 @@ def commit_unit(out: Path, uid: str, tmp: Path, stats: dict, unigram: np.ndarray
         if (tmp / split).exists():
             (out / split).mkdir(exist_ok=True)
             os.replace(tmp / split, out / split / uid)
+        if (tmp / streams.DOCS / split).exists():
+            streams.docs_dir(out, split, uid).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp / streams.DOCS / split, streams.docs_dir(out, split, uid))
     with open(tmp / "unigram.npy", "wb") as f:
         np.save(f, unigram)
     os.replace(tmp / "unigram.npy", out / "units" / f"{uid}.npy")
     write_atomic(out, marker(out, uid), dump_json(stats))
-    tmp.rmdir()
+    shutil.rmtree(tmp)
 
 
 def check_manifest(out: Path, manifest: dict) -> None:
@@ -288,11 +300,39 @@ def _merge(out: Path, allow_empty: bool) -> dict:
         np.save(f, unigram)
         write_atomic(out, out / "unigram.npy", f.getvalue())
 
+    if config.get("streams"):
+        stats["streams"] = _merge_streams(out, manifest, [uid for uid, _ in kept], allow_empty, stats["warnings"])
+
     write_atomic(out, out / "stats.json", dump_json(stats))
     shutil.rmtree(out / ".tmp", ignore_errors=True)
     for warning in stats["warnings"]:
         print(f"warning: {out}: {warning}", file=sys.stderr)
     return stats
+
+
+def _merge_streams(out: Path, manifest: dict, uids: list[str], allow_empty: bool, warnings: list[str]) -> dict:
+    """Deal each split's documents into its streams and write them (data_prep/streams.py)."""
+    from tqdm import tqdm
+
+    config = manifest["config"]
+    counts = {"train": config["streams"], "val": config.get("val_streams") or config["streams"]}
+    written = {}
+    for split in config["splits"]:
+        dealt, s = streams.plan(out, split, uids, counts[split], config["seq_len"])
+        if s.windows_per_stream == 0:
+            why = (f"{split} streams: 0 windows: the shortest of {s.streams} streams holds {s.shortest:,} tokens, "
+                   f"less than --seq-len {s.seq_len} ({s.documents:,} documents, {s.shortest + s.dropped_tail_tokens:,} "
+                   f"tokens in all)")
+            if split == "train" or not allow_empty:
+                raise UserError(f"{out}: {why}; use fewer streams (--streams/--val-streams) or more documents"
+                                + ("" if split == "train" else ", or pass --allow-empty"))
+            warnings.append(why)
+        with tqdm(total=s.streams * s.windows_per_stream, unit="window", desc=f"streams {split}", disable=None,
+                  file=sys.stderr) as bar:
+            streams.write(out, split, uids, dealt, s, manifest["tokenizer"]["dtype"], config["compression"],
+                          config["size_limit"], dump_json, bar.update)
+        written[split] = s.to_json()
+    return written
 
 
 def _merge_split_index(out: Path, split_dir: Path, uids: list[str]) -> None:

@@ -116,6 +116,7 @@ def _manifest(settings: Settings, tokenizer: Tokenizer, files, units, skipped_fi
             "val_files": sorted(settings.val_files), "max_docs": max_docs, "max_tokens": max_tokens,
             "compression": settings.compression, "size_limit": settings.size_limit,
             "on_error": "skip" if settings.skip_bad else "fail",
+            "streams": settings.streams, "val_streams": settings.val_streams,
         },
         "inputs": files,
         "skipped_files": skipped_files,
@@ -166,6 +167,9 @@ def _final_summary(out: Path, stats: dict) -> str:
     for split, s in stats["splits"].items():
         lines.append(f"  {split:5} {s['documents']:>12,} docs {s['tokens']:>15,} tokens {s['windows']:>12,} "
                      f"windows of {stats['seq_len']}, {s['dropped_tail_tokens']:,} tail tokens dropped")
+    for split, s in stats.get("streams", {}).items():
+        lines.append(f"  {split:5} {s['streams']:>12,} streams of {s['windows_per_stream']:,} windows in "
+                     f"{out / 'streams' / split}, {s['dropped_tail_tokens']:,} tail tokens dropped")
     skipped = sum(stats["skipped"]["documents"].values())
     if skipped or stats["skipped"]["files"]:
         lines.append(f"  skipped {skipped:,} documents {stats['skipped']['documents']} and "

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from streaming import MDSWriter
 
-from data_prep import output
+from data_prep import output, streams
 from data_prep.pack import Packer
 from data_prep.sources import BadLine, Document, Filters, Unit, UnreadableInput, read_unit
 from data_prep.tokenizer import Tokenizer
@@ -40,6 +40,8 @@ class Settings:
     compression: str | None
     size_limit: int
     skip_bad: bool
+    streams: int | None = None  # train streams (and val_streams) for carried-state training: units keep their documents
+    val_streams: int | None = None
 
 
 def is_val(text_utf8: bytes, fraction: float) -> bool:
@@ -138,6 +140,8 @@ def _pack(unit: Unit | None, settings: Settings, tokenizer: Tokenizer, tmp: Path
     counts = {s: Counter(documents=0, tokens=0, windows=0, dropped_tail_tokens=0) for s in settings.splits}
     unigram = np.zeros(info.vocab_size, np.int64)
     checker = _Checker(settings, unit)
+    documents = ({s: streams.DocumentWriter(tmp / streams.DOCS / s, info.dtype) for s in settings.splits}
+                 if settings.streams else {})
     whole_file_val = unit is not None and unit.file in settings.val_files
     prefix = np.array([info.bos_id] if settings.add_bos else [], info.dtype)
     eos = np.array([info.eos_id], info.dtype)
@@ -160,19 +164,25 @@ def _pack(unit: Unit | None, settings: Settings, tokenizer: Tokenizer, tmp: Path
             del utf8  # a copy of the text: not kept while the batch is tokenized
         # Each document as [BOS] ids EOS, in segments the packer joins once: no copy per document.
         segments: dict[str, list[np.ndarray]] = {s: [] for s in settings.splits}
+        lengths: dict[str, list[int]] = {s: [] for s in settings.splits}
         encoded = tokenizer.encode(kept)
         for split, ids in zip(routes, encoded):
             segments[split] += [prefix, ids, eos]
+            lengths[split].append(len(prefix) + len(ids) + 1)
             counts[split]["documents"] += 1
             counts[split]["tokens"] += len(prefix) + len(ids) + 1
         del encoded
         for split, parts in segments.items():
             if parts:
+                if documents:
+                    documents[split].add(parts, lengths[split])
                 emit(split, packers[split].add(parts))
 
     for split in settings.splits:
         counts[split]["dropped_tail_tokens"] = packers[split].finish()
         writers[split].finish()
+        if documents:
+            documents[split].finish()
     stats = {
         "splits": {s: dict(c) for s, c in counts.items()},
         "skipped": dict(sorted(checker.skipped.items())),

@@ -41,7 +41,9 @@ def train_tokenizer(corpus: Path, out: Path) -> Path:
 def test_one_worker_and_two_workers_on_two_nodes_write_the_same_bytes(tmp_path):
     corpus = write_corpus(tmp_path / "corpus", files=3, docs_per_file=60, row_group=11)
     tokenizer = train_tokenizer(corpus, tmp_path / "tok.json")
-    common = ["--tokenizer", tokenizer, "--seq-len", SEQ_LEN, "--val-fraction", 0.2, "--on-error", "skip"]
+    # with the streams for carried-state training: their bytes too are the same (docs/prep.md, 'Streams')
+    common = ["--tokenizer", tokenizer, "--seq-len", SEQ_LEN, "--val-fraction", 0.2, "--on-error", "skip",
+              "--streams", 4, "--val-streams", 2]
 
     single = tmp_path / "single"
     assert prep(corpus, "--out", single, "--workers", 1, *common)[0] == 0
@@ -56,6 +58,7 @@ def test_one_worker_and_two_workers_on_two_nodes_write_the_same_bytes(tmp_path):
     assert gpn_main(["prep", "merge", str(multi)]) == 0
 
     assert tree_bytes(multi) == tree_bytes(single)
+    assert any(name.startswith("streams/train/shard.") for name in tree_bytes(single))
     stats = json.loads((multi / "stats.json").read_text())
     for split, (stream, dropped) in expected_stream(corpus, tokenizer, 0.2).items():
         assert read_split(multi / split).ravel().tolist() == stream
