@@ -133,7 +133,7 @@ class TrainerState:
 
     step: int
     tokens: int
-    loader: dict  # the training stream's position (gpn_scale.train.data.TrainStream.state_dict)
+    loader: dict  # the training data's position (TrainStream.state_dict, or StreamBatches' with carry_state)
     world_size: int
     zero_stage: int
     global_batch: int
@@ -166,9 +166,12 @@ def read_trainer_state(tag_dir: Path) -> TrainerState:
         raise UserError(f"{where}: expected a JSON object with step, tokens, loader, world_size, zero_stage, "
                         "global_batch and config")
     loader = _field(where, raw, "loader", "object")
-    for key in ("epoch", "sample_in_epoch"):
-        _field(where, loader, key, "int", within="loader.")
-    _field(where, loader, "initial_nodes", "int", 1, optional=True, within="loader.")
+    if loader.get("kind") == "streams":  # train.carry_state: the steps read of every stream (train/carry.py)
+        _field(where, loader, "step", "int", within="loader.")
+    else:
+        for key in ("epoch", "sample_in_epoch"):
+            _field(where, loader, key, "int", within="loader.")
+        _field(where, loader, "initial_nodes", "int", 1, optional=True, within="loader.")
     config = _field(where, raw, "config", "object")
     if not isinstance(config.get("model"), dict):
         raise UserError(f"{where}: config.model: expected the model's config (a JSON object), got {config.get('model')!r:.60}")

@@ -1,5 +1,6 @@
 """Small MDS datasets in the prep's format (column `tokens`, fixed-length uint16 windows)."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -17,4 +18,29 @@ def write_windows(out: Path, n: int, seq_len: int, vocab: int, seed: int = 0) ->
             noise = rng.random(seq_len) < 0.1
             window[noise] = rng.integers(0, vocab, size=noise.sum())
             w.write({"tokens": window.astype(np.uint16)})
+    return out
+
+
+def write_streams(out: Path, streams: int, windows: int, seq_len: int, vocab: int, seed: int = 0) -> Path:
+    """The prep's stream layout (data_prep/streams.py): window-major samples with their stream and
+    window, and streams.json. Each stream repeats its own pattern, so a state carried from window to
+    window knows where the next window begins."""
+    from streaming import MDSWriter
+
+    from data_prep.streams import StreamStats
+
+    rng = np.random.default_rng(seed)
+    period = 3 * seq_len // 2  # never a whole number of windows: each window starts elsewhere in it
+    patterns = rng.integers(0, vocab, size=(streams, period))
+    columns = {"tokens": f"ndarray:uint16:{seq_len}", "stream": "int32", "window": "int32"}
+    with MDSWriter(out=str(out), columns=columns, size_limit=1 << 14) as w:
+        for k in range(windows):
+            for i in range(streams):
+                window = patterns[i][(np.arange(seq_len) + k * seq_len) % period].copy()
+                noise = rng.random(seq_len) < 0.1
+                window[noise] = rng.integers(0, vocab, size=noise.sum())
+                w.write({"tokens": window.astype(np.uint16), "stream": i, "window": k})
+    stats = StreamStats(streams, seq_len, windows, streams, streams * windows * seq_len, 0, windows * seq_len,
+                        windows * seq_len)
+    (out / "streams.json").write_text(json.dumps(stats.to_json()))
     return out

@@ -24,6 +24,9 @@ class ModelSpec:
     # top-level module.
     zero3_external_params: Callable[[nn.Module], list[nn.Parameter]]
     param_groups: Callable[[nn.Module], ParamGroups]
+    # whether the state a window ends with can start the next window (train.carry_state): a recurrent
+    # state of fixed size, not a cache that grows with the context
+    carries_state: bool = True
 
 
 def matrices_decay(model: nn.Module) -> ParamGroups:

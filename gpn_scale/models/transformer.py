@@ -137,4 +137,4 @@ class Transformer(nn.Module):
 
 
 
-SPEC = ModelSpec(TransformerConfig, Transformer, no_external_params, matrices_decay)
+SPEC = ModelSpec(TransformerConfig, Transformer, no_external_params, matrices_decay, carries_state=False)

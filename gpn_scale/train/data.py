@@ -38,7 +38,7 @@ def resolve_location(location: str, cache: str | None, split_name: str) -> tuple
     return str(Path(cache) / f"{split_name}-{digest}"), remote
 
 
-def _streaming_dataset_class():
+def indexed_dataset_class():
     class IndexedStream(dataset_class()):
         """Yields the sample's global index with its tokens, for the data-order audit log."""
 
@@ -58,7 +58,7 @@ class TrainStream:
                  shuffle: bool, seed: int, num_canonical_nodes: int, split_name: str = "train"):
         local, remote = resolve_location(location, cache, split_name)
         self.dataset = open_dataset(
-            _streaming_dataset_class(), local=local, remote=remote, shuffle=shuffle, shuffle_seed=seed,
+            indexed_dataset_class(), local=local, remote=remote, shuffle=shuffle, shuffle_seed=seed,
             num_canonical_nodes=num_canonical_nodes, batch_size=micro_batch,
         )
         self.micro_batch, self.world_size = micro_batch, world_size
@@ -105,5 +105,5 @@ class TrainStream:
 def val_batches(location: str, cache: str | None, micro_batch: int):
     """A deterministic, unshuffled stream over the val split, restartable for each evaluation."""
     local, remote = resolve_location(location, cache, "val")
-    dataset = open_dataset(_streaming_dataset_class(), local=local, remote=remote, shuffle=False, batch_size=micro_batch)
+    dataset = open_dataset(indexed_dataset_class(), local=local, remote=remote, shuffle=False, batch_size=micro_batch)
     return lambda: DataLoader(dataset, batch_size=micro_batch, num_workers=0, drop_last=False)

@@ -193,6 +193,7 @@ class Trainer:
 
         from gpn_scale.config import model_config
         from gpn_scale.models import MODEL_FAMILIES, build_model
+        from gpn_scale.train.carry import CarriedStates, StreamBatches
         from gpn_scale.train.data import TrainStream
 
         cfg = self.cfg
@@ -218,10 +219,15 @@ class Trainer:
 
             for p in spec.zero3_external_params(self.model):
                 register_external_parameter(self.model, p)
-        self.data = TrainStream(
-            cfg.data.train, cfg.data.cache, t.micro_batch, self.world, shuffle=cfg.data.shuffle,
-            seed=cfg.seed, num_canonical_nodes=cfg.data.num_canonical_nodes,
-        )
+        if t.carry_state:
+            self.data = StreamBatches(cfg.data.train, t.micro_batch, self.grad_accum, self.world, self.rank)
+            self.carried = CarriedStates(self.data)
+        else:
+            self.data = TrainStream(
+                cfg.data.train, cfg.data.cache, t.micro_batch, self.world, shuffle=cfg.data.shuffle,
+                seed=cfg.seed, num_canonical_nodes=cfg.data.num_canonical_nodes,
+            )
+            self.carried = None
         self.step, self.tokens = 0, 0
         if saved is not None:
             self._load(saved, universal)
@@ -244,6 +250,8 @@ class Trainer:
         self.data.load_state_dict(saved.loader)
         if not ckpt.load_rng(tag_dir, self.rank):
             torch.manual_seed(self.cfg.seed + self.rank + 1000 * self.step)  # a new rank: fresh, reproducible
+        if self.carried is not None:
+            self.carried.load(tag_dir, self.device)
         self._say(f"resumed from {tag_dir} at step {self.step} ({self.tokens:,} tokens)")
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -271,7 +279,12 @@ class Trainer:
             batch = next(self.data)
             tokens = batch["tokens"].to(self.device, non_blocking=True)
             with self._autocast():
-                loss = self.engine(tokens).loss
+                if self.carried is None:
+                    loss = self.engine(tokens).loss
+                else:  # this micro-batch's slots go on from the state their last window ended with
+                    out = self.engine(tokens, state=self.carried.get(batch["micro"]))
+                    loss = out.loss
+                    self.carried.put(batch["micro"], out.state)
             self.engine.backward(loss)
             if micro == self.grad_accum - 1 and self.cfg.zero.stage == 0:
                 grad_norm = self._grad_norm()  # before step() clears the gradients
@@ -327,6 +340,8 @@ class Trainer:
         try:
             self.engine.save_checkpoint(str(self.ckpt_root), tag=tag, save_latest=False)
             written = ckpt.save_rng(tag_dir, self.rank)
+            if self.carried is not None:
+                written |= self.carried.save(tag_dir)
             if self.is_main:
                 ckpt.write_trainer_state(tag_dir, {
                     "step": self.step, "tokens": self.tokens, "loader": self.data.state_dict(),

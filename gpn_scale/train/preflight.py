@@ -7,11 +7,13 @@ startup or, worse, after all the steps have run.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpn_scale import checkpoints, mds_index, outputs
 from gpn_scale.errors import UserError
+from gpn_scale.train.carry import StreamLayout
 from gpn_scale.train.config import TrainConfig
 from gpn_scale.train.data import resolve_location
 
@@ -35,6 +37,8 @@ def data_info(location: str, split: str) -> DataInfo | None:
         raise UserError(f"data.{split}: {e}") from None
     vocab = None
     stats_path = Path(location).parent / "stats.json"
+    if (Path(location) / "streams.json").is_file():  # the prep's OUT/streams/{split}: its stats are OUT's
+        stats_path = Path(location).parent.parent / "stats.json"
     if stats_path.is_file():
         try:
             vocab = int(json.loads(stats_path.read_text())["vocab_size"])
@@ -68,6 +72,10 @@ def check(cfg: TrainConfig, resume: str, config_file: Path | None = None) -> Dat
         if info.vocab_size is not None and model_vocab is not None and info.vocab_size > model_vocab:
             raise UserError(f"data.{split}: {location} was tokenized with a vocabulary of {info.vocab_size} "
                             f"(stats.json), more than the model's vocab_size {model_vocab}")
+    if cfg.train.carry_state:  # the streams and the global batch they are dealt to
+        t = cfg.train
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        StreamLayout.read(cfg.data.train, t.global_batch or t.micro_batch * (t.grad_accum or 1) * world)
     train, val = infos.get("train"), infos.get("val")
     if train and val and train.seq_len and val.seq_len and train.seq_len != val.seq_len:
         raise UserError(f"data.val: windows of {val.seq_len} tokens, data.train's have {train.seq_len}")

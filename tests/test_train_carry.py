@@ -1,0 +1,95 @@
+"""`train.carry_state` through the engine (real DeepSpeed on 2 ranks, real MDS streams): a run
+resumed from its checkpoint, on the same world size or on another with the same global batch,
+continues every stream from the state it was left in and repeats the uninterrupted run's losses
+bit for bit (fp32)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpn_scale import safe_load
+from mds_fixture import write_streams
+from test_train import losses, samples, train
+
+pytestmark = pytest.mark.slow
+TOTAL = 8
+STREAMS, WINDOWS, SEQ = 8, 5, 32  # 8 streams, 2 per slot: every slot moves to its second stream at step 6
+# Global batch 4 as 2 micro-batches (1 per rank on 2 ranks, 2 on 1 rank): two gradients sum to the same
+# bits in either order, so the world sizes agree bit for bit (gradient clipping off: its global norm
+# is summed per partition, in an order that follows the world size).
+BATCH = ("train.carry_state=true", "train.grad_accum=null", "train.global_batch=4", "train.micro_batch=2",
+         "train.save_every=2", "train.keep_last=4", "train.grad_clip=0", "zero.stage=2", "data.val=null",
+         f"train.total_steps={TOTAL}")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("streams")
+    write_streams(root / "train", STREAMS, WINDOWS, SEQ, 512)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """The uninterrupted 2-rank run, every second step checkpointed."""
+    run = tmp_path_factory.mktemp("ref") / "run"
+    train(data, run, 2, *BATCH)
+    return run
+
+
+def branch(reference: Path, run: Path, step: int) -> None:
+    """The reference as it was at `step`: later checkpoints and records left out."""
+    keep = f"step_{step:08d}"
+    shutil.copytree(reference, run, ignore=lambda d, names: [n for n in names if Path(d).name == "checkpoints" and n != keep])
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        rows = (run / name).read_text().splitlines()
+        (run / name).write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= step))
+
+
+def test_checkpoints_hold_each_slot_block_and_the_stream_position(reference):
+    tag = reference / "checkpoints" / "step_00000004"
+    state = json.loads((tag / "trainer_state.json").read_text())
+    assert state["loader"] == {"kind": "streams", "step": 4} and state["world_size"] == 2
+    files = sorted(p.name for p in tag.glob("carry_slots_*.pt"))
+    assert files == ["carry_slots_000000-000002.pt", "carry_slots_000002-000004.pt"]
+    record = safe_load.load(tag / files[1])
+    s, _, M = record["state"]
+    assert record["first_slot"] == 2 and s.shape[0] == M.shape[0] == 2 and s.dtype == torch.float32
+    assert torch.count_nonzero(M) > 0  # a state the windows left, not the empty one
+    listed = json.loads((tag / "manifest.json").read_text())
+    assert set(files) <= set(listed.get("files", listed))
+    # each slot read its own stream, window after window: stream j at steps 1-5, then stream j + 4
+    steps = samples(reference)
+    assert [sorted(ids) for ids in steps[:2]] == [[0, 1, 2, 3], [8, 9, 10, 11]]
+    assert sorted(steps[5]) == [4, 5, 6, 7]
+
+
+def test_resume_on_the_same_world_size_is_bitwise(data, reference, tmp_path):
+    run = tmp_path / "run"
+    branch(reference, run, TOTAL // 2)
+    train(data, run, 2, *BATCH, resume="auto")
+    assert losses(run) == losses(reference) and sorted(losses(run)) == list(range(1, TOTAL + 1))
+    assert samples(run) == samples(reference)
+
+
+def test_resume_on_another_world_size_is_bitwise(data, reference, tmp_path):
+    """From step 2 on one rank (each rank's block of slots now read by one), to the end."""
+    run = tmp_path / "run"
+    branch(reference, run, 2)
+    proc = train(data, run, 1, *BATCH, resume="auto")
+    assert "world size 2 -> 1: converting" in proc.stdout
+    assert losses(run) == losses(reference)
+    assert samples(run) == samples(reference)
+
+
+def test_a_checkpoint_without_a_slots_state_is_refused(data, reference, tmp_path):
+    run = tmp_path / "run"
+    branch(reference, run, 2)
+    (run / "checkpoints" / "step_00000002" / "carry_slots_000002-000004.pt").unlink()
+    proc = train(data, run, 1, *BATCH, resume="auto", expect=2)
+    assert "carry_slots_000002-000004.pt" in proc.stderr.strip().splitlines()[-1]
