@@ -35,6 +35,35 @@ DESCRIPTOR = "streams.json"
 ORDER = "window-major: sample k*S + i is window k of stream i"
 
 
+@dataclass(frozen=True)
+class StreamLayout:
+    """What a split's streams.json says about its samples: sample k * streams + i is window k of
+    stream i, each window `seq_len` tokens."""
+
+    streams: int
+    windows_per_stream: int
+    seq_len: int
+
+    @classmethod
+    def read(cls, directory: str | Path) -> "StreamLayout":
+        """One line naming the file when it is missing or not the prep's."""
+        from gpn_scale.errors import UserError
+        from gpn_scale.textfiles import read_json
+
+        path = Path(directory) / DESCRIPTOR
+        if not path.is_file():
+            raise UserError(f"{directory}: no {DESCRIPTOR}, so not the prep's streams (OUT/streams/SPLIT of "
+                            f"`gpn-scale prep --streams S`)")
+        record = read_json(path)
+        try:
+            layout = cls(int(record["streams"]), int(record["windows_per_stream"]), int(record["seq_len"]))
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{path}: expected streams, windows_per_stream and seq_len (the prep's {DESCRIPTOR})") from None
+        if min(layout.streams, layout.windows_per_stream, layout.seq_len) < 1:
+            raise UserError(f"{path}: no windows in the streams")
+        return layout
+
+
 def docs_dir(out: Path, split: str, uid: str) -> Path:
     return out / DOCS / split / uid
 

@@ -15,7 +15,8 @@ import torch
 
 from gpn_scale.errors import UserError
 from gpn_scale.models import GPN, GatedDeltaNet, GDNConfig, GPNConfig
-from gpn_scale.train.carry import CarriedStates, StreamLayout, plain
+from data_prep.streams import StreamLayout
+from gpn_scale.train.carry import CarriedStates, plain, sample_at, training_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_fused_core import ODD
@@ -98,7 +99,7 @@ def test_each_slot_reads_its_streams_window_after_window():
     layout = StreamLayout(streams=6, windows_per_stream=4, seq_len=8)
     G = 3
     for slot in range(G):
-        read = [divmod(layout.sample(t, slot, G), layout.streams) for t in range(2 * 2 * 4)]  # (window, stream)
+        read = [divmod(sample_at(layout, t, slot, G), layout.streams) for t in range(2 * 2 * 4)]  # (window, stream)
         # stream `slot` to its end, then stream slot + G, then the order starts again
         expected = [(k, slot) for k in range(4)] + [(k, slot + G) for k in range(4)]
         assert read == expected * 2, slot
@@ -141,11 +142,11 @@ def test_states_saved_by_one_world_size_load_at_another(tmp_path):
 
 def test_stream_layout_refusals(tmp_path):
     with pytest.raises(UserError, match="no streams.json, so not the prep's streams"):
-        StreamLayout.read(str(tmp_path), 4)
+        training_layout(str(tmp_path), 4)
     (tmp_path / "streams.json").write_text(json.dumps({"streams": 6, "windows_per_stream": 3, "seq_len": 8}))
     with pytest.raises(UserError, match="6 streams .* are not a multiple of the global batch 4"):
-        StreamLayout.read(str(tmp_path), 4)
-    assert StreamLayout.read(str(tmp_path), 3) == StreamLayout(6, 3, 8)
+        training_layout(str(tmp_path), 4)
+    assert training_layout(str(tmp_path), 3) == StreamLayout(6, 3, 8)
 
 
 def test_a_transformer_refuses_to_carry_state(tmp_path):

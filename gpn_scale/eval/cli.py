@@ -14,7 +14,8 @@ import numpy as np
 from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
 from gpn_scale.eval.codec import Codec
-from gpn_scale.eval.data import PrepData, check_model_fits, choose_tokenizer, open_data, read_windows, training_prep
+from gpn_scale.eval.data import (PrepData, check_model_fits, choose_tokenizer, open_data, open_streams, read_windows,
+                                 training_prep)
 from gpn_scale.outputs import LM_EVAL, check_new, check_resumable, identify, new_directory
 
 DATA_OR_TOKENIZER = "--tokenizer FILE or --data PREP_DIR"  # where no tokenizer is recorded with a checkpoint
@@ -56,7 +57,7 @@ def _check_positive(args, *names: str) -> None:
     for name in names:
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise UserError(f"--{name}: expected a positive integer, got {value}")
+            raise UserError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
 
 
 def _open_checked(args, model, trained: PrepData | None):
@@ -75,15 +76,33 @@ def eval_main(argv: list[str]) -> int:
     ap.add_argument("--lambada", help="LAMBADA jsonl (one {\"text\": ...} per line)")
     ap.add_argument("--tokenizer", help="tokenizer for --lambada (default: the one recorded with --data, the training data or "
                     "a native export)")
+    ap.add_argument("--context", type=int, metavar="N",
+                    help="score held-out streams to N tokens, the state carried from window to window: loss by position "
+                         "(--data: a prep output made with --streams, or its streams/val)")
+    ap.add_argument("--streams", type=int, help="with --context: the first N streams (default: all)")
+    ap.add_argument("--passkey", type=int, metavar="N",
+                    help="passkey retrieval at distances 256, 512, ... N tokens: accuracy and key log-probability")
+    ap.add_argument("--passkey-trials", type=int, default=10, help="prompts (keys) per passkey distance")
     ap.add_argument("--batch", type=int, default=16, help="windows (or LAMBADA examples) per forward")
     ap.add_argument("--out", default=None, help="a new directory for metrics.json and the loss-by-position curve "
                     "(default: ./eval, or the first free ./eval-N when that is taken)")
     ap.add_argument("--json", action="store_true", help="print one JSON object with the metrics")
     _device_flag(ap)
     args = ap.parse_args(argv)
-    if not args.data and not args.lambada:
-        ap.error("nothing to evaluate: pass --data and/or --lambada")
-    _check_positive(args, "windows", "batch")
+    if not args.data and not args.lambada and not args.passkey:
+        ap.error("nothing to evaluate: pass --data, --lambada and/or --passkey")
+    _check_positive(args, "windows", "batch", "context", "streams", "passkey", "passkey_trials")
+    if args.context and not args.data:
+        raise UserError("--context: needs --data, the held-out streams (a prep output made with --streams)")
+    if args.streams and not args.context:
+        raise UserError("--streams: counts the streams of --context; pass --context N")
+    if args.context:
+        from data_prep.streams import StreamLayout
+        from gpn_scale.eval import long_context
+
+        streams = open_streams(args.data)
+        layout = StreamLayout.read(streams.split_dir)
+        long_context.check_context(streams.split_dir, layout, args.context)  # before the model loads
     from gpn_scale.eval.heldout import evaluate_windows
     from gpn_scale.eval.lambada import make_examples, read_lambada, score_lambada
 
@@ -97,6 +116,26 @@ def eval_main(argv: list[str]) -> int:
         metrics.update(ppl=held.ppl, loss=held.loss, tokens=held.tokens, windows=len(windows))
         per_position = held.per_position
         metrics["loss_by_position"] = str(out / "loss_by_position.csv")
+    context = passkeys = None
+    if args.context:
+        tokens = long_context.stream_tokens(streams.split_dir, layout, args.context, args.streams)
+        check_model_fits(model, streams, tokens, trained.tokenizer_sha256 if trained else None)
+        curve = long_context.carried_losses(model, tokens, layout.seq_len, args.batch)
+        bins = long_context.PositionBins.of(curve)
+        context = (curve, bins)
+        metrics["context"] = {"tokens": args.context, "streams": len(tokens), "window": layout.seq_len,
+                              "data": str(streams.split_dir), "loss": float(curve.mean()), "bins": bins.to_json(),
+                              "loss_by_position": str(out / "context_loss_by_position.csv"),
+                              "plot": str(out / "context.png")}
+    if args.passkey:
+        from gpn_scale.eval import long_context
+
+        codec, _ = choose_tokenizer(args.checkpoint, args.tokenizer, data, trained, model, DATA_OR_TOKENIZER)
+        chunk = (trained and trained.stats and trained.stats["seq_len"]) or (data and data.stats and data.stats["seq_len"]) or 2048
+        items = long_context.make_passkeys(codec.encode, args.passkey, args.passkey_trials)
+        passkeys = long_context.passkey_table(model, items, chunk)
+        metrics["passkey"] = {"trials": args.passkey_trials, "chunk": chunk, "by_distance": passkeys,
+                              "plot": str(out / "passkey.png")}
     if args.lambada:
         texts = read_lambada(args.lambada)
         codec, framing = choose_tokenizer(args.checkpoint, args.tokenizer, data, trained, model, DATA_OR_TOKENIZER)
@@ -113,6 +152,14 @@ def eval_main(argv: list[str]) -> int:
                        delimiter=",", header="position,mean_loss", comments="", fmt=["%d", "%.6f"])
         if examples is not None:
             (staging / "lambada_examples.jsonl").write_text(examples)
+        if context is not None:
+            curve, bins = context
+            np.savetxt(staging / "context_loss_by_position.csv", np.c_[np.arange(1, len(curve) + 1), curve],
+                       delimiter=",", header="position,mean_loss", comments="", fmt=["%d", "%.6f"])
+            long_context.plot_context(curve, bins, staging / "context.png",
+                                      f"Loss by position, state carried ({len(tokens)} streams)")
+        if passkeys is not None:
+            long_context.plot_passkey(passkeys, staging / "passkey.png", f"Passkey ({args.passkey_trials} keys per distance)")
         (staging / "metrics.json").write_text(json.dumps(metrics, indent=1))
     if args.json:
         print(json.dumps(metrics))
@@ -120,6 +167,13 @@ def eval_main(argv: list[str]) -> int:
         if "ppl" in metrics:
             print(f"held-out: loss {metrics['loss']:.4f} nats, PPL {metrics['ppl']:.3f} over {metrics['tokens']:,} tokens "
                   f"({metrics['windows']} windows); loss by position in {metrics['loss_by_position']}")
+        if "context" in metrics:
+            c = metrics["context"]
+            print(f"context {c['tokens']:,} tokens over {c['streams']} streams, state carried: loss {c['loss']:.4f}; "
+                  + ", ".join(f"{b['positions'][0]}-{b['positions'][1]}: {b['loss']:.3f}" for b in c["bins"]))
+        if "passkey" in metrics:
+            print("passkey accuracy by distance: " + ", ".join(f"{r['distance']}: {r['accuracy']:.2f}"
+                                                            for r in metrics["passkey"]["by_distance"]))
         if "lambada_acc" in metrics:
             print(f"LAMBADA: accuracy {metrics['lambada_acc']:.4f}, PPL {metrics['lambada_ppl']:.3f} "
                   f"over {metrics['lambada_examples']} examples")

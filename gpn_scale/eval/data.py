@@ -64,6 +64,17 @@ def open_data(path: str | Path) -> PrepData:
     return PrepData(split, stats, root)
 
 
+def open_streams(path: str | Path) -> PrepData:
+    """Held-out streams (`gpn-scale prep --streams`): a prep output's streams/val, or a streams split."""
+    path = Path(path)
+    for split, root in ((path / "streams" / "val", path), (path, path.parent.parent)):
+        if (split / "streams.json").is_file():
+            stats = read_json(root / "stats.json") if (root / "stats.json").is_file() else None
+            return PrepData(split, stats, root if stats is not None else None)
+    raise UserError(f"--context: {path} holds no streams (expected a prep output made with --streams, or its "
+                    f"streams/val)")
+
+
 def read_windows(data: PrepData, limit: int | None = None) -> torch.Tensor:
     """The first `limit` windows (all when None) of the split, in order, as int64 (N, T)."""
     dataset = open_dataset(local=str(data.split_dir), shuffle=False, batch_size=1)

@@ -19,16 +19,14 @@ resumed at another world size finds the states of its own slots, whichever ranks
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from data_prep.streams import DESCRIPTOR, StreamLayout
 from gpn_scale import manifest, safe_load
 from gpn_scale.errors import UserError
-from gpn_scale.textfiles import read_json
 
-DESCRIPTOR = "streams.json"  # written by the prep beside the stream shards
 _FILE = re.compile(r"carry_slots_(\d{6})-(\d{6})\.pt")
 
 
@@ -66,42 +64,28 @@ def rows(state, start: int, stop: int):
 # ---- the stream layout ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class StreamLayout:
-    """What the prep's streams.json says, checked against the run's global batch."""
+def training_layout(location: str, global_batch: int) -> StreamLayout:
+    """data.train's streams, checked against the run's global batch."""
+    if "://" in location:
+        raise UserError(f"data.train: {location}: train.carry_state reads the prep's streams from a local "
+                        "directory (a shared filesystem), not a URL")
+    try:
+        layout = StreamLayout.read(location)
+    except UserError as e:
+        raise UserError(f"data.train: {e}; train.carry_state needs OUT/streams/train") from None
+    if layout.streams % global_batch:
+        raise UserError(f"data.train: {layout.streams} streams ({Path(location) / DESCRIPTOR}) are not a multiple of the "
+                        f"global batch {global_batch}: with train.carry_state each batch slot reads whole streams; set "
+                        f"train.global_batch to a divisor of {layout.streams}, or prepare a multiple of it")
+    return layout
 
-    streams: int
-    windows_per_stream: int
-    seq_len: int
 
-    @classmethod
-    def read(cls, location: str, global_batch: int) -> "StreamLayout":
-        path = Path(location) / DESCRIPTOR
-        if "://" in location:
-            raise UserError(f"data.train: {location}: train.carry_state reads the prep's streams from a local "
-                            "directory (a shared filesystem), not a URL")
-        if not path.is_file():
-            raise UserError(f"data.train: {location}: no {DESCRIPTOR}, so not the prep's streams; train.carry_state "
-                            f"needs OUT/streams/train from `gpn-scale prep --streams S`")
-        record = read_json(path)
-        try:
-            layout = cls(int(record["streams"]), int(record["windows_per_stream"]), int(record["seq_len"]))
-        except (KeyError, TypeError, ValueError):
-            raise UserError(f"{path}: expected streams, windows_per_stream and seq_len (the prep's {DESCRIPTOR})") from None
-        if layout.streams % global_batch:
-            raise UserError(f"data.train: {layout.streams} streams ({path}) are not a multiple of the global batch "
-                            f"{global_batch}: with train.carry_state each batch slot reads whole streams; set "
-                            f"train.global_batch to a divisor of {layout.streams}, or prepare a multiple of it")
-        if layout.windows_per_stream < 1:
-            raise UserError(f"{path}: no windows in the streams")
-        return layout
-
-    def sample(self, step: int, slot: int, global_batch: int) -> int:
-        """The sample slot `slot` reads at step `step` (0-based)."""
-        rounds = self.streams // global_batch
-        k = step % self.windows_per_stream
-        stream = slot + global_batch * ((step // self.windows_per_stream) % rounds)
-        return k * self.streams + stream
+def sample_at(layout: StreamLayout, step: int, slot: int, global_batch: int) -> int:
+    """The sample slot `slot` reads at step `step` (0-based)."""
+    rounds = layout.streams // global_batch
+    k = step % layout.windows_per_stream
+    stream = slot + global_batch * ((step // layout.windows_per_stream) % rounds)
+    return k * layout.streams + stream
 
 
 # ---- the loader and the states ----------------------------------------------------------------
@@ -117,7 +101,7 @@ class StreamBatches:
         from gpn_scale.train.data import indexed_dataset_class
 
         self.global_batch = micro_batch * grad_accum * world
-        self.layout = StreamLayout.read(location, self.global_batch)
+        self.layout = training_layout(location, self.global_batch)
         self.dataset = open_dataset(indexed_dataset_class(), local=location, remote=None, shuffle=False,
                                     batch_size=micro_batch)
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
@@ -140,7 +124,7 @@ class StreamBatches:
         self.step, self.micro = int(state["step"]), 0
 
     def __next__(self) -> dict:
-        ids = [self.layout.sample(self.step, j, self.global_batch) for j in self.slots(self.micro)]
+        ids = [sample_at(self.layout, self.step, j, self.global_batch) for j in self.slots(self.micro)]
         items = [self.dataset[i] for i in ids]
         batch = {"tokens": torch.stack([x["tokens"] for x in items]), "sample_id": torch.tensor(ids),
                  "micro": self.micro}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gpn_scale import checkpoints, mds_index, outputs
 from gpn_scale.errors import UserError
-from gpn_scale.train.carry import StreamLayout
+from gpn_scale.train.carry import training_layout
 from gpn_scale.train.config import TrainConfig
 from gpn_scale.train.data import resolve_location
 
@@ -75,7 +75,7 @@ def check(cfg: TrainConfig, resume: str, config_file: Path | None = None) -> Dat
     if cfg.train.carry_state:  # the streams and the global batch they are dealt to
         t = cfg.train
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        StreamLayout.read(cfg.data.train, t.global_batch or t.micro_batch * (t.grad_accum or 1) * world)
+        training_layout(cfg.data.train, t.global_batch or t.micro_batch * (t.grad_accum or 1) * world)
     train, val = infos.get("train"), infos.get("val")
     if train and val and train.seq_len and val.seq_len and train.seq_len != val.seq_len:
         raise UserError(f"data.val: windows of {val.seq_len} tokens, data.train's have {train.seq_len}")

@@ -1,0 +1,136 @@
+"""`gpn-scale eval --context N` and `--passkey N`: held-out streams scored window after window with
+the state carried (checked against one forward over the whole stream, for every family), the
+log-spaced bins and plots, passkey scoring against a forward over prompt and key, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from eval_fixtures import corpus_texts, make_tokenizer, tiny_model, train
+from gpn_scale.cli import main
+from gpn_scale.eval.data import open_data, read_windows
+from gpn_scale.eval.long_context import PositionBins, make_passkeys, score_passkey
+from gpn_scale.native import save_native
+
+SEQ, CONTEXT = 32, 512
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A real prep output with streams, and a trained GPN+M, a GDN and a Transformer saved natively."""
+    from gpn_scale.models import GDNConfig, TransformerConfig, build_model
+
+    root = tmp_path_factory.mktemp("context")
+    tok = make_tokenizer(root / "tok.json")
+    for name, seed in (("train", 0), ("val", 1)):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_texts(80, seed)))
+    prep = root / "prep"
+    assert main(["prep", str(root / "train.jsonl"), str(root / "val.jsonl"), "--val-files", str(root / "val.jsonl"),
+                 "--out", str(prep), "--tokenizer", str(tok), "--seq-len", str(SEQ), "--workers", "1",
+                 "--streams", "2", "--val-streams", "2"]) == 0
+    vocab = json.loads((prep / "stats.json").read_text())["vocab_size"]
+    windows = read_windows(open_data(prep / "train"))
+    torch.manual_seed(0)
+    models = {
+        "gpn_m": tiny_model(vocab),
+        "gdn": build_model(GDNConfig(vocab_size=vocab, d_model=32, n_layers=2, n_heads=2, d_key=8, d_val=8, d_ffn=48,
+                                     chunk_size=8)),
+        "transformer": build_model(TransformerConfig(vocab_size=vocab, d_model=32, n_layers=2, n_heads=2, d_ffn=48)),
+    }
+    for name, model in models.items():
+        save_native(train(model, windows, steps=30), root / name)
+    return root, prep, models
+
+
+def run(capsys, *args):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def val_streams(prep) -> torch.Tensor:
+    """Each val stream's first CONTEXT tokens, read by hand: sample k * S + i is window k of stream i."""
+    from streaming import StreamingDataset
+
+    ds = StreamingDataset(local=str(prep / "streams" / "val"), batch_size=1, shuffle=False)
+    S = json.loads((prep / "streams" / "val" / "streams.json").read_text())["streams"]
+    return torch.stack([torch.cat([torch.from_numpy(ds[k * S + i]["tokens"].astype(np.int64))
+                                   for k in range(CONTEXT // SEQ)]) for i in range(S)])
+
+
+@pytest.mark.parametrize("family", ["gpn_m", "gdn", "transformer"])
+def test_carried_context_scores_the_whole_stream(setup, tmp_path, capsys, family):
+    root, prep, models = setup
+    out = tmp_path / "out"
+    code, stdout, err = run(capsys, "eval", root / family, "--data", prep, "--context", CONTEXT, "--batch", 1,
+                            "--json", "--out", out)
+    assert code == 0, err
+    c = json.loads(stdout)["context"]
+    with torch.no_grad():  # one forward over each whole stream: what the carried windows must add up to
+        whole = models[family](val_streams(prep)).token_losses.double().mean(0).numpy()
+    curve = np.loadtxt(out / "context_loss_by_position.csv", delimiter=",", skiprows=1)
+    assert curve[:, 0].tolist() == list(range(1, CONTEXT + 1))
+    np.testing.assert_allclose(curve[:, 1], whole, atol=1e-4)
+    assert c["tokens"] == CONTEXT and c["streams"] == 2 and c["window"] == SEQ
+    assert [b["positions"] for b in c["bins"]] == [[1, 1], [2, 3], [4, 7], [8, 15], [16, 31], [32, 63], [64, 127],
+                                                  [128, 255], [256, 512]]
+    for b in c["bins"]:
+        lo, hi = b["positions"]
+        assert b["loss"] == pytest.approx(whole[lo - 1 : hi].mean(), abs=1e-4)
+    assert (out / "context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_position_bins_are_log_spaced_to_the_end():
+    bins = PositionBins.of(np.arange(1, 101, dtype=float))
+    assert list(zip(bins.starts, bins.stops)) == [(1, 2), (2, 4), (4, 8), (8, 16), (16, 32), (32, 64), (64, 101)]
+    assert bins.loss[-1] == pytest.approx(np.mean(np.arange(64, 101)))
+
+
+def test_passkey_scores_the_key_as_a_forward_over_prompt_and_key(setup, tmp_path, capsys):
+    root, prep, models = setup
+    out = tmp_path / "out"
+    code, stdout, err = run(capsys, "eval", root / "gpn_m", "--data", prep, "--passkey", 600, "--passkey-trials", 2,
+                            "--json", "--out", out)
+    assert code == 0, err
+    p = json.loads(stdout)["passkey"]
+    assert [r["distance"] for r in p["by_distance"]] == [256, 512, 600]
+    assert all(r["trials"] == 2 and 0 <= r["accuracy"] <= 1 and r["mean_key_logprob"] < 0 for r in p["by_distance"])
+    assert (out / "passkey.png").is_file()
+
+    from gpn_scale.eval.codec import Codec
+
+    codec, model = Codec(prep / "tokenizer.json"), models["gpn_m"]
+    items = make_passkeys(codec.encode, 600, 2)
+    assert [codec.decode(i.answer).strip() for i in items] == [i.key for i in items] and len({i.key for i in items}) > 1
+    item = items[-1]
+    correct, logprob = score_passkey(model, item, chunk=SEQ)
+    with torch.no_grad():
+        o = model(torch.tensor(item.prompt + item.answer)[None], return_logits=True)
+    n = len(item.answer)
+    assert logprob == pytest.approx(-o.token_losses[0, -n:].double().sum().item(), rel=1e-4)
+    assert correct == bool((o.logits[0, -n:].argmax(-1) == torch.tensor(item.answer)).all())
+    assert math.isfinite(logprob)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--context", 100], "--context: 100 is not a multiple of the streams' window of 32 tokens"),
+    (["--context", 1 << 20], "--context: 1048576 tokens, but the streams of"),
+    (["--streams", 2], "--streams: counts the streams of --context"),
+    (["--context", 0], "--context: expected a positive integer, got 0"),
+])
+def test_bad_context_arguments_are_one_line(setup, tmp_path, capsys, args, message):
+    root, prep, _ = setup
+    code, _, err = run(capsys, "eval", root / "gpn_m", "--data", prep, *args, "--out", tmp_path / "out")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_context_needs_streams(setup, tmp_path, capsys):
+    root, prep, _ = setup
+    code, _, err = run(capsys, "eval", root / "gpn_m", "--data", prep / "val", "--context", 64, "--out", tmp_path / "o")
+    assert code == 2 and "holds no streams" in err and len(err.strip().splitlines()) == 1
