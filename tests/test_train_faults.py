@@ -458,6 +458,33 @@ def test_ctrl_c_twice_leaves_status_interrupted(data, tmp_path):
     assert all(ckpt.verify(fresh / "checkpoints" / t) is None for t in ckpt.committed(fresh / "checkpoints"))
 
 
+def test_a_second_ctrl_c_inside_a_library_that_raises_over_it_still_says_interrupted(data, tmp_path, monkeypatch):
+    """The second Ctrl-C can land inside torch.save, whose zip writer, closing, raises its own
+    error over the KeyboardInterrupt ("unexpected pos ..."): that is still an interruption (exit
+    130, status "interrupted"), not a crash. In-process, the trainer replaced by one that fails so."""
+    from gpn_scale.cli import main
+    from gpn_scale.train import engine, preflight
+
+    class SavingWhenInterrupted:
+        world = 1
+
+        def __init__(self, *args):
+            self.step = 3
+
+        def run(self):
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 3840 vs 3732")
+
+    monkeypatch.setattr(engine, "Trainer", SavingWhenInterrupted)
+    monkeypatch.setattr(preflight, "check", lambda *args, **kwargs: None)
+    run = tmp_path / "run"
+    assert main(["train", str(CONFIG), f"run.dir={run}", f"data.train={data / 'train'}"]) == EXIT_INTERRUPTED
+    status = json.loads((run / "status.json").read_text())
+    assert status["status"] == "interrupted" and status["step"] == 3, status
+
+
 def test_status_is_rewritten_in_place_on_a_disk_too_full_for_the_atomic_replacement(tmp_path):
     """The atomic replacement needs room for a second copy; with none left, the final status must
     still replace "running" (its one block is reused), and no half-written sibling stays."""

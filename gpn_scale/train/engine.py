@@ -523,9 +523,12 @@ def main(argv: list[str]) -> int:
     except BaseException as e:
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             e = UserError(f"{e.filename or cfg.run.dir}: no space left on device")
+        # A second Ctrl-C inside a library (torch.save's zip writer) may come back as the error the
+        # library raised over it while cleaning up: still an interruption, not a crash.
+        e = _interruption_under(e) or e
         if lock is not None:  # every way out of a run leaves its status: never "running" after it ended
             _record_failure(Path(cfg.run.dir), trainer, e)
-        if isinstance(e, UserError):
+        if isinstance(e, (UserError, KeyboardInterrupt)):
             raise e from None
         raise
     finally:
@@ -533,6 +536,14 @@ def main(argv: list[str]) -> int:
             lock.release()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _interruption_under(error: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt an exception was raised while handling, if any."""
+    seen = error
+    while seen is not None and not isinstance(seen, KeyboardInterrupt):
+        seen = seen.__context__
+    return seen if seen is not error else None
 
 
 def write_status(run_dir: Path, status: str, step: int | None, world: int | None, reason: str | None = None) -> None:
