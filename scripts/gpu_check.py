@@ -66,6 +66,7 @@ class Mode:
     graph_seq_len: int
     graph_steps: int
     graph_core_chunk: int | None
+    graph_kernel: str
     kernel_select: str | None
     bench_args: tuple
     engine_steps: int
@@ -81,7 +82,7 @@ GPU = Mode(
     name="gpu", budget_s=450,
     timeouts=dict(env=60, graphs=150, kernels=180, bench=200, engine=200),
     graph_config="gpn_m_130m_1l", graph_batch=8, graph_seq_len=256, graph_steps=5, graph_core_chunk=None,
-    kernel_select=None,
+    graph_kernel="triton", kernel_select=None,
     # T 2048 as the benchmark's default; fixed batches (a row halves its batch on running out of memory)
     bench_args=("--steps", "2", "--batch", "gpn_m_triton=64", "--batch", "gpn_m_chunk=64", "--batch", "gpn_m_eager=64",
                 "--batch", "gpn_m_torch=64",
@@ -95,6 +96,9 @@ DRY = Mode(
     # Triton's interpreter costs ~0.2 s per time step of the tiny model: short windows, 2 steps
     # (4 calls: the forward graph replayed on the 2nd to 4th, the backward on the 3rd and 4th)
     graph_config="gpn_m_tiny", graph_batch=2, graph_seq_len=4, graph_steps=2, graph_core_chunk=2,
+    # the torch twins: the graphs and the streams' events are what this stage checks, and Triton's
+    # interpreter costs ~0.1 s per launch (1,000 launches); the kernels stage runs the interpreter
+    graph_kernel="torch",
     # a few of each kind under the interpreter: memory step forward and backward, the elementwise
     # groups, and the accuracy tests but the one that compiles PTX
     kernel_select=("3x4x6x33-dtype1 or triton-3x9x33x1x4x6-all-dtype1 or triton-3x9x33x1x4x6-dtype1 "
@@ -435,7 +439,7 @@ def compare_graphs(part: Part, mode: Mode, form: str) -> dict:
     from kernels.streams import CpuLanes, OneLane
 
     device = torch.device("cpu" if mode.dry else "cuda")
-    cfg = dataclasses.replace(model_config(mode.graph_config), core="fused", kernel="triton", memory_form=form)
+    cfg = dataclasses.replace(model_config(mode.graph_config), core="fused", kernel=mode.graph_kernel, memory_form=form)
     if mode.graph_core_chunk:
         cfg = dataclasses.replace(cfg, core_chunk=mode.graph_core_chunk)
     B, T, steps, micro = mode.graph_batch, mode.graph_seq_len, mode.graph_steps, 2
@@ -454,7 +458,7 @@ def compare_graphs(part: Part, mode: Mode, form: str) -> dict:
             models[name].backend = lambda device_type, b=pinned: b
     names = [n for n, _ in models["graphs"].named_parameters()]
     tokens = torch.randint(0, cfg.vocab_size, (steps, micro, B, T), generator=torch.Generator().manual_seed(1)).to(device)
-    fields = dict(config=mode.graph_config, memory_form=form, device=str(device), autocast="bf16", kernel="triton", batch=B,
+    fields = dict(config=mode.graph_config, memory_form=form, device=str(device), autocast="bf16", kernel=mode.graph_kernel, batch=B,
                   seq_len=T, core_chunk=cfg.core_chunk, steps=steps, micro_batches=micro, optimizer="torch AdamW lr 1e-3",
                   params=len(names), tolerance=0.0)
     losses = {m: [] for m in models}

@@ -71,8 +71,10 @@ RESUME_STEPS = ("train.total_steps=6", "train.save_every=3", "precision=bf16")
 def bf16_runs(data, tmp_path_factory):
     """An uninterrupted 6-step bf16 run per family, saving at step 3."""
     root = tmp_path_factory.mktemp("bf16")
-    for family in FAMILIES:  # one after another: one-process runs share DeepSpeed's default port
-        assert "ZeRO-2, bf16" in train(data, family, root / family, *RESUME_STEPS), family
+    for pair in (FAMILIES[:2], FAMILIES[2:]):  # two at a time: one thread each (each picks its own free port)
+        procs = [start(data, family, root / family, *RESUME_STEPS) for family in pair]
+        for family, proc in zip(pair, procs):
+            assert "ZeRO-2, bf16" in finish(proc), family
     return root
 
 
@@ -97,8 +99,11 @@ def test_bf16_loss_curve_tracks_fp32(data, tmp_path):
     """bf16 against fp32 over 200 steps, with the memory in its step form, in its chunk form, and
     in its chunk form with M_c read in bf16 (each bf16 curve held to the same fp32 one)."""
     steps = [f"train.total_steps={LONG}", f"train.save_every={LONG}", "train.warmup_steps=20", "train.lr=3e-3"]
-    for variant, precision in (("gpn_m", "fp32"), ("gpn_m", "bf16"), ("gpn_m_chunk", "bf16"), ("gpn_m_chunk_bf16_reads", "bf16")):
-        train(data, variant, tmp_path / f"{variant}_{precision}", *steps, f"precision={precision}")
+    runs = (("gpn_m", "fp32"), ("gpn_m", "bf16"), ("gpn_m_chunk", "bf16"), ("gpn_m_chunk_bf16_reads", "bf16"))
+    for pair in (runs[:2], runs[2:]):  # two at a time, one thread each
+        procs = [start(data, v, tmp_path / f"{v}_{p}", *steps, f"precision={p}") for v, p in pair]
+        for proc in procs:
+            finish(proc)
     fp32 = losses(tmp_path / "gpn_m_fp32")
 
     def means(curve):
