@@ -368,17 +368,23 @@ def tally(launches: list[Launch]) -> dict[Key, Tally]:
     return dict(out)
 
 
-def window(model, batch: int, steps: int, dtype: str, device: torch.device, counted: bool = True) -> list[Launch]:
-    """The launches of one forward and backward of a window of random tokens."""
+def window(model, batch: int, steps: int, dtype: str, device: torch.device, counted: bool = True,
+           carried: bool = False) -> list[Launch]:
+    """The launches of one forward and backward of a window of random tokens; `carried`: started
+    from the (detached) state an uncounted window before it ended with, as train.carry_state runs."""
     gen = torch.Generator().manual_seed(batch * 1000 + steps)
     tokens = torch.randint(0, model.config.vocab_size, (batch, steps), generator=gen).to(device)
     model.zero_grad(set_to_none=True)  # gradients assigned, not accumulated: the same ops every window
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+    state = None
+    if carried:
+        with torch.no_grad(), autocast:
+            state = model(tokens).state.detach()
     counter = LaunchCounter()
     with counter if counted else contextlib.nullcontext():
         counter.phase = "forward"
         with autocast:
-            loss = model(tokens).loss
+            loss = model(tokens, state=state).loss
         counter.phase = "backward"
         loss.backward()
     return counter.launches  # none when not counted
@@ -399,14 +405,15 @@ def difference(short: dict[Key, Tally], long: dict[Key, Tally], steps: tuple[int
     return per_step, fixed
 
 
-def measure(model, batches: list[int], steps: tuple[int, int], dtype: str, device, warm: bool = True) -> dict:
+def measure(model, batches: list[int], steps: tuple[int, int], dtype: str, device, warm: bool = True,
+            carried: bool = False) -> dict:
     """Per batch, the launches of a window of steps[0] and of steps[1] steps, their writes settled.
 
     `warm`: one window first, uncounted, which compiles the kernels and makes the constants that
     are made once (not needed when this model has already run windows of these shapes)."""
     if warm:
         window(model, batches[0], steps[0], dtype, device, counted=False)
-    runs = {b: [window(model, b, T, dtype, device) for T in steps] for b in batches}
+    runs = {b: [window(model, b, T, dtype, device, carried=carried) for T in steps] for b in batches}
     settle_writes([w for pair in runs.values() for w in pair])
     return runs
 
@@ -416,9 +423,10 @@ def costs_of(runs: dict, steps: tuple[int, int]) -> dict:
     return {b: difference(tally(short), tally(long), steps) for b, (short, long) in runs.items()}
 
 
-def step_costs(model, batches: list[int], steps: tuple[int, int], dtype: str, device, warm: bool = True):
+def step_costs(model, batches: list[int], steps: tuple[int, int], dtype: str, device, warm: bool = True,
+               carried: bool = False):
     """Per batch, (per step, once per window) tallies from windows of steps[0] and steps[1] steps."""
-    return costs_of(measure(model, batches, steps, dtype, device, warm), steps)
+    return costs_of(measure(model, batches, steps, dtype, device, warm, carried), steps)
 
 
 def save_launches(path: str, runs: dict, steps) -> None:

@@ -27,3 +27,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def gpu_check_dry(tmp_path_factory):
+    """One dry run of scripts/gpu_check.sh, shared: its bench stage runs bench/gpu.py's CPU command,
+    which tests/test_bench_gpu.py checks too. (proc, report, OUT)."""
+    from gpu_check_run import HANG_ARGS, run
+
+    out = tmp_path_factory.mktemp("gpu_check")
+    proc, report = run("--dry", *HANG_ARGS, out=out)
+    return proc, report, out

@@ -5,22 +5,26 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from conftest import ROOT
+from gpu_check_run import stage_output
 
 
 @pytest.mark.slow
-def test_gpu_bench_runs_on_cpu(tmp_path):
+def test_gpu_bench_runs_on_cpu(gpu_check_dry):
+    """`bench/gpu.py --device cpu --seq-len 8 --naive-seq-len 4 --steps 1`, every model: as the dry
+    gpu_check's bench stage runs it (one run, shared with tests/test_gpu_check.py)."""
+    _, report, check_out = gpu_check_dry
+    stage = report["stages"]["bench"]
+    assert stage["status"] == "PASS", stage
+    assert stage["command"].endswith("--device cpu --seq-len 8 --naive-seq-len 4 --steps 1 --out " + stage["bench_json"])
     models = ["gpn_m_triton", "gpn_m_chunk", "gpn_m_eager", "gpn_m_torch", "naive", "transformer"]
-    out = tmp_path / "bench.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu", "--models", ",".join(models),
-                           "--seq-len", "8", "--naive-seq-len", "4", "--steps", "1", "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    out = stage["bench_json"]
+    stdout = "\n".join(stage_output(check_out, "bench"))
+    result = json.loads(Path(out).read_text())
     rows = result["rows"]
     assert list(rows) == models
     for r in rows.values():
@@ -31,7 +35,7 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert rows["gpn_m_chunk"]["loss"] == pytest.approx(rows["gpn_m_triton"]["loss"], rel=1e-5)  # nor on the memory's form
     assert "chunk form" in rows["gpn_m_chunk"]["label"] and "step form" in rows["gpn_m_triton"]["label"]
     assert rows["naive"]["seq_len"] == 4 and rows["naive"]["extrapolated_to_seq_len"] == 8
-    assert "extrapolated to T 8" in proc.stdout
+    assert "extrapolated to T 8" in stdout
     for name in ("memory_step (fwd)", "decay_and_write", "memory_step_backward", "chunk step 2 of 4 (fwd)",
                  "chunk step 2 of 4 backward", "chunk dM products"):
         assert result["memory_kernels"][name]["bytes_per_s"] > 0
@@ -45,7 +49,7 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert rows["transformer"]["step_s"] == rows["transformer"]["compile"]["eager_s"]
     assert "gpn_m_triton / transformer (eager) tokens/s" in names
     # The ratio table is printed last (before the line naming the JSON file).
-    tail = proc.stdout.strip().splitlines()[-(len(names) + 2):]
+    tail = stdout.strip().splitlines()[-(len(names) + 2):]
     assert tail[0].startswith("ratio") and tail[-1] == f"wrote {out}"
     assert [line.split("  ")[0].strip() for line in tail[1:-1]] == names
 

@@ -11,30 +11,14 @@ import sys
 import pytest
 
 from conftest import ROOT
+from gpu_check_run import run
 
-SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 STAGES = ["env", "graphs", "kernels", "bench", "engine"]
-# The tests' stage limits are for hangs only, about 10x each stage's time on an idle 2-core machine
-# (the engine's first run there also builds DeepSpeed's CPU op): a loaded machine must not fail a
-# stage that works. The script's own defaults budget a real GPU session; they are not what is tested.
-HANG_LIMITS = dict(env=120, graphs=600, kernels=300, bench=600, engine=1800)
-HANG_ARGS = ["--budget", str(sum(HANG_LIMITS.values())), *(f"--timeout={k}={v}" for k, v in HANG_LIMITS.items())]
 
 
-def run(*args, out, timeout=sum(HANG_LIMITS.values()) + 300, env=None):
-    env = dict(os.environ, PYTHON=sys.executable, OUT=str(out), **(env or {}))
-    for var in ("TRITON_INTERPRET", "GPN_SCALE_CPU_GRAPHS"):  # the script sets them for its dry mode itself
-        env.pop(var, None)
-    proc = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=timeout)
-    report = json.loads((out / "gpu_check.json").read_text()) if (out / "gpu_check.json").is_file() else None
-    return proc, report
-
-
-@pytest.fixture(scope="module")
-def dry(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu_check")
-    proc, report = run("--dry", *HANG_ARGS, out=out)
-    return proc, report, out
+@pytest.fixture
+def dry(gpu_check_dry):
+    return gpu_check_dry
 
 
 def tiny_param_names():

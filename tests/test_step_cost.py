@@ -394,3 +394,17 @@ def test_the_weight_gradients_run_on_the_side_stream_after_the_sweep(tiny_chunk_
         one_s = step_cost.scheduled_step(one, steps, batch, hw)
         assert two_s["streams"] == 2 and one_s["streams"] == 1
         assert two_s["seconds"] <= one_s["seconds"] * (1 + 1e-9)
+
+
+def test_a_carried_state_costs_nothing_per_step():
+    """train.carry_state starts each window from the state the last one ended with: every step's
+    launches, bytes and FLOPs are those of a window from the empty state (the window's own fixed
+    cost loses the empty state's fills). The chunk form, windows of whole chunks."""
+    args = step_cost.parse_args(["--config", "gpn_m_tiny", "--device", "cpu", "--batch", "2", "memory_form=chunk",
+                                 "kernel=torch", "core_chunk=2"])
+    model, _ = step_cost.build(args)
+    empty, carried = (step_cost.step_costs(model, [2], (2, 4), "fp32", torch.device("cpu"), warm=not c, carried=c)[2]
+                      for c in (False, True))
+    assert empty[0] == carried[0]  # per step: the same tallies
+    fills = {k: t for k, t in empty[1].items() if carried[1].get(k) != t}
+    assert fills and all(k.phase == "forward" for k in fills)
