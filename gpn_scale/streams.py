@@ -106,6 +106,35 @@ def open_dataset(cls=None, **kwargs):
         return cls(**kwargs)
 
 
+@contextmanager
+def reading(**kwargs):
+    """A dataset opened (as `open_dataset`) for one read in this process, its shared memory given
+    back when the block ends. Streaming keeps every block it creates or attaches to until the
+    process exits, and each new dataset attaches to all the node's registered prefixes in turn,
+    so a process that opens many datasets one after another (an evaluation per checkpoint, a test
+    suite) would hold a growing number of file descriptors for each."""
+    dataset = open_dataset(**kwargs)
+    try:
+        yield dataset
+    finally:
+        release(dataset)
+
+
+def release(dataset) -> None:
+    """Close and unlink the shared memory a dataset registered (what Streaming does at exit)."""
+    from streaming.base.shared import SharedMemory
+
+    def blocks(obj, depth=0):
+        for value in vars(obj).values():
+            if isinstance(value, SharedMemory):
+                yield value
+            elif depth < 2 and hasattr(value, "__dict__") and type(value).__module__.startswith("streaming"):
+                yield from blocks(value, depth + 1)
+
+    for block in blocks(dataset):
+        block.cleanup()
+
+
 def check_index(local: str, remote: str | None) -> None:
     """The dataset's index checked before Streaming reads it (see the module's docstring)."""
     leader = int(os.environ.get("LOCAL_RANK", 0)) == 0

@@ -55,12 +55,12 @@ def run(capsys, *args):
 
 def val_streams(prep) -> torch.Tensor:
     """Each val stream's first CONTEXT tokens, read by hand: sample k * S + i is window k of stream i."""
-    from streaming import StreamingDataset
+    from gpn_scale.streams import reading
 
-    ds = StreamingDataset(local=str(prep / "streams" / "val"), batch_size=1, shuffle=False)
     S = json.loads((prep / "streams" / "val" / "streams.json").read_text())["streams"]
-    return torch.stack([torch.cat([torch.from_numpy(ds[k * S + i]["tokens"].astype(np.int64))
-                                   for k in range(CONTEXT // SEQ)]) for i in range(S)])
+    with reading(local=str(prep / "streams" / "val"), batch_size=1, shuffle=False) as ds:
+        return torch.stack([torch.cat([torch.from_numpy(ds[k * S + i]["tokens"].astype(np.int64))
+                                       for k in range(CONTEXT // SEQ)]) for i in range(S)])
 
 
 @pytest.mark.parametrize("family", ["gpn_m", "gdn", "transformer"])

@@ -49,10 +49,10 @@ def dealt(documents: list[list[int]], streams: int) -> list[list[list[int]]]:
 
 
 def samples(path: Path) -> list[dict]:
-    from streaming import StreamingDataset
+    from gpn_scale.streams import reading
 
-    ds = StreamingDataset(local=str(path), batch_size=1, shuffle=False)
-    return [ds[i] for i in range(len(ds))]
+    with reading(local=str(path), batch_size=1, shuffle=False) as ds:
+        return [ds[i] for i in range(len(ds))]
 
 
 def test_streams_hold_whole_documents_in_order_window_major(corpus, tokenizer, tmp_path, capsys):  # noqa: F811

@@ -442,3 +442,30 @@ def test_datasets_opened_at_once_on_a_node_get_their_own_shared_memory(tmp_path)
     reports = [json.loads(out.strip().splitlines()[-1]) for out, _, _ in results]
     assert reports[0]["prefix"] != reports[1]["prefix"]
     assert reports[0]["heavy"] == reports[1]["heavy"] == [] and reports[0]["same"] and reports[0]["full"], reports
+
+
+def test_datasets_read_one_after_another_give_their_shared_memory_back(tmp_path):
+    """Streaming keeps each dataset's shared memory, and each new dataset attaches to every prefix
+    registered before it: read in turn without `streams.reading`, a process's open files grow with
+    the square of the datasets it opened (the suite once ran out of them)."""
+    import os
+
+    from gpn_scale.streams import open_dataset, reading, release
+    from mds_fixture import write_windows
+
+    split = write_windows(tmp_path / "split", 4, 8, 64)
+
+    def open_files():
+        return len(os.listdir("/proc/self/fd"))
+
+    with reading(local=str(split), shuffle=False, batch_size=1) as ds:
+        ds[0]
+    before = open_files()
+    for _ in range(6):
+        with reading(local=str(split), shuffle=False, batch_size=1) as ds:
+            ds[0]
+    assert open_files() <= before + 2
+    kept = [open_dataset(local=str(split), shuffle=False, batch_size=1) for _ in range(6)]  # the leak it prevents
+    assert open_files() > before + 12
+    for ds in kept:
+        release(ds)

@@ -16,7 +16,7 @@ from gpn_scale import checkpoints, manifest
 from gpn_scale.errors import UserError
 from gpn_scale.eval.codec import Codec
 from gpn_scale.native import TokenizerSource, read_tokenizer
-from gpn_scale.streams import open_dataset
+from gpn_scale.streams import reading
 from gpn_scale.textfiles import read_json
 
 
@@ -77,14 +77,14 @@ def open_streams(path: str | Path) -> PrepData:
 
 def read_windows(data: PrepData, limit: int | None = None) -> torch.Tensor:
     """The first `limit` windows (all when None) of the split, in order, as int64 (N, T)."""
-    dataset = open_dataset(local=str(data.split_dir), shuffle=False, batch_size=1)
-    n = len(dataset) if limit is None else min(limit, len(dataset))
-    if n == 0:
-        raise UserError(f"{data.split_dir}: no windows")
-    try:
-        rows = [np.asarray(dataset[i]["tokens"], dtype=np.int64) for i in range(n)]
-    except KeyError:
-        raise UserError(f"{data.split_dir}: samples have no `tokens` column (not written by `gpn-scale prep`)") from None
+    with reading(local=str(data.split_dir), shuffle=False, batch_size=1) as dataset:
+        n = len(dataset) if limit is None else min(limit, len(dataset))
+        if n == 0:
+            raise UserError(f"{data.split_dir}: no windows")
+        try:
+            rows = [np.asarray(dataset[i]["tokens"], dtype=np.int64) for i in range(n)]
+        except KeyError:
+            raise UserError(f"{data.split_dir}: samples have no `tokens` column (not written by `gpn-scale prep`)") from None
     return torch.from_numpy(np.stack(rows))
 
 

@@ -33,7 +33,7 @@ def check_context(split_dir: Path, layout, context: int) -> None:
 
 def stream_tokens(split_dir: Path, layout, context: int, limit: int | None) -> torch.Tensor:
     """The first `context` tokens of each of the first `limit` streams (all when None): (n, context) int64."""
-    from gpn_scale.streams import open_dataset
+    from gpn_scale.streams import reading
 
     check_context(split_dir, layout, context)
     windows = context // layout.seq_len
@@ -42,8 +42,9 @@ def stream_tokens(split_dir: Path, layout, context: int, limit: int | None) -> t
                         f"{layout.windows_per_stream * layout.seq_len} each ({layout.windows_per_stream} windows); "
                         f"prepare fewer, longer streams (--val-streams) or ask for less")
     n = layout.streams if limit is None else min(limit, layout.streams)
-    dataset = open_dataset(local=str(split_dir), shuffle=False, batch_size=1)
-    rows = [[np.asarray(dataset[k * layout.streams + i]["tokens"], np.int64) for k in range(windows)] for i in range(n)]
+    with reading(local=str(split_dir), shuffle=False, batch_size=1) as dataset:
+        rows = [[np.asarray(dataset[k * layout.streams + i]["tokens"], np.int64) for k in range(windows)]
+                for i in range(n)]
     return torch.from_numpy(np.stack([np.concatenate(r) for r in rows]))
 
 
