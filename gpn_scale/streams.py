@@ -102,8 +102,40 @@ def open_dataset(cls=None, **kwargs):
     """`cls(**kwargs)` (default `StreamingDataset`), its index checked, constructed under the node's lock."""
     cls = dataset_class() if cls is None else cls
     check_index(kwargs["local"], kwargs.get("remote"))
-    with registering():
+    with registering(), _scan_leaves_nothing_open():
         return cls(**kwargs)
+
+
+@contextmanager
+def _scan_leaves_nothing_open():
+    """Streaming's scan for a free prefix attaches to each prefix registered on the node (to read
+    its directories) and keeps every attachment, with its file descriptor, until the process
+    exits: a process opening datasets while others are registered (an evaluation beside a
+    training, a test suite) gains descriptors for each. The scan's attachments are closed when
+    it returns; nothing else reads them, and the blocks stay with whoever registered them."""
+    prefix = importlib.import_module("streaming.base.shared.prefix")
+    scan, attach = prefix._check_and_find, prefix.SharedMemory
+
+    def scan_closing(*args, **kwargs):
+        opened = []
+
+        def attach_recorded(*a, **k):
+            opened.append(attach(*a, **k))
+            return opened[-1]
+
+        prefix.SharedMemory = attach_recorded
+        try:
+            return scan(*args, **kwargs)
+        finally:
+            prefix.SharedMemory = attach
+            for block in opened:
+                block.cleanup()  # an attachment's cleanup closes it; it never unlinks another's block
+
+    prefix._check_and_find = scan_closing
+    try:
+        yield
+    finally:
+        prefix._check_and_find = scan
 
 
 @contextmanager

@@ -446,8 +446,10 @@ def test_datasets_opened_at_once_on_a_node_get_their_own_shared_memory(tmp_path)
 
 def test_datasets_read_one_after_another_give_their_shared_memory_back(tmp_path):
     """Streaming keeps each dataset's shared memory, and each new dataset attaches to every prefix
-    registered before it: read in turn without `streams.reading`, a process's open files grow with
-    the square of the datasets it opened (the suite once ran out of them)."""
+    registered on the node before it: read in turn without `streams.reading`, a process's open
+    files grow with the square of the datasets it opened (the suite once ran out of them). With
+    other datasets still registered (a training beside an evaluation, earlier tests in a suite),
+    a read's scan past their prefixes leaves nothing open either."""
     import os
 
     from gpn_scale.streams import open_dataset, reading, release
@@ -458,6 +460,10 @@ def test_datasets_read_one_after_another_give_their_shared_memory_back(tmp_path)
     def open_files():
         return len(os.listdir("/proc/self/fd"))
 
+    def kept(n):
+        return [open_dataset(local=str(split), shuffle=False, batch_size=1) for _ in range(n)]
+
+    others = kept(3)  # registered, and held, while the reads below scan past them
     with reading(local=str(split), shuffle=False, batch_size=1) as ds:
         ds[0]
     before = open_files()
@@ -465,7 +471,7 @@ def test_datasets_read_one_after_another_give_their_shared_memory_back(tmp_path)
         with reading(local=str(split), shuffle=False, batch_size=1) as ds:
             ds[0]
     assert open_files() <= before + 2
-    kept = [open_dataset(local=str(split), shuffle=False, batch_size=1) for _ in range(6)]  # the leak it prevents
+    leaked = kept(6)  # the leak `reading` prevents
     assert open_files() > before + 12
-    for ds in kept:
+    for ds in others + leaked:
         release(ds)
