@@ -196,15 +196,16 @@ def test_the_start_of_text_is_the_initial_state_and_bos_stands_for_it(setup, nam
     ours = native_logits(model, ids, bos if name == "bos" else None)
     torch.testing.assert_close(plain, ours[:, 1:], rtol=0, atol=1e-5)
     torch.testing.assert_close(initial, ours[:, :1], rtol=0, atol=1e-5)
-    torch.testing.assert_close(with_bos, torch.cat([initial, plain], 1), rtol=0, atol=1e-6)
+    # Windows of other lengths run GEMMs of other shapes, whose sums may round apart: float32's tolerance.
+    torch.testing.assert_close(with_bos, torch.cat([initial, plain], 1), rtol=1.3e-6, atol=1e-6)
     n = ids.shape[1]
-    torch.testing.assert_close(again[:, n + 1:], plain, rtol=0, atol=1e-6)
+    torch.testing.assert_close(again[:, n + 1:], plain, rtol=1.3e-6, atol=1e-6)
     if name == "plain":  # without BOS in training, BOS's embedding plays no part as an input (only as a score)
         hf.model.embed_tokens.weight.data[bos] += 10.0
         others = torch.arange(hf.config.vocab_size) != bos
         with torch.no_grad():
             moved = hf(torch.cat([ids.new_full((1, 1), bos), ids], 1)).logits
-        torch.testing.assert_close(moved[..., others], with_bos[..., others], rtol=0, atol=1e-6)
+        torch.testing.assert_close(moved[..., others], with_bos[..., others], rtol=1.3e-6, atol=1e-6)
 
 
 def test_generate_builds_the_fused_weights_once_and_feeds_one_token_a_step(setup):

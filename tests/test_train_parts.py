@@ -158,7 +158,9 @@ def test_adam_state_reads_alike_from_every_zero_stage(one_rank, tmp_path):
         assert read[stage].step == 2 and set(read[stage].exp_avg) == set(read[stage].exp_avg_sq) == names
         for name in names:
             torch.testing.assert_close(read[stage].exp_avg[name], read[0].exp_avg[name], rtol=1e-5, atol=1e-8)
-            torch.testing.assert_close(read[stage].exp_avg_sq[name], read[0].exp_avg_sq[name], rtol=1e-5, atol=1e-12)
+            # the squares of gradients reduced in another order: twice their rounding, more where a gradient's
+            # terms cancel; a moment read from the wrong place is off by orders of magnitude
+            torch.testing.assert_close(read[stage].exp_avg_sq[name], read[0].exp_avg_sq[name], rtol=1e-4, atol=1e-12)
     assert not any(p.name.startswith("gpn-scale-adam") for p in tmp_path.rglob("*"))  # its conversion is gone
 
 
