@@ -6,7 +6,7 @@
 The same float32 tensors (`--gb` in all, split into `--files` files, as ranks write their shards)
 are saved with torch.save: the baseline, what DeepSpeed does per rank. The checkpoint path saves
 them as the trainer's DeepSpeed engine does, hashing each file as it is written
-(gpn_scale.manifest.write_hashed: xxh3-128), writes the manifest from those entries, and verifies
+(gpn_scale.storage.manifest.write_hashed: xxh3-128), writes the manifest from those entries, and verifies
 it as a resume does (every file read back and hashed, a thread per file). Printed: each part's
 time, the ratio (hashed save + manifest + verify) / save, and two older paths for comparison:
 hashing by reading the files back after a plain save (xxh3, threads), and sha256 one file after
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from gpn_scale import manifest
+from gpn_scale.storage import manifest
 
 
 def timed(fn) -> float:

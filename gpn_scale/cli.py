@@ -10,16 +10,16 @@ from __future__ import annotations
 import importlib
 import sys
 
-from gpn_scale import leases
+from gpn_scale.storage import leases
 from gpn_scale.errors import UserError
 
 COMMANDS = {
     "model-info": ("gpn_scale.model_info:main", "print a model config's parameter breakdown"),
-    "convert": ("gpn_scale.convert:main", "convert a reference (paper) checkpoint to a native one"),
+    "convert": ("gpn_scale.export.convert:main", "convert a reference (paper) checkpoint to a native one"),
     "export": ("gpn_scale.export:main", "export a checkpoint to Hugging Face transformers, the paper's format or native"),
-    "prep": ("data_prep.cli:main", "tokenize and pack text into MDS shards"),
+    "prep": ("gpn_scale.prep.cli:main", "tokenize and pack text into MDS shards"),
     "train": ("gpn_scale.train.engine:main", "train with DeepSpeed ZeRO from MDS shards (resumable)"),
-    "launch": ("gpn_scale.launch:main", "print and run the torchrun command for a training run"),
+    "launch": ("gpn_scale.train.launch:main", "print and run the torchrun command for a training run"),
     "sweep": ("gpn_scale.sweep.cli:main", "scaling sweeps: size, run (local or SLURM), collect and fit"),
     "ckpt": ("gpn_scale.train.checkpoint:main", "checkpoint tools: verify, to-universal"),
     "eval": ("gpn_scale.eval.cli:eval_main", "held-out perplexity (by position) and LAMBADA of a checkpoint"),

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from gpn_scale.errors import UserError
-from gpn_scale.textfiles import read_text
+from gpn_scale.errors import UserError, read_text
 
 # The bundled configs/ and launchers/: in a checkout the package's symlinks to the repository's
 # own, in a wheel their copies, so a name like `gpn_m_tiny` resolves either way.

@@ -22,9 +22,9 @@ import numpy as np
 
 from gpn_scale.config import CONFIG_ROOT
 from gpn_scale.helptext import HelpFormatter
-from gpn_scale.jsonl import read_jsonl
-from gpn_scale.outputs import DEMO, check_resumable
-from gpn_scale.textfiles import read_json
+from gpn_scale.storage.jsonl import read_jsonl
+from gpn_scale.storage.outputs import DEMO, check_resumable
+from gpn_scale.errors import read_json
 
 DEMO_CONFIG = CONFIG_ROOT / "train" / "demo.yaml"
 ANALYSIS_WINDOWS = 32  # 4,096 states: the analysis and its ablations in seconds
@@ -52,8 +52,8 @@ def main(argv: list[str]) -> int:
     check_resumable(out, "--out", "demo", (DEMO,))  # a rerun resumes every stage; nothing else is written into
     began = time.time()
 
-    from data_prep.cli import main as prep
-    from data_prep.embedded import write_embedded_corpus
+    from gpn_scale.prep.cli import main as prep
+    from gpn_scale.prep.embedded import write_embedded_corpus
 
     _stage("1/5 corpus: CPython's documentation topics as FineWeb-Edu-schema parquet")
     files = [str(p) for p in write_embedded_corpus(out / "corpus")]
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
         print(f"already prepared: {data}")
 
     _stage("3/5 training a small GPN+M with DeepSpeed")
-    from gpn_scale.checkpoints import tags
+    from gpn_scale.storage.checkpoints import tags
     from gpn_scale.train.engine import main as train
 
     run_dir = out / "train"
@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
     _stage("4/5 evaluation on the held-out split")
     from gpn_scale.eval.data import open_data, read_windows
     from gpn_scale.eval.heldout import evaluate_windows
-    from gpn_scale.checkpoints import load_model
+    from gpn_scale.storage.checkpoints import load_model
 
     model = load_model(run_dir)
     prepared = open_data(data)  # its val split, stats.json, tokenizer copy and unigram counts

@@ -712,7 +712,7 @@ def _graph_stats(log_text: str) -> dict | None:
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
-    from gpn_scale.jsonl import read_jsonl  # the standard library only, as the engine's own reader
+    from gpn_scale.storage.jsonl import read_jsonl  # the standard library only, as the engine's own reader
 
     return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r}
 

@@ -22,12 +22,12 @@ def write_windows(out: Path, n: int, seq_len: int, vocab: int, seed: int = 0) ->
 
 
 def write_streams(out: Path, streams: int, windows: int, seq_len: int, vocab: int, seed: int = 0) -> Path:
-    """The prep's stream layout (data_prep/streams.py): window-major samples with their stream and
+    """The prep's stream layout (gpn_scale/prep/streams.py): window-major samples with their stream and
     window, and streams.json. Each stream repeats its own pattern, so a state carried from window to
     window knows where the next window begins."""
     from streaming import MDSWriter
 
-    from data_prep.streams import StreamStats
+    from gpn_scale.prep.streams import StreamStats
 
     rng = np.random.default_rng(seed)
     period = 3 * seq_len // 2  # never a whole number of windows: each window starts elsewhere in it

@@ -15,7 +15,7 @@ from gpn_scale.eval import geometry, horizons, memory
 from gpn_scale.eval.ablations import ProjectOut, SilenceHeads, run_ablations
 from gpn_scale.eval.heldout import evaluate_windows
 from gpn_scale.eval.states import Recorder, record
-from gpn_scale.native import save_native
+from gpn_scale.storage.native import save_native
 
 
 def planted(n: int, d: int, sigmas: list[float], seed: int = 0) -> np.ndarray:

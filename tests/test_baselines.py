@@ -21,8 +21,8 @@ from gpn_scale.errors import UserError
 from gpn_scale.models import (MODEL_FAMILIES, GatedDeltaNet, GDNConfig, Transformer, TransformerConfig, build_model,
                               param_count)
 from gpn_scale.models.gdn import _fla_chunk_kernel, chunk_gated_delta_rule, recurrent_gated_delta_rule
-from gpn_scale.checkpoints import load_model
-from gpn_scale.native import save_native
+from gpn_scale.storage.checkpoints import load_model
+from gpn_scale.storage.native import save_native
 from gpn_scale.train.metrics import flops_per_token
 
 TINY_T = TransformerConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, d_ffn=48)

@@ -15,7 +15,7 @@ import torch
 
 from gpn_scale.errors import UserError
 from gpn_scale.models import GPN, GatedDeltaNet, GDNConfig, GPNConfig
-from data_prep.streams import StreamLayout
+from gpn_scale.prep.streams import StreamLayout
 from gpn_scale.train.carry import CarriedStates, plain, sample_at, training_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -18,7 +18,7 @@ from eval_fixtures import make_prep, make_tokenizer, tiny_model
 from gpn_scale.cli import COMMANDS, main
 from gpn_scale.eval.codec import Codec
 from gpn_scale.eval.generate import generate_tokens, sampling_probs
-from gpn_scale.native import save_native
+from gpn_scale.storage.native import save_native
 from gpn_scale.train.config import load_train_config
 
 ROOT = Path(__file__).resolve().parent.parent

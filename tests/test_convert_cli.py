@@ -7,10 +7,10 @@ import torch
 import reference_checkpoint
 import reference_gpn
 from gpn_scale.cli import main as cli
-from gpn_scale.convert import from_reference
+from gpn_scale.export.convert import from_reference
 from gpn_scale.errors import UserError
-from gpn_scale.checkpoints import load_native
-from gpn_scale.native import add_manifest, save_native
+from gpn_scale.storage.checkpoints import load_native
+from gpn_scale.storage.native import add_manifest, save_native
 
 
 def test_convert_writes_a_native_checkpoint_that_reproduces_the_model(tmp_path, capsys):

@@ -14,7 +14,7 @@ from gpn_scale.cli import main
 from gpn_scale.errors import UserError
 from gpn_scale.eval.data import check_model_fits, open_data, read_windows
 from gpn_scale.eval.lambada import split_last_word
-from gpn_scale.native import save_native
+from gpn_scale.storage.native import save_native
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_a_run_records_its_tokenizer_and_refuses_another(setup, tmp_path):
     training data; its prep's tokenizer is found from it, and any other tokenizer is refused."""
     from gpn_scale.eval.codec import Codec
     from gpn_scale.eval.data import choose_tokenizer, training_prep
-    from gpn_scale.checkpoints import TRAINER_STATE, tag_for
+    from gpn_scale.storage.checkpoints import TRAINER_STATE, tag_for
     from gpn_scale.train import checkpoint as ckpt
 
     root, tok_path, prep, model = setup

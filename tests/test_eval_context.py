@@ -15,7 +15,7 @@ from eval_fixtures import corpus_texts, make_tokenizer, tiny_model, train
 from gpn_scale.cli import main
 from gpn_scale.eval.data import open_data, read_windows
 from gpn_scale.eval.long_context import PositionBins, make_passkeys, score_passkey
-from gpn_scale.native import save_native
+from gpn_scale.storage.native import save_native
 
 SEQ, CONTEXT = 32, 512
 
@@ -55,7 +55,7 @@ def run(capsys, *args):
 
 def val_streams(prep) -> torch.Tensor:
     """Each val stream's first CONTEXT tokens, read by hand: sample k * S + i is window k of stream i."""
-    from gpn_scale.streams import reading
+    from gpn_scale.data.streams import reading
 
     S = json.loads((prep / "streams" / "val" / "streams.json").read_text())["streams"]
     with reading(local=str(prep / "streams" / "val"), batch_size=1, shuffle=False) as ds:

@@ -17,14 +17,14 @@ import pytest
 import torch
 from eval_fixtures import SENTENCES, corpus_texts, make_prep, make_tokenizer, tiny_model, train
 
-from gpn_scale.checkpoints import load_native, load_trained_model, read_trainer_state
+from gpn_scale.storage.checkpoints import load_native, load_trained_model, read_trainer_state
 from gpn_scale.cli import main
-from gpn_scale.convert import load_reference_pickle, reference_name
+from gpn_scale.export.convert import load_reference_pickle, reference_name
 from gpn_scale.errors import UserError
 from gpn_scale.eval.codec import Codec
 from gpn_scale.eval.data import open_data, read_windows
 from gpn_scale.eval.generate import generate_tokens
-from gpn_scale.native import TokenizerSource, save_native
+from gpn_scale.storage.native import TokenizerSource, save_native
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = {"gpn_m_1l": ("gpn_m", 1), "gpn_m_2l": ("gpn_m", 2), "gpn_1l": ("gpn", 1)}
@@ -316,7 +316,7 @@ def test_a_native_export_frames_prompts_as_the_training_data_did(setup, capsys, 
     EOS), so eval, generate, a native re-export and an hf export of it frame text as `--data PREP`
     does for the plain checkpoint."""
     from gpn_scale.export import Source, write_native
-    from gpn_scale.native import read_tokenizer
+    from gpn_scale.storage.native import read_tokenizer
 
     root, tok, _, models = setup
     prep = make_prep(tmp_path / "data", tok, bos=True)
@@ -363,8 +363,8 @@ def test_a_native_export_frames_prompts_as_the_training_data_did(setup, capsys, 
     assert (config["start_state"], config["bos_token_id"]) == ("bos", framing.bos_id)
 
     # An export written before tokenizer.yaml existed: its tokenizer file alone, no BOS
-    from gpn_scale.manifest import write_manifest
-    from gpn_scale.native import CONFIG, WEIGHTS
+    from gpn_scale.storage.manifest import write_manifest
+    from gpn_scale.storage.native import CONFIG, WEIGHTS
 
     old = tmp_path / "old"
     shutil.copytree(out, old)
@@ -402,7 +402,7 @@ def test_hf_tokenizer_takes_the_recorded_eos_over_the_usual_names(tmp_path):
     ("file: [\n", "not valid YAML"),
 ])
 def test_a_bad_tokenizer_record_is_one_line_naming_the_field(setup, tmp_path, info, message):
-    from gpn_scale.native import TOKENIZER_INFO, read_tokenizer
+    from gpn_scale.storage.native import TOKENIZER_INFO, read_tokenizer
 
     _, tok, _, _ = setup
     shutil.copyfile(tok, tmp_path / "tokenizer.json")
@@ -464,7 +464,7 @@ def trained_run(setup, tmp_path_factory):
 
 @pytest.mark.slow
 def test_native_export_of_a_run_takes_its_newest_complete_checkpoint(setup, trained_run, capsys, tmp_path):
-    from gpn_scale.native import read_tokenizer
+    from gpn_scale.storage.native import read_tokenizer
 
     _, tok, prep, _ = setup
     ckpts = trained_run / "checkpoints"
@@ -548,7 +548,7 @@ def test_reference_export_resumes_in_the_papers_trainer_as_the_run_went_on(setup
 def test_reference_data_position_counts_the_papers_batches():
     """The paper's trainer reads `dataset.batches(batch_size, start=data_position)`: a batch index. Its
     batch may differ from the run's (said in a note); a remainder rounds down (re-read, never skipped)."""
-    from gpn_scale.checkpoints import TrainerState
+    from gpn_scale.storage.checkpoints import TrainerState
     from gpn_scale.export.reference import data_position
 
     state = TrainerState(step=6, tokens=6 * 16 * 32, loader={}, world_size=2, zero_stage=2, global_batch=16,

@@ -16,7 +16,7 @@ from eval_fixtures import SENTENCES, make_tokenizer, tiny_model
 from gpn_scale.cli import main
 from gpn_scale.eval.codec import Codec, TextStream
 from gpn_scale.eval.generate import generate_tokens, sampling_probs, score_texts
-from gpn_scale.native import save_native
+from gpn_scale.storage.native import save_native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

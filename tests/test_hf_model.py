@@ -14,7 +14,7 @@ from eval_fixtures import SENTENCES, make_prep, make_tokenizer, tiny_model, trai
 from gpn_scale.cli import main
 from gpn_scale.eval.codec import Codec
 from gpn_scale.eval.data import open_data, read_windows
-from gpn_scale.native import save_native
+from gpn_scale.storage.native import save_native
 
 transformers = pytest.importorskip("transformers")
 

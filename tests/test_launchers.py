@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import slurm_cluster
-from gpn_scale import checkpoints as ckpt
+from gpn_scale.storage import checkpoints as ckpt
 from mds_fixture import write_windows
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,6 @@
 """The direction of imports (docs/architecture.md): kernels is a leaf, the models import only
-kernels, and inference (eval, generate, analyze, native checkpoints, conversion) never the trainer.
+kernels, inference (eval, generate, analyze, native checkpoints, conversion) never the trainer,
+and no import cycle anywhere: not between modules, not between gpn_scale's packages.
 
 Imports are read from the syntax tree, nested ones (inside functions) included, so a lazy import
 cannot hide an edge; `importlib` is refused where a module name would hide in a string.
@@ -66,7 +67,7 @@ def test_models_import_only_themselves_and_kernels():
 
 
 def test_inference_imports_nothing_of_the_trainer():
-    files = py_files("gpn_scale/eval", "gpn_scale/native.py", "gpn_scale/checkpoints.py", "gpn_scale/convert.py",
+    files = py_files("gpn_scale/eval", "gpn_scale/storage/native.py", "gpn_scale/storage/checkpoints.py", "gpn_scale/export/convert.py",
                      "gpn_scale/model_info.py")
     assert offending(files, ["gpn_scale.train"]) == []
 
@@ -105,6 +106,114 @@ def test_kernels_import_and_run_where_gpn_scale_cannot_be_found(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.split()[-2]) >= 10
+
+
+def module_graph(root: Path = ROOT, packages=("gpn_scale", "kernels")) -> dict[str, set[str]]:
+    """{module: the project's modules it imports}, a package named by its `__init__`; an import of
+    a name inside a module (`from a.b import f`) is an edge to that module."""
+    files = {}
+    for package in packages:
+        for p in sorted((root / package).rglob("*.py")):
+            parts = p.relative_to(root).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+
+    def owner(name: str) -> str:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name
+
+    return {m: {t for _, n in imported_modules(p, root) if (t := owner(n)) and t != m} for m, p in files.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one node (Tarjan's algorithm, iterative)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, edges = work[-1]
+            w = next(edges, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def parts_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph seen from gpn_scale's root: each of its packages and loose modules one node,
+    kernels one node."""
+    def part(m: str) -> str:
+        return "kernels" if m.split(".")[0] == "kernels" else ".".join(m.split(".")[:2])
+
+    parts: dict[str, set[str]] = {}
+    for m, targets in graph.items():
+        parts.setdefault(part(m), set()).update(part(t) for t in targets if part(t) != part(m))
+    return parts
+
+
+def test_no_import_cycle_between_modules_nor_between_packages():
+    graph = module_graph()
+    assert len(graph) > 100 and "gpn_scale.prep.cli" in graph and "gpn_scale.storage.safe_load" in graph
+    assert cycles(graph) == []
+    parts = parts_graph(graph)
+    assert {"gpn_scale.storage", "gpn_scale.prep", "gpn_scale.train", "kernels"} <= set(parts)
+    assert cycles(parts) == []
+    assert all(not t.startswith("gpn_scale") for t in parts["kernels"])
+
+
+def test_a_cycle_added_anywhere_is_found(tmp_path):
+    """The checks above on a copy of the tree with one import added: module to module (eval's CLI and
+    the harness model, which once imported each other), and package to package (prep reading the
+    trainer's config, while the trainer reads prep's stream layout)."""
+    import shutil
+
+    for package in ("gpn_scale", "kernels"):
+        shutil.copytree(ROOT / package, tmp_path / package, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "configs", "launchers"))
+    assert cycles(module_graph(tmp_path)) == []
+    harness = tmp_path / "gpn_scale/eval/lm_eval_model.py"
+    harness.write_text(harness.read_text() + "\n\ndef _cli():\n    from gpn_scale.eval.cli import eval_main\n")
+    assert ["gpn_scale.eval.cli", "gpn_scale.eval.lm_eval_model"] in cycles(module_graph(tmp_path))
+    harness.write_text(harness.read_text().replace("from gpn_scale.eval.cli import eval_main", "pass"))
+    streams = tmp_path / "gpn_scale/prep/streams.py"
+    streams.write_text(streams.read_text() + "\n\ndef _config():\n    from gpn_scale.train.config import load_train_config\n")
+    assert cycles(module_graph(tmp_path)) == []  # no module cycle ...
+    assert any({"gpn_scale.prep", "gpn_scale.train"} <= set(c) for c in cycles(parts_graph(module_graph(tmp_path))))
+
+
+def test_the_root_holds_the_cli_config_and_packages():
+    loose = sorted(p.name for p in (ROOT / "gpn_scale").glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(loose) <= 6, loose
+    assert {"cli.py", "config.py"} <= set(loose)
+
+
+def test_prep_and_data_import_nothing_of_training_or_evaluation():
+    assert offending(py_files("gpn_scale/prep", "gpn_scale/data"), ["gpn_scale.train", "gpn_scale.eval", "gpn_scale.cli"]) == []
+    assert offending(py_files("gpn_scale/data"), ["gpn_scale.prep"]) == []
 
 
 def test_the_trainer_imports_nothing_of_eval():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpn_scale import checkpoints, leases
+from gpn_scale.storage import checkpoints, leases
 from gpn_scale.cli import main
 from gpn_scale.train import checkpoint as ckpt
 

@@ -20,7 +20,7 @@ from gpn_scale.eval import harness  # noqa: E402
 from gpn_scale.eval.codec import Codec  # noqa: E402
 from gpn_scale.eval.data import open_data, read_windows  # noqa: E402
 from gpn_scale.eval.generate import generate_tokens, score_texts  # noqa: E402
-from gpn_scale.native import save_native  # noqa: E402
+from gpn_scale.storage.native import save_native  # noqa: E402
 
 TEXTS = [
     "the cat sat on the mat and the dog sat on the log",

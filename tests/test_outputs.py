@@ -1,6 +1,6 @@
 """No command writes into an output that is not its own: each refuses, in one line and before
 writing anything, an existing directory that is neither new, empty, nor its own resumable output
-(gpn_scale/outputs.py). Driven through the CLI as a user would, against a real training run, a real
+(gpn_scale/storage/outputs.py). Driven through the CLI as a user would, against a real training run, a real
 prep output, a native checkpoint and a plain MDS dataset; each refused directory is compared file
 by file (bytes) before and after.
 """
@@ -22,7 +22,7 @@ from eval_fixtures import make_prep, make_tokenizer, tiny_model
 import reference_checkpoint
 import reference_gpn
 from gpn_scale.cli import main
-from gpn_scale.native import save_native
+from gpn_scale.storage.native import save_native
 from mds_fixture import write_windows
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from data_prep.embedded import SCHEMA, write_embedded_corpus
-from data_prep.pack import Packer
+from gpn_scale.prep.embedded import SCHEMA, write_embedded_corpus
+from gpn_scale.prep.pack import Packer
 from gpn_scale.cli import main as gpn_main
 
 SEQ_LEN = 64
@@ -91,12 +91,12 @@ def read_split(path: Path, **kw) -> np.ndarray:
 
 
 def expected_stream(corpus: Path, tokenizer: Path, val_fraction: float) -> dict[str, tuple[list[int], int]]:
-    """Independently of data_prep's code paths: each unit (a parquet row group, or the jsonl file,
+    """Independently of prep's code paths: each unit (a parquet row group, or the jsonl file,
     in sorted file order) packs its kept documents' tokens + EOS per split and drops its tail.
     Returns, per split, the kept token stream and the dropped-tail total."""
     from tokenizers import Tokenizer
 
-    from data_prep.unit import is_val
+    from gpn_scale.prep.unit import is_val
 
     tok = Tokenizer.from_file(str(tokenizer))
     eos = tok.token_to_id("<|endoftext|>")

@@ -20,7 +20,7 @@ def expected_documents(corpus_dir: Path, tokenizer_file: Path, val_fraction: flo
     row groups, rows."""
     from tokenizers import Tokenizer
 
-    from data_prep.unit import is_val
+    from gpn_scale.prep.unit import is_val
 
     tok = Tokenizer.from_file(str(tokenizer_file))
     eos = tok.token_to_id("<|endoftext|>")
@@ -49,7 +49,7 @@ def dealt(documents: list[list[int]], streams: int) -> list[list[list[int]]]:
 
 
 def samples(path: Path) -> list[dict]:
-    from gpn_scale.streams import reading
+    from gpn_scale.data.streams import reading
 
     with reading(local=str(path), batch_size=1, shuffle=False) as ds:
         return [ds[i] for i in range(len(ds))]

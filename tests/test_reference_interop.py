@@ -10,7 +10,7 @@ import torch
 
 import reference_checkpoint
 import reference_gpn
-from gpn_scale.convert import from_reference, load_reference_pickle, to_reference
+from gpn_scale.export.convert import from_reference, load_reference_pickle, to_reference
 from gpn_scale.errors import UserError
 
 TINY = dict(vocab_size=37, d_state=24, d_emb=12, d_ffn=20)

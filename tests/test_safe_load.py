@@ -31,10 +31,10 @@ import pytest
 import torch
 
 from gadgets import directory_entries, plant_plain_pickle, plant_second_directory, plant_torch_save
-from gpn_scale import plain_zip, safe_load
-from gpn_scale.checkpoints import DERIVED, tag_for
+from gpn_scale.storage import plain_zip, safe_load
+from gpn_scale.storage.checkpoints import DERIVED, tag_for
 from gpn_scale.cli import main
-from gpn_scale.native import add_manifest, save_native
+from gpn_scale.storage.native import add_manifest, save_native
 from gpn_scale.train import checkpoint as ckpt
 from mds_fixture import write_windows
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpn_scale.checkpoints import step_of
+from gpn_scale.storage.checkpoints import step_of
 from gpn_scale.config import model_config
 from gpn_scale.errors import UserError
 from gpn_scale.models import build_model

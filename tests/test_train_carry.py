@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpn_scale import safe_load
+from gpn_scale.storage import safe_load
 from mds_fixture import write_streams
 from test_train import losses, samples, train
 

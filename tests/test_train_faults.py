@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from gpn_scale.jsonl import read_jsonl
-from gpn_scale import checkpoints as ckpt
+from gpn_scale.storage.jsonl import read_jsonl
+from gpn_scale.storage import checkpoints as ckpt
 from gpn_scale.train.engine import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED
 from mds_fixture import write_windows
 
@@ -319,7 +319,7 @@ def test_disk_full_during_a_save_keeps_every_checkpoint(data, run, tmp_path):
 
 def test_a_lock_from_another_host_is_stale_only_without_heartbeat(tmp_path, monkeypatch):
     from gpn_scale.errors import UserError
-    from gpn_scale import lock
+    from gpn_scale.storage import lock
 
     path = tmp_path / lock.LOCK
     path.write_text(json.dumps({"host": "node-7", "pid": 1, "started": "then"}))
@@ -371,7 +371,7 @@ def test_universal_conversion_keeps_every_parameter_and_its_optimizer_state(run)
     master and Adam moments in universal form, equal to the checkpoint's, under their own manifest."""
     import torch
 
-    from gpn_scale import safe_load
+    from gpn_scale.storage import safe_load
     from gpn_scale.train import checkpoint as writer
 
     tag_dir = run / "checkpoints" / ckpt.tag_for(STEPS)

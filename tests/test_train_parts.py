@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from gpn_scale import manifest
+from gpn_scale.storage import manifest
 from gpn_scale.config import model_config
 from gpn_scale.models import MODEL_FAMILIES, build_model
 from gpn_scale.train import checkpoint as ckpt
@@ -136,7 +136,7 @@ def test_adam_state_reads_alike_from_every_zero_stage(one_rank, tmp_path):
     state): the same moments per parameter from a ZeRO-0 checkpoint (torch's AdamW state, its
     parameters by group order) and from ZeRO-2 and -3 ones (flat partitions, through the universal
     form), and the ZeRO-0 ones are the optimiser's own."""
-    from gpn_scale.checkpoints import read_adam_state
+    from gpn_scale.storage.checkpoints import read_adam_state
 
     read = {}
     for stage in (0, 2, 3):
@@ -395,7 +395,7 @@ def test_checkpoint_bench_prints_its_ratio(tmp_path):
 _OPEN_TOGETHER = """
 import json, sys, time
 from pathlib import Path
-from gpn_scale.streams import dataset_class, open_dataset
+from gpn_scale.data.streams import dataset_class, open_dataset
 cls = dataset_class()
 heavy = sorted(m for m in ("transformers", "torchvision", "sklearn", "streaming.text") if m in sys.modules)
 import streaming.base.shared.prefix as prefix
@@ -454,7 +454,7 @@ def test_datasets_read_one_after_another_give_their_shared_memory_back(tmp_path)
     a read's scan past their prefixes leaves nothing open either."""
     import os
 
-    from gpn_scale.streams import open_dataset, reading, release
+    from gpn_scale.data.streams import open_dataset, reading, release
     from mds_fixture import write_windows
 
     split = write_windows(tmp_path / "split", 4, 8, 64)

@@ -14,39 +14,12 @@ import numpy as np
 from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
 from gpn_scale.eval.codec import Codec
+from gpn_scale.eval.loading import DATA_OR_TOKENIZER, check_device, load_checkpoint
 from gpn_scale.eval.data import (PrepData, check_model_fits, choose_tokenizer, open_data, open_streams, read_windows,
                                  training_prep)
-from gpn_scale.outputs import LM_EVAL, check_new, check_resumable, identify, new_directory
+from gpn_scale.storage.outputs import LM_EVAL, check_new, check_resumable, identify, new_directory
 
-DATA_OR_TOKENIZER = "--tokenizer FILE or --data PREP_DIR"  # where no tokenizer is recorded with a checkpoint
 STATES_TARGET = 16384  # analyze: enough windows for this many states by default (the paper used 16k)
-
-
-def check_device(name: str):
-    """The torch device `--device` names, once a tensor could be made there (a CUDA device on a
-    machine without one, or past the last GPU, is one line here, not a traceback at the first load)."""
-    import torch
-
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"--device: {name!r} is not a torch device") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: no CUDA GPU is available here (torch.cuda.is_available() is false); "
-                        "use --device cpu")
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as e:  # no such GPU index, a backend this torch lacks
-        raise UserError(f"--device {name}: not usable here ({str(e).splitlines()[0][:160]})") from None
-    return device
-
-
-def load_checkpoint(path: str, device: str = "cpu"):
-    from gpn_scale.checkpoints import load_model
-
-    if not Path(path).exists():
-        raise UserError(f"{path}: no such checkpoint")
-    return load_model(path, check_device(device))
 
 
 def _device_flag(ap) -> None:
@@ -97,7 +70,7 @@ def eval_main(argv: list[str]) -> int:
     if args.streams and not args.context:
         raise UserError("--streams: counts the streams of --context; pass --context N")
     if args.context:
-        from data_prep.streams import StreamLayout
+        from gpn_scale.prep.streams import StreamLayout
         from gpn_scale.eval import long_context
 
         streams = open_streams(args.data)

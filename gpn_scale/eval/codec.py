@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from data_prep.tokenizer import EOS_CANDIDATES
+from gpn_scale.prep.tokenizer import EOS_CANDIDATES
 from gpn_scale.errors import UserError
 
 

@@ -12,12 +12,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpn_scale import checkpoints, manifest
-from gpn_scale.errors import UserError
+from gpn_scale.storage import checkpoints, manifest
+from gpn_scale.errors import UserError, read_json
 from gpn_scale.eval.codec import Codec
-from gpn_scale.native import TokenizerSource, read_tokenizer
-from gpn_scale.streams import reading
-from gpn_scale.textfiles import read_json
+from gpn_scale.storage.native import TokenizerSource, read_tokenizer
+from gpn_scale.data.streams import reading
 
 
 @dataclass

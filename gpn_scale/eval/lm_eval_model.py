@@ -28,7 +28,7 @@ class GPNScaleLM(LM):
     def __init__(self, pretrained: str, tokenizer: str | None = None, data: str | None = None,
                  batch_size: int | str = DEFAULT_BATCH, device: str = "cpu", seed: int = 0, **_unused):
         super().__init__()
-        from gpn_scale.eval.cli import DATA_OR_TOKENIZER, load_checkpoint
+        from gpn_scale.eval.loading import DATA_OR_TOKENIZER, load_checkpoint
         from gpn_scale.eval.data import choose_tokenizer, open_data, training_prep
 
         self.model = load_checkpoint(str(pretrained), device or "cpu").eval()

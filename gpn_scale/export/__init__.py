@@ -1,10 +1,10 @@
 """`gpn-scale export CKPT --to hf|reference|native --out DIR`: a model out of gpn-scale, into the
 tools its users have (docs/export.md).
 
-CKPT is anything `gpn_scale.checkpoints.load_model` reads: a native checkpoint, a training
+CKPT is anything `gpn_scale.storage.checkpoints.load_model` reads: a native checkpoint, a training
 checkpoint, or a run directory (its newest complete checkpoint: one that verifies against its
 manifest). The export is written into a temporary directory beside DIR and renamed to DIR only
-once complete; an existing non-empty DIR is refused, never overwritten (`gpn_scale.outputs`).
+once complete; an existing non-empty DIR is refused, never overwritten (`gpn_scale.storage.outputs`).
 
 - `hf`: Hugging Face transformers (`gpn_scale/export/hf.py`): config.json, model.safetensors, the
   self-contained modeling file, tokenizer files.
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpn_scale.errors import UserError
-from gpn_scale.native import TokenizerSource
-from gpn_scale.outputs import check_new, new_directory
+from gpn_scale.storage.native import TokenizerSource
+from gpn_scale.storage.outputs import check_new, new_directory
 
 FORMATS = ("hf", "reference", "native")
 
@@ -35,7 +35,7 @@ class Source:
 
     model: object  # torch.nn.Module
     path: Path
-    trainer_state: object | None = None  # gpn_scale.checkpoints.TrainerState
+    trainer_state: object | None = None  # gpn_scale.storage.checkpoints.TrainerState
     checkpoint: Path | None = None  # the training checkpoint (`.../checkpoints/step_N`), verified
 
     @property
@@ -48,7 +48,7 @@ class Source:
 
 
 def load_source(path: str | Path) -> Source:
-    from gpn_scale import checkpoints
+    from gpn_scale.storage import checkpoints
 
     path = Path(path)
     if not path.exists():
@@ -73,8 +73,8 @@ def find_tokenizer(source: Source, given: str | None) -> TokenizerSource:
 
 
 def write_native(source: Source, tokenizer: TokenizerSource, out: Path) -> None:
-    from gpn_scale.manifest import write_manifest
-    from gpn_scale.native import CONFIG, WEIGHTS, save_native, write_tokenizer
+    from gpn_scale.storage.manifest import write_manifest
+    from gpn_scale.storage.native import CONFIG, WEIGHTS, save_native, write_tokenizer
 
     save_native(source.model, out)
     names = write_tokenizer(tokenizer, out)

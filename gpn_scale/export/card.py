@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpn_scale.jsonl import read_jsonl
+from gpn_scale.storage.jsonl import read_jsonl
 from gpn_scale.model_info import parameter_groups
 
 

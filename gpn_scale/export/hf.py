@@ -120,7 +120,7 @@ def write(source, tokenizer, out: Path) -> None:
 
 def write_tokenizer(tokenizer, out: Path) -> Specials:
     """Tokenizer files for `AutoTokenizer`, adding no special token to text; returns the special tokens."""
-    from data_prep.tokenizer import Tokenizer
+    from gpn_scale.prep.tokenizer import Tokenizer
 
     if tokenizer.eos_id is None:  # nothing recorded: EOS (required) and BOS found by their usual names, as prep does
         info = Tokenizer(str(tokenizer.path)).info

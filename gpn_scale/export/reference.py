@@ -26,7 +26,7 @@ paper's loader puts them back on its devices.
 Writing it needs neither jax nor optax: optax's state classes are stood in for by NamedTuples of
 the same fields, which the pickle records under optax's module and class names (as pickling the
 real ones does), so that loading it with optax installed gives optax's classes, and gpn-scale's
-own loader (`gpn_scale.convert`) reads it without optax. `config.json` holds the model fields
+own loader (`gpn_scale.export.convert`) reads it without optax. `config.json` holds the model fields
 under "model", with the memory fields only for GPN+M, as the reference writes them.
 """
 
@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from gpn_scale.convert import reference_name, to_reference
+from gpn_scale.export.convert import reference_name, to_reference
 from gpn_scale.errors import UserError
 
 CHECKPOINT, CONFIG = "checkpoint.pkl", "config.json"
@@ -135,7 +135,7 @@ def data_position(state, batch_size: int | None, note=print) -> int:
 def write(source, out: Path, batch_size: int | None = None) -> None:
     import sys
 
-    from gpn_scale.checkpoints import read_adam_state
+    from gpn_scale.storage.checkpoints import read_adam_state
 
     params = to_reference(source.model)
     adam = read_adam_state(source.checkpoint, source.model) if source.checkpoint is not None else None

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
-from gpn_scale.outputs import SWEEP, check_resumable
+from gpn_scale.storage.outputs import SWEEP, check_resumable
 
 
 def _collect(argv: list[str]) -> int:

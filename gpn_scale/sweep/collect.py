@@ -8,11 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gpn_scale.errors import UserError
-from gpn_scale.jsonl import read_jsonl
+from gpn_scale.errors import UserError, read_json
+from gpn_scale.storage.jsonl import read_jsonl
 from gpn_scale.sweep.fit import fit_power_law
 from gpn_scale.sweep.run import final_val_loss, status
-from gpn_scale.textfiles import read_json
 
 COLUMNS = ["name", "family", "seed", "target_params", "params", "tokens_per_param", "tokens", "flops", "lr",
            "steps", "status", "final_train_loss", "val_loss"]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from gpn_scale.config import BUNDLE_ROOT
 from gpn_scale.errors import UserError
-from gpn_scale.jsonl import read_jsonl
-from gpn_scale.launch import torchrun_command
+from gpn_scale.storage.jsonl import read_jsonl
+from gpn_scale.train.launch import torchrun_command
 from gpn_scale.sweep.spec import Point, SweepSpec
 
 

@@ -1,7 +1,7 @@
 """Carried-state training (`train.carry_state`): every batch slot reads one long stream window after
 window, and the recurrent state the model ends a window with is where it starts the next.
 
-The prep's streams (`gpn-scale prep --streams S`, data_prep/streams.py) hold S streams of K
+The prep's streams (`gpn-scale prep --streams S`, gpn_scale/prep/streams.py) hold S streams of K
 windows each, sample `k * S + i` being window k of stream i. A run with a global batch of G
 (S a multiple of G) has G slots; slot j reads streams j, j + G, j + 2G, ... one after another,
 each from its first window to its last, so step t reads, in slot j, window t mod K of stream
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from data_prep.streams import DESCRIPTOR, StreamLayout
-from gpn_scale import manifest, safe_load
+from gpn_scale.prep.streams import DESCRIPTOR, StreamLayout
+from gpn_scale.storage import manifest, safe_load
 from gpn_scale.errors import UserError
 
 _FILE = re.compile(r"carry_slots_(\d{6})-(\d{6})\.pt")
@@ -97,7 +97,7 @@ class StreamBatches:
     of the step it is, for `CarriedStates`."""
 
     def __init__(self, location: str, micro_batch: int, grad_accum: int, world: int, rank: int):
-        from gpn_scale.streams import open_dataset
+        from gpn_scale.data.streams import open_dataset
         from gpn_scale.train.data import indexed_dataset_class
 
         self.global_batch = micro_batch * grad_accum * world

@@ -1,5 +1,5 @@
 """Writing sharded checkpoints that are either complete or ignored, and rotating them; the
-`gpn-scale ckpt` tools. The layout, and reading it, are `gpn_scale.checkpoints`'.
+`gpn-scale ckpt` tools. The layout, and reading it, are `gpn_scale.storage.checkpoints`'.
 
 A directory without a manifest (a crash mid-save, on any rank) or whose files no longer match
 it (truncated, corrupted) is skipped by `--resume auto` with a one-line warning.
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpn_scale import atomic, leases, manifest, safe_load
-from gpn_scale.checkpoints import DERIVED, MANIFEST, TRAINER_STATE, UNIVERSAL, read_trainer_state, step_of, tags, verify
+from gpn_scale.storage import atomic, leases, manifest, safe_load
+from gpn_scale.storage.checkpoints import DERIVED, MANIFEST, TRAINER_STATE, UNIVERSAL, read_trainer_state, step_of, tags, verify
 from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
 from gpn_scale.train import optim
@@ -92,7 +92,7 @@ def commit(root: Path, tag: str, keep_last: int, verified: set[str], reports: li
     Pruning removes only what is older than `tag`: the `keep_last - 1` newest older checkpoints
     that verify are kept with it, and a checkpoint goes only once `keep_last` verified ones newer
     than it exist. Newer directories (left by a run that resumed from an earlier step) stay until
-    this run's saves replace them. One a reader holds (`gpn_scale.leases`) stays too, beyond
+    this run's saves replace them. One a reader holds (`gpn_scale.storage.leases`) stays too, beyond
     `keep_last`, until a save after the reader is done.
 
     `verified`: the tags this process has verified or written itself (the caller keeps it; `tag`
@@ -234,7 +234,7 @@ def verify_all(tag_dir: Path) -> str | None:
     then that every pickle file is one plain zip that torch's restricted unpickler loads; the same
     for a universal form that has its manifest (one without is an unfinished conversion, which is
     redone when needed). A native checkpoint: its manifest (safetensors holds no pickle)."""
-    from gpn_scale.native import CONFIG, WEIGHTS
+    from gpn_scale.storage.native import CONFIG, WEIGHTS
 
     if (tag_dir / WEIGHTS).is_file():
         return manifest.verify_manifest(tag_dir, required=(WEIGHTS, CONFIG))

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from gpn_scale.errors import UserError
-from gpn_scale.streams import dataset_class, open_dataset
+from gpn_scale.data.streams import dataset_class, open_dataset
 
 TOKENS = "tokens"  # the MDS column written by the prep
 

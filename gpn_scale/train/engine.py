@@ -30,12 +30,12 @@ from pathlib import Path
 import torch
 import yaml
 
-from gpn_scale import atomic, checkpoints, safe_load
+from gpn_scale.storage import atomic, checkpoints, safe_load
 from gpn_scale.config import resolve_config_path
 from gpn_scale.errors import UserError
 from gpn_scale.helptext import HelpFormatter
-from gpn_scale.jsonl import JsonLines, truncate_jsonl
-from gpn_scale.lock import RunLock
+from gpn_scale.storage.jsonl import JsonLines, truncate_jsonl
+from gpn_scale.storage.lock import RunLock
 from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import distributed as dist_utils
 from gpn_scale.train import loop, optim, preflight

@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpn_scale import checkpoints, mds_index, outputs
+from gpn_scale.storage import checkpoints, outputs
+from gpn_scale.data import mds_index
 from gpn_scale.errors import UserError
 from gpn_scale.train.carry import training_layout
 from gpn_scale.train.config import TrainConfig

@@ -47,8 +47,7 @@ class StreamLayout:
     @classmethod
     def read(cls, directory: str | Path) -> "StreamLayout":
         """One line naming the file when it is missing or not the prep's."""
-        from gpn_scale.errors import UserError
-        from gpn_scale.textfiles import read_json
+        from gpn_scale.errors import UserError, read_json
 
         path = Path(directory) / DESCRIPTOR
         if not path.is_file():

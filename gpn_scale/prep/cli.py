@@ -75,9 +75,9 @@ def _node_defaults() -> tuple[int, int]:
 
 
 def _prep(argv: list[str]) -> int:
-    from data_prep.run import prepare
-    from data_prep.sources import Filters, expand_inputs
-    from data_prep.unit import Settings
+    from gpn_scale.prep.run import prepare
+    from gpn_scale.prep.sources import Filters, expand_inputs
+    from gpn_scale.prep.unit import Settings
 
     a = _prep_parser().parse_args(argv)
     default_nodes, default_rank = _node_defaults()
@@ -126,7 +126,7 @@ def _prep(argv: list[str]) -> int:
         val_streams=a.val_streams,
     )
     if a.bos:
-        from data_prep.tokenizer import Tokenizer
+        from gpn_scale.prep.tokenizer import Tokenizer
 
         if Tokenizer(a.tokenizer, a.eos_token, a.bos_token).info.bos_id is None:
             raise UserError(f"{a.tokenizer}: --bos given but the tokenizer has no BOS token; pass --bos-token")
@@ -136,8 +136,8 @@ def _prep(argv: list[str]) -> int:
 
 
 def _train_tokenizer(argv: list[str]) -> int:
-    from data_prep.sources import Filters, expand_inputs, limit_rows, plan_units, read_unit
-    from data_prep.tokenizer import train_bpe
+    from gpn_scale.prep.sources import Filters, expand_inputs, limit_rows, plan_units, read_unit
+    from gpn_scale.prep.tokenizer import train_bpe
 
     p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="gpn-scale prep train-tokenizer",
                                 description="Train a byte-level BPE tokenizer.json on the inputs' text.")
@@ -149,7 +149,7 @@ def _train_tokenizer(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if not a.out.endswith(".json"):
         raise UserError(f"--out: {a.out!r} should end in .json (a Hugging Face tokenizer.json)")
-    from gpn_scale.outputs import check_new_file
+    from gpn_scale.storage.outputs import check_new_file
 
     check_new_file(a.out, "--out")
     filters = Filters(a.text_column)
@@ -171,7 +171,7 @@ def _train_tokenizer(argv: list[str]) -> int:
 
 
 def _merge(argv: list[str]) -> int:
-    from data_prep.output import merge
+    from gpn_scale.prep.output import merge
 
     p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="gpn-scale prep merge",
                                 description="Write OUT's root indexes and stats once every node's units are committed.")

@@ -7,7 +7,7 @@ prompt is framed as the model was trained.
 Safetensors holds no code, so the manifest guards integrity (a truncated, corrupted, swapped or
 added file), as for training checkpoints. A native checkpoint written before manifests existed still
 loads, with a one-line warning that its files are not verified; `add_manifest(DIR)` gives it one.
-Reading them is `gpn_scale.checkpoints.load_native`.
+Reading them is `gpn_scale.storage.checkpoints.load_native`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import yaml
 from safetensors.torch import save_file
 
 from gpn_scale.errors import UserError
-from gpn_scale.manifest import files_under, write_manifest
+from gpn_scale.storage.manifest import files_under, write_manifest
 
 WEIGHTS, CONFIG = "model.safetensors", "model.yaml"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # a Hugging Face tokenizer.json, a sentencepiece .model

@@ -13,10 +13,10 @@ things stand between a checkpoint file and that:
   the variable; forked ones also inherit the allow-list, while a spawned one has none and refuses
   any file that names a DeepSpeed record, so the guard fails closed.
 - Before a checkpoint is used, each of its pickle files must be one plain zip archive as torch
-  writes it (`gpn_scale.plain_zip`), so that no zip reader sees other bytes than torch's, and must
+  writes it (`gpn_scale.storage.plain_zip`), so that no zip reader sees other bytes than torch's, and must
   load through that same restricted unpickler (`check_file`); a file that does not is refused
   with one line naming it and why, before any other load starts.
-- The manifest (`gpn_scale.manifest`) is for integrity, not against tampering: whoever can plant
+- The manifest (`gpn_scale.storage.manifest`) is for integrity, not against tampering: whoever can plant
   a file can rewrite the manifest too.
 
 The files that are not pickles (`TEXT_FILES`) are read as JSON or text only.
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from gpn_scale import manifest, plain_zip
+from gpn_scale.storage import manifest, plain_zip
 from gpn_scale.errors import UserError
 
 # Beyond torch's own weights-only list (tensors, storages, torch.Size, OrderedDict, ...): every

@@ -9,7 +9,7 @@
     OUT/{train,val}/index.json  the merged index over every unit, in unit order  (merge)
     OUT/stats.json, OUT/unigram.npy                                              (merge)
     OUT/docs/{split}/NNNNNN/, OUT/streams/{split}/   with --streams: a unit's documents, and the long
-                                token streams the merge deals them into (data_prep/streams.py)
+                                token streams the merge deals them into (gpn_scale/prep/streams.py)
 
 Everything is written to a temporary name and renamed into place, so a reader (or a rerun after
 a crash) sees a file either complete or not at all. A committed unit is trusted only when the
@@ -34,10 +34,9 @@ from pathlib import Path
 import numpy as np
 from streaming.base.util import merge_index
 
-from data_prep import streams
-from gpn_scale import mds_index
-from gpn_scale.errors import UserError
-from gpn_scale.textfiles import read_json
+from gpn_scale.prep import streams
+from gpn_scale.data import mds_index
+from gpn_scale.errors import UserError, read_json
 
 SPLITS = ("train", "val")
 MAX_LISTED = 1000  # bad documents listed by name in stats.json; all are counted
@@ -311,7 +310,7 @@ def _merge(out: Path, allow_empty: bool) -> dict:
 
 
 def _merge_streams(out: Path, manifest: dict, uids: list[str], allow_empty: bool, warnings: list[str]) -> dict:
-    """Deal each split's documents into its streams and write them (data_prep/streams.py)."""
+    """Deal each split's documents into its streams and write them (gpn_scale/prep/streams.py)."""
     from tqdm import tqdm
 
     config = manifest["config"]

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from gpn_scale.errors import UserError
-from gpn_scale.leases import pid_alive
+from gpn_scale.storage.leases import pid_alive
 
 LOCK = "trainer.lock"
 HEARTBEAT_S = 15.0

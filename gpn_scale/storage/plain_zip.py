@@ -18,7 +18,7 @@ header agrees with its central-directory entry (name, flags, method, CRC and siz
 central directory ends where the end records begin, the end records agree with each other, names
 are unique, and data is stored (torch never compresses). Only the headers are read: the cost does
 not grow with the tensors. This guards the container only; what the pickle inside may do is
-decided by torch's restricted unpickler (`gpn_scale.safe_load`).
+decided by torch's restricted unpickler (`gpn_scale.storage.safe_load`).
 """
 
 from __future__ import annotations

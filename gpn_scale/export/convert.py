@@ -20,10 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpn_scale.errors import UserError
+from gpn_scale.errors import UserError, read_json
 from gpn_scale.helptext import HelpFormatter
 from gpn_scale.models import GPN, GPNConfig
-from gpn_scale.textfiles import read_json
 
 # What a reference pickle may build: NumPy arrays, dtypes and scalars, and plain containers.
 _SAFE_GLOBALS = {
@@ -197,8 +196,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", required=True, metavar="DIR",
                     help="native checkpoint directory to create (must not exist, or be empty)")
     args = ap.parse_args(argv)
-    from gpn_scale.native import save_native
-    from gpn_scale.outputs import check_new, new_directory
+    from gpn_scale.storage.native import save_native
+    from gpn_scale.storage.outputs import check_new, new_directory
 
     check_new(args.out, "--out", "convert")  # before the checkpoint is read: a refusal costs nothing
     model = from_reference(args.from_reference, args.config)

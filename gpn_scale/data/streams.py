@@ -20,7 +20,7 @@ Streaming's barriers inside the construction, so waiting for a lock rank 0 holds
 
 **Checking.** Streaming trusts the index: each shard's file name is joined to the dataset's
 directory and read, fetched or decompressed there. `open_dataset` checks the index first
-(`gpn_scale.mds_index`); a remote dataset's index is fetched into the cache by the node's leader
+(`gpn_scale.data.mds_index`); a remote dataset's index is fetched into the cache by the node's leader
 under a temporary name, checked, then renamed into place, where Streaming finds it and fetches no
 index of its own. The node's other ranks check a cached index too (names and sizes; hashes are the
 leader's), and wait in Streaming for one that is still being fetched: it only appears checked.
@@ -38,7 +38,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from gpn_scale import mds_index
+from gpn_scale.data import mds_index
 from gpn_scale.errors import UserError
 
 LOCK_NAME = "gpn_scale_streaming_prefix.lock"  # in the temp dir, beside Streaming's own file locks

@@ -10,12 +10,12 @@ Training checkpoints, under a run's `checkpoints/` (written by `gpn_scale.train.
         manifest.json         every file above with its size and xxh3-128 hash: written last
         universal/            the world-size-independent form, once converted, with its own manifest
     latest                    the newest complete tag: moved only after its manifest exists
-    .leases/                  readers' leases, which rotation respects (`gpn_scale.leases`)
+    .leases/                  readers' leases, which rotation respects (`gpn_scale.storage.leases`)
 
 A directory without a manifest (a crash mid-save), whose files no longer match it (truncated,
 corrupted) or that holds a file its manifest does not list is not a checkpoint to load. Native
-checkpoints (`gpn_scale.native`) are `model.safetensors` + `model.yaml` + `manifest.json`. Every
-pickle file is checked and loaded through torch's restricted unpickler (`gpn_scale.safe_load`).
+checkpoints (`gpn_scale.storage.native`) are `model.safetensors` + `model.yaml` + `manifest.json`. Every
+pickle file is checked and loaded through torch's restricted unpickler (`gpn_scale.storage.safe_load`).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from gpn_scale import leases, manifest, safe_load
+from gpn_scale.storage import leases, manifest, safe_load
 from gpn_scale.config import model_config
 from gpn_scale.errors import UserError
 from gpn_scale.models import build_model
-from gpn_scale.native import CONFIG, WEIGHTS
+from gpn_scale.storage.native import CONFIG, WEIGHTS
 
 MANIFEST, TRAINER_STATE = manifest.MANIFEST, "trainer_state.json"
 UNIVERSAL = "universal"  # sub-directory with the world-size-independent form of a checkpoint
@@ -90,7 +90,7 @@ def training_checkpoint(path: str | Path, warn=lambda message: None, verified: b
     one: the newest that verifies, or with `verified=False` the newest with a manifest, which costs
     no hashing. None where there is none. `warn` hears of each one skipped.
 
-    The checkpoint is leased until the command ends (`gpn_scale.leases`): rotation in a live run
+    The checkpoint is leased until the command ends (`gpn_scale.storage.leases`): rotation in a live run
     does not delete it, and a second call with the same path answers the same checkpoint, so what
     a command reads of it (weights, trainer state) comes from one checkpoint. One that rotation is
     already removing is passed over for the next."""
@@ -288,7 +288,7 @@ def check_manifest(path: Path) -> None:
         if outside:
             raise UserError(f"{path}: {outside}")
         print(f"warning: {path} has no {MANIFEST} (written before native checkpoints had one): its files are "
-              "not verified; gpn_scale.native.add_manifest(DIR) writes one", file=sys.stderr)
+              "not verified; gpn_scale.storage.native.add_manifest(DIR) writes one", file=sys.stderr)
         return
     problem = manifest.verify_manifest(path, required=(WEIGHTS, CONFIG))
     if problem:

@@ -16,7 +16,7 @@ Anything else is one line naming the file, the shard and the field (`UserError`)
 Streaming has read or written anything.
 
 A remote dataset's index is fetched into its cache under a temporary name, checked there, and
-only then given its real name (`gpn_scale.streams`); an index already in the cache is checked like
+only then given its real name (`gpn_scale.data.streams`); an index already in the cache is checked like
 a local one.
 """
 
@@ -30,8 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpn_scale.errors import UserError
-from gpn_scale.textfiles import read_json
+from gpn_scale.errors import UserError, read_json
 
 INDEX = "index.json"
 TOKENS = "tokens"  # the column the training reads: one window of token ids per sample

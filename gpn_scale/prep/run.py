@@ -15,12 +15,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data_prep import output
-from gpn_scale import outputs
-from gpn_scale.lock import RunLock
-from data_prep.sources import expand_inputs, limit_rows, plan_units
-from data_prep.tokenizer import Tokenizer
-from data_prep.unit import Settings, prepare_unit
+from gpn_scale.prep import output
+from gpn_scale.storage import outputs
+from gpn_scale.storage.lock import RunLock
+from gpn_scale.prep.sources import expand_inputs, limit_rows, plan_units
+from gpn_scale.prep.tokenizer import Tokenizer
+from gpn_scale.prep.unit import Settings, prepare_unit
 
 _worker_tokenizer: Tokenizer | None = None
 

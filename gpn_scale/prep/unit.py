@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 from streaming import MDSWriter
 
-from data_prep import output, streams
-from data_prep.pack import Packer
-from data_prep.sources import BadLine, Document, Filters, Unit, UnreadableInput, read_unit
-from data_prep.tokenizer import Tokenizer
+from gpn_scale.prep import output, streams
+from gpn_scale.prep.pack import Packer
+from gpn_scale.prep.sources import BadLine, Document, Filters, Unit, UnreadableInput, read_unit
+from gpn_scale.prep.tokenizer import Tokenizer
 from gpn_scale.errors import UserError
 
 LISTED_PER_UNIT = 20  # bad documents a unit names in its stats (all are counted)

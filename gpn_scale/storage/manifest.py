@@ -1,7 +1,7 @@
 """`manifest.json`: the size and hash of each file of a checkpoint directory, written last.
 
 Shared by training checkpoints (`gpn_scale/train/checkpoint.py`) and native ones
-(`gpn_scale/native.py`), which load without the trainer package.
+(`gpn_scale/storage/native.py`), which load without the trainer package.
 
 A manifest lists every file of its directory, so a directory verifies only when each file listed
 is there with its size and hash and no file is there that it does not list (a file added beside
@@ -11,7 +11,7 @@ The hash is xxh3-128: it detects corruption (a truncated, torn or bit-flipped fi
 speed, several times faster than sha256, which matters when a checkpoint holds tens of GB of
 optimiser state and is hashed at every save and resume. It is for integrity, not against
 tampering: a forger regenerates the manifest anyway, and what protects a run from a planted file
-is torch's restricted unpickler (`gpn_scale/safe_load.py`). Manifests written with sha256 still verify.
+is torch's restricted unpickler (`gpn_scale/storage/safe_load.py`). Manifests written with sha256 still verify.
 Files are hashed by a pool of threads (the hashes release the GIL), each from a memory map of
 the file: no copy into Python's buffers, ~1.6x faster than reading it in blocks. A writer that
 knows a file's bytes as it writes them (`write_hashed`) hashes them then, at no extra read.
@@ -30,7 +30,7 @@ from typing import BinaryIO
 
 import xxhash
 
-from gpn_scale import atomic
+from gpn_scale.storage import atomic
 
 MANIFEST = "manifest.json"
 HASH = "xxh3_128"
