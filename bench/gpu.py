@@ -24,7 +24,9 @@ and the batch is what fits in --fill of the free memory (`--batch name=N` sets i
 
 Kernel figures: the memory-step kernels' achieved bandwidth (bytes they must move / time)
 against a device-to-device copy measured in the same run, and the TFLOP/s of the step's
-GEMMs at the GPN+M batch. A ratio table comes last; --out writes everything as JSON.
+GEMMs at the GPN+M batch. Overlap figures (`overlap_figures`): what bench/schedule.py's rule
+for kernels on two streams assumes, measured: a copy's bandwidth on a share of the SMs, and
+M's traffic beside the projection GEMM on two streams against the two one after the other. A ratio table comes last; --out writes everything as JSON.
 
 Imports only torch, triton, numpy and yaml (through gpn_scale.config) besides the source tree.
 """
@@ -342,6 +344,90 @@ def gemm_figures(cfg, batch, device) -> dict:
     return out
 
 
+def _strided_copy():
+    """A Triton copy whose programs loop over the buffer (program p copies blocks p, p + grid, ...),
+    so that its grid, not the buffer, says how many SMs it holds. Made after TRITON_INTERPRET is set."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy(src, dst, n, iters, BLOCK: tl.constexpr):
+        pid, grid = tl.program_id(0), tl.num_programs(0)
+        for i in range(iters):
+            offs = (i * grid + pid) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+    def run(src, dst, grid: int, block: int):
+        n = src.numel()
+        # 8 warps, 8K elements a block: each program keeps enough loads in flight to draw on its SM's share
+        copy[(grid,)](src, dst, n, -(-n // (grid * block)), BLOCK=block, num_warps=8 if src.is_cuda else 4)
+
+    return run
+
+
+def overlap_figures(cfg, batch, device, copy_bps: float) -> dict:
+    """What bench/schedule.py's overlap rule assumes, measured.
+
+    - `by_sm_share`: a streaming copy whose grid holds 1/8, 1/4, 1/2, 1 and 4 times the GPU's SMs
+      (one program per SM at most at a time): its bandwidth against the full copy's. The rule gives
+      a kernel bandwidth in proportion to the SMs it holds; where a fraction of the SMs already
+      reaches most of the bandwidth, a memory kernel beside a GEMM loses less than the rule says.
+    - `beside_gemm`: a copy the size of M at this batch (one memory kernel's traffic) and the step's
+      projection GEMM, each alone, then the two issued on two streams at once. The rule makes a GEMM
+      whose tiles fill the GPU leave the copy only its last wave's SMs (about the serial sum);
+      `serial_s / together_s` is the overlap the hardware gives. On CPU there is one stream: the
+      two run one after the other and `concurrent` is false.
+    """
+    from gpn_scale.models import build_model
+    from gpn_scale.models.core import fuse_weights
+
+    cuda = device.type == "cuda"
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
+    reps = 20 if cuda else 1
+    copy, block = _strided_copy(), 8192 if cuda else 256
+    n = (1 << 28) if cuda else (1 << 12)
+    src = torch.empty(n, device=device)
+    dst = torch.empty_like(src)
+    by_share = {}
+    for programs in sorted({max(1, sms // 8), max(1, sms // 4), max(1, sms // 2), sms, 4 * sms}):
+        sec = timed(lambda: copy(src, dst, programs, block), device, reps)
+        bps = 2 * n * 4 / sec
+        by_share[f"{programs / sms:g}"] = dict(programs=programs, seconds=sec, bytes_per_s=bps, of_copy=bps / copy_bps)
+
+    dtype = torch.bfloat16 if cuda else torch.float32
+    with torch.device("meta"):
+        W = fuse_weights(build_model(cfg))[0][0].W
+    x, w = torch.randn(batch, W.shape[0], device=device, dtype=dtype), torch.randn(*W.shape, device=device, dtype=dtype)
+    m_elems = batch * cfg.n_heads * cfg.d_key * cfg.d_val if cfg.memory else batch * cfg.d_state
+    m_src = torch.empty(m_elems if cuda else min(m_elems, 1 << 12), device=device)
+    m_dst = torch.empty_like(m_src)
+    gemm = lambda: x @ w  # noqa: E731
+    move = lambda: copy(m_src, m_dst, 4 * sms, block)  # noqa: E731
+    if cuda:
+        s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+        def together():
+            here = torch.cuda.current_stream(device)
+            s1.wait_stream(here)
+            s2.wait_stream(here)
+            with torch.cuda.stream(s1):
+                gemm()
+            with torch.cuda.stream(s2):
+                move()
+            here.wait_stream(s1)
+            here.wait_stream(s2)
+    else:
+        def together():
+            gemm()
+            move()
+    gemm_s, copy_s = timed(gemm, device, reps), timed(move, device, reps)
+    together_s = timed(together, device, reps)
+    beside = dict(batch=batch, gemm_shape=[batch, *W.shape], copy_bytes=2 * m_src.numel() * 4, gemm_s=gemm_s, copy_s=copy_s,
+                  serial_s=gemm_s + copy_s, together_s=together_s, gain=(gemm_s + copy_s) / together_s, concurrent=cuda)
+    return dict(sms=sms, by_sm_share=by_share, beside_gemm=beside)
+
+
 # ---- report ----------------------------------------------------------------------------------
 
 
@@ -390,6 +476,7 @@ def main(argv=None) -> int:
     copy_bps = copy_bandwidth(device)
     kernel = memory_kernel_figures(gpn_cfg, kbatch, device) if gpn_cfg.memory else None
     gemms = gemm_figures(gpn_cfg, kbatch, device)
+    overlap = overlap_figures(gpn_cfg, kbatch, device, copy_bps)
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
     print(f"\ndevice: {device_name}; GPN+M config {args.gpn}, Transformer++ config {args.transformer}; "
@@ -410,6 +497,13 @@ def main(argv=None) -> int:
         for k in (n for n in kernel if isinstance(kernel[n], dict)):
             print(f"  {k:28s} {kernel[k]['seconds'] * 1e6:10.1f} us  {kernel[k]['bytes_per_s'] / 1e9:8.1f} GB/s"
                   f"  ({kernel[k]['bytes_per_s'] / copy_bps:.0%} of copy)")
+    print(f"a copy holding a share of the {overlap['sms']} SMs (bench/schedule.py's rule: bandwidth in proportion):")
+    for share, c in overlap["by_sm_share"].items():
+        print(f"  {share:>6s} of the SMs ({c['programs']:4d} programs)  {c['bytes_per_s'] / 1e9:8.1f} GB/s  ({c['of_copy']:.0%} of copy)")
+    o = overlap["beside_gemm"]
+    print(f"M's traffic ({o['copy_bytes'] / 2**20:.0f} MiB) beside the projection GEMM {o['gemm_shape']}: alone {o['copy_s'] * 1e6:.1f} us"
+          f" + {o['gemm_s'] * 1e6:.1f} us, {'on two streams' if o['concurrent'] else 'one after the other (one stream)'}"
+          f" {o['together_s'] * 1e6:.1f} us: serial / together {o['gain']:.2f}")
     print(f"step GEMMs at batch {kbatch}:")
     for k, gm in gemms.items():
         print(f"  {k:12s} ({gm['m']} x {gm['k']}) @ ({gm['k']} x {gm['n']})  {gm['seconds'] * 1e6:9.1f} us  {gm['tflops']:7.2f} TFLOP/s")
@@ -426,7 +520,7 @@ def main(argv=None) -> int:
         verdict = "" if target is None else ("  meets" if value >= target else "  misses")
         print(f"{key:50s} {value:8.3g} {'>= ' + format(target, 'g') if target else '':>8s}{verdict}")
     result = dict(device=device_name, args={k: v for k, v in vars(args).items()}, rows=rows, failed=failed, copy_bytes_per_s=copy_bps,
-                  memory_kernels=kernel, gemms=gemms, ratios=[dict(name=k, value=v, target=t) for k, v, t in table],
+                  memory_kernels=kernel, gemms=gemms, overlap=overlap, ratios=[dict(name=k, value=v, target=t) for k, v, t in table],
                   wall_s=wall)
     if args.out:
         with open(args.out, "w") as f:

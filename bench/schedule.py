@@ -31,12 +31,19 @@ GEMMs is one kernel scheduling its own warps, not two kernels sharing SMs.
 
 One stream: every node waits for the one before it, so the time is the sum of the nodes' times
 and gaps, exactly what a serial count gives.
+
+The last part turns bench/counter.py's launches of a training window into nodes, timed by
+bench/roofline.py: the step's schedule as the code launches it, and what-ifs of more overlap.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+
+from bench.counter import Key, Launch, PHASES, Tally
+from bench.roofline import Hardware, kernel_seconds
 
 
 @dataclass(frozen=True)
@@ -126,3 +133,122 @@ def critical_path(nodes: list[Node]) -> float:
             else:
                 left[i] -= step * lam / nodes[i].seconds
     return max(end.values())
+
+
+# ---- the step's launches as nodes, on the streams they were launched on --------------------------
+
+GEMM_TILE = (128, 128)  # a GEMM's output tile per thread block (cuBLAS's on Hopper are this or larger)
+
+
+def launches_at(pair: tuple[list[Launch], list[Launch]], batches: tuple[int, int], batch: int) -> list[Launch]:
+    """One window's launches at `batch` from the same window at two batches: the same launches in
+    the same order, bytes, FLOPs, grids and GEMM shapes linear in the batch."""
+    (b0, w0), (b1, w1) = sorted(zip(batches, pair))
+    if len(w0) != len(w1) or any((x.name, x.phase, x.stream, x.waits) != (y.name, y.phase, y.stream, y.waits)
+                                 for x, y in zip(w0, w1)):
+        raise SystemExit(f"error: the window launches differently at batch {b0} and {b1}: measure at --batch directly")
+    f = (batch - b0) / (b1 - b0)
+    line = lambda p, q: p + (q - p) * f  # noqa: E731
+    return [dataclasses.replace(x, read=line(x.read, y.read), written=line(x.written, y.written),
+                                flops=line(x.flops, y.flops), programs=round(line(x.programs, y.programs)),
+                                shape=tuple(round(line(p, q)) for p, q in zip(x.shape, y.shape)))
+            for x, y in zip(w0, w1)]
+
+
+def launch_node(x: Launch, hw: Hardware):
+    """A launch as a node of the schedule (bench/schedule.py): its time alone, its shares of the
+    device. A Triton grid takes its programs' share of the SMs (all of them from one wave up); a
+    GEMM its output tiles' share averaged over its waves; other torch ops the whole GPU."""
+    seconds = kernel_seconds(Key(x.phase, x.kind, x.name, x.dtype), Tally(1, x.read, x.written, x.flops, x.programs), hw)
+    peak = hw.flops_per_s.get(x.dtype, hw.flops_per_s["float32"])
+    if x.programs:
+        sms = min(1.0, x.programs / hw.sms)
+    elif x.shape:
+        batch, m, n = x.shape
+        sms = wave_share(batch * math.ceil(m / GEMM_TILE[0]) * math.ceil(n / GEMM_TILE[1]), hw.sms)
+    else:
+        sms = 1.0
+    share = lambda v: v / seconds if seconds else 0.0  # noqa: E731
+    return Node(x.name, x.stream, seconds, share((x.read + x.written) / hw.bytes_per_s), share(x.flops / peak), sms,
+                gap=hw.graph_launch_s)
+
+
+def phase_nodes(window: list[Launch], phase: str, hw: Hardware, moved=None) -> list[Node]:
+    """The launches of one phase of a window as schedule nodes, their waits within the phase (the
+    forward has ended before the backward starts). `moved(x)`: launches put on stream 1 instead,
+    with no waits at all (`overlap_what_if`)."""
+    index, nodes = {}, []
+    for i, x in enumerate(window):
+        if x.phase != phase:
+            continue
+        index[i] = len(nodes)
+        node = launch_node(x, hw)
+        if moved is None:
+            node = dataclasses.replace(node, waits=tuple(index[w] for w in x.waits if w in index))
+        else:
+            node = dataclasses.replace(node, stream=1 if moved(x) else 0)
+        nodes.append(node)
+    return nodes
+
+
+def scheduled_step(runs: dict, steps: tuple[int, int], batch: int, hw: Hardware) -> dict:
+    """Per phase, one time step's time on the schedule: the critical path of the window of
+    steps[1] steps minus that of steps[0], over the difference; with graph replay's gaps."""
+    batches = tuple(sorted(runs))
+    out = {}
+    for phase in PHASES:
+        spans = []
+        for i in range(2):
+            if len(batches) == 1:
+                window_launches = runs[batches[0]][i]
+            else:
+                window_launches = launches_at((runs[batches[0]][i], runs[batches[1]][i]), batches[:2], batch)
+            spans.append(critical_path(phase_nodes(window_launches, phase, hw)))
+        out[phase] = (spans[1] - spans[0]) / (steps[1] - steps[0])
+    streams = {x.stream for pair in runs.values() for w in pair for x in w}
+    return dict(phases=out, seconds=sum(out.values()), tokens_per_s=batch / sum(out.values()), streams=len(streams))
+
+
+ONCE_PER_CHUNK_KERNELS = {"_gate_factors", "_chunk_carry_back", "_chunk_dm_products", "_ce_lse", "_ce_grad"}
+MEMORY_STEP_KERNELS = ("_chunk_step", "_step_fwd", "_step_bwd", "_read_fwd", "_read_bwd", "_gated_rms", "_head_sums")
+
+
+def _once_per_chunk(x: Launch, batch: int) -> bool:
+    """Whether a launch of the reverse sweep is once-per-chunk work rather than a step's: a GEMM
+    not of the step's B rows (the recomputed projection, the weight gradients), a Triton kernel of
+    the chunk's, any torch op (the chunk algebra, the factors, the bias sums)."""
+    if x.kind == "gemm":
+        return x.shape[1] != batch
+    return x.kind != "triton" or x.name in ONCE_PER_CHUNK_KERNELS
+
+
+OVERLAPS = {
+    "once-per-chunk work beside the sweep": lambda x, b: x.phase == "backward" and _once_per_chunk(x, b),
+    "memory kernels beside the step's GEMMs": lambda x, b: x.kind == "triton" and x.name.startswith(MEMORY_STEP_KERNELS),
+}
+
+
+def overlap_what_if(runs: dict, steps: tuple[int, int], batch: int, hw: Hardware) -> dict:
+    """What moving work to a second stream could buy, under the overlap rule: the step's time with
+    the launches each overlap names (and with both) on stream 1 and no wait between the streams at
+    all, so no data dependency holds them back. Optimistic, for planning, not a schedule the code
+    could run: a real one waits for its inputs."""
+    batches = tuple(sorted(runs))
+    if len(batches) < 2:
+        return {}
+
+    def step_time(side) -> float:
+        total = 0.0
+        for phase in PHASES:
+            spans = []
+            for i in range(2):
+                w = launches_at((runs[batches[0]][i], runs[batches[1]][i]), batches[:2], batch)
+                spans.append(critical_path(phase_nodes(w, phase, hw, moved=lambda x: side(x, batch))))
+            total += (spans[1] - spans[0]) / (steps[1] - steps[0])
+        return total
+
+    bounds = {name: step_time(side) for name, side in OVERLAPS.items()}
+    bounds["both"] = step_time(lambda x, b: any(side(x, b) for side in OVERLAPS.values()))
+    return {name: dict(seconds=t, tokens_per_s=batch / t) for name, t in bounds.items()}
+
+

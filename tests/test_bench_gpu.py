@@ -40,6 +40,15 @@ def test_gpu_bench_runs_on_cpu(gpu_check_dry):
                  "chunk step 2 of 4 backward", "chunk dM products"):
         assert result["memory_kernels"][name]["bytes_per_s"] > 0
     assert result["copy_bytes_per_s"] > 0 and all(g["tflops"] > 0 for g in result["gemms"].values())
+    # what the schedule's overlap rule assumes, measured: a copy on a share of the SMs, M's traffic beside a GEMM
+    overlap = result["overlap"]
+    shares = overlap["by_sm_share"]
+    assert [c["programs"] for c in shares.values()] == sorted({1, overlap["sms"] // 2, overlap["sms"], 4 * overlap["sms"]})
+    assert all(c["bytes_per_s"] > 0 and c["of_copy"] > 0 for c in shares.values())
+    beside = overlap["beside_gemm"]
+    assert beside["concurrent"] is False and beside["serial_s"] == pytest.approx(beside["gemm_s"] + beside["copy_s"])
+    assert beside["gain"] == pytest.approx(beside["serial_s"] / beside["together_s"])
+    assert "serial / together" in stdout
     names = [r["name"] for r in result["ratios"]]
     assert "gpn_m_triton / naive tokens/s" in names and "memory_step (fwd) / copy bandwidth" in names
     assert "gpn_m_triton / gpn_m_eager tokens/s" in names and "gpn_m_chunk / gpn_m_triton tokens/s" in names

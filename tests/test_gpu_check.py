@@ -109,8 +109,8 @@ def test_dry_kernel_bench_and_engine_stages_report_what_they_ran(dry):
 DEFECT = """
 import importlib.util, sys
 from pathlib import Path
-spec = importlib.util.spec_from_file_location("gpu_check", sys.argv[1])
-gc = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec); spec.loader.exec_module(gc)
+spec = importlib.util.spec_from_file_location("gpu_stages", sys.argv[1])
+gc = sys.modules["gpu_stages"] = importlib.util.module_from_spec(spec); spec.loader.exec_module(gc)
 import gpn_scale.models.core as core
 core._copied = lambda x: [core._copied(y) for y in x] if isinstance(x, (list, tuple)) else None if x is None else x.detach()
 gc.stage_graphs(gc.Part(Path(sys.argv[2]), "graphs"), gc.DRY)
@@ -121,7 +121,7 @@ gc.stage_graphs(gc.Part(Path(sys.argv[2]), "graphs"), gc.DRY)
 def test_graph_stage_fails_on_graph_owned_gradients(tmp_path):
     (tmp_path / "stages").mkdir()
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1", GPN_SCALE_CPU_GRAPHS="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", DEFECT, str(ROOT / "scripts" / "gpu_check.py"), str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-c", DEFECT, str(ROOT / "scripts" / "gpu_stages.py"), str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     g = json.loads((tmp_path / "stages" / "graphs.json").read_text())
@@ -180,8 +180,8 @@ def test_engine_stage_names_what_went_wrong_when_a_run_logged_nothing():
     its first step is reported as such (it once raised formatting a missing loss difference)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec = importlib.util.spec_from_file_location("gpu_stages", ROOT / "scripts" / "gpu_stages.py")
+    gpu_check = sys.modules["gpu_stages"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
     spec.loader.exec_module(gpu_check)
     replayed = {"forward": {"replayed": 3}, "backward": {"replayed": 3}}
     losses = {1: 6.1, 2: 6.0, 3: 5.9, 4: 5.8}

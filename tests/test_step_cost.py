@@ -10,6 +10,9 @@ import sys
 import pytest
 import torch
 
+import bench.counter as counting
+from bench import baseline, roofline, schedule
+from bench.counter import LaunchCounter
 from conftest import ROOT
 from triton_kernels import DEVICE, INTERPRET, interpreter  # noqa: F401  (Triton's interpreter on CPU)
 
@@ -52,7 +55,7 @@ TRITON_KERNELS = {
 
 
 def launches(per_step) -> dict[tuple[str, str], float]:
-    out = {(p, k): 0 for p in step_cost.PHASES for k in step_cost.KINDS}
+    out = {(p, k): 0 for p in counting.PHASES for k in counting.KINDS}
     for (phase, kind, _, _), t in per_step.items():
         out[(phase, kind)] += t.count
     return out
@@ -82,7 +85,7 @@ def tiny():
         mp.setenv("GPN_SCALE_CPU_STREAMS", "1")  # the core's side stream, in the stand-in the counter observes
         args = step_cost.parse_args(["--config", "gpn_m_tiny", "--device", DEVICE, "--batch", "4", "memory_form=step"])
         model, cfg = step_cost.build(args)
-        costs = step_cost.step_costs(model, [2, 3, 4], STEPS, "bf16", torch.device(DEVICE))
+        costs = counting.step_costs(model, [2, 3, 4], STEPS, "bf16", torch.device(DEVICE))
     return model, cfg, costs
 
 
@@ -100,7 +103,7 @@ def test_gemm_flops_and_memory_traffic_per_step_match_the_model(tiny):
     K2 = F + H * dv  # FFN W2 and the read's W_o
     loop = d * N + K2 * d + d * d  # the step's three GEMMs, multiply-adds per row
     window = E * d + d * E + E * V  # per token outside the loop: input projection, decoder, logits
-    flops = {p: sum(t.flops for k, t in per_step.items() if k[0] == p) for p in step_cost.PHASES}
+    flops = {p: sum(t.flops for k, t in per_step.items() if k[0] == p) for p in counting.PHASES}
     assert flops["forward"] == 2 * B * (loop + window)
     # Backward: the input-gradient GEMMs of the step, the chunk's recomputed projection and fuse
     # gate, the weight gradients over the chunk's rows; outside: logits recomputed, their two
@@ -123,15 +126,15 @@ def test_gemm_flops_and_memory_traffic_per_step_match_the_model(tiny):
              ("backward", "_head_sums"): B * H}
     assert {(k[0], k[2]): t.programs for k, t in per_step.items() if (k[0], k[2]) in grids} == grids
     assert bwd.programs == fwd.programs
-    for phase in step_cost.PHASES:
+    for phase in counting.PHASES:
         smallest = min([fwd.programs] + [n for (p, _), n in grids.items() if p == phase])
-        assert step_cost.phase_cost(per_step, phase, step_cost.H200).min_programs == smallest == 2 * B  # d = 64: 2 blocks of 32
+        assert roofline.phase_cost(per_step, phase, roofline.H200).min_programs == smallest == 2 * B  # d = 64: 2 blocks of 32
 
 
 def test_batch_extrapolation_equals_a_direct_count(tiny):
     _, _, costs = tiny
     direct = costs[4][0]
-    scaled = step_cost.extrapolate({2: costs[2][0], 3: costs[3][0]}, 4)
+    scaled = counting.extrapolate({2: costs[2][0], 3: costs[3][0]}, 4)
     assert scaled.keys() == direct.keys()
     for key, t in direct.items():
         s = scaled[key]
@@ -150,7 +153,7 @@ def test_a_stray_cast_in_the_step_gemm_breaks_the_count(tiny, monkeypatch):
 
     stray = dataclasses.replace(backend, step=dataclasses.replace(backend.step, mm=mm_with_round_trip))
     monkeypatch.setattr(model, "backend", lambda device_type: stray)
-    per_step, _ = step_cost.step_costs(model, [2], STEPS, "bf16", torch.device(DEVICE), warm=False)[2]
+    per_step, _ = counting.step_costs(model, [2], STEPS, "bf16", torch.device(DEVICE), warm=False)[2]
     with pytest.raises(AssertionError):
         check_hand_count(per_step)
     assert launches(per_step)[("forward", "cast")] == hand_count()[("forward", "cast")] + 2 * 3
@@ -161,7 +164,7 @@ def test_indexed_and_metadata_only_ops_count_what_they_touch():
     elements their indices name and the indices, not the whole tensor."""
     rows, vocab = 6, 1000
     logits, rows_at, targets = torch.randn(rows, vocab), torch.arange(rows), torch.randint(0, vocab, (rows,))
-    with step_cost.LaunchCounter() as counter:
+    with LaunchCounter() as counter:
         logits.gather(1, targets[:, None])
         logits[rows_at, targets] -= 1.0  # index, sub, index_put_
     got = {x.name: (x.read, x.written) for x in counter.launches}
@@ -169,7 +172,7 @@ def test_indexed_and_metadata_only_ops_count_what_they_touch():
     assert got["gather"] == (rows * (f32 + i64), rows * f32)
     assert got["index"] == (rows * (f32 + 2 * i64), rows * f32)
     assert got["index_put_"] == (rows * (f32 + 2 * i64), rows * f32)
-    with step_cost.LaunchCounter() as counter:
+    with LaunchCounter() as counter:
         logits.new_zeros((rows, 2))  # reads nothing of logits
     assert [(x.name, x.read, x.written) for x in counter.launches] == [("new_zeros", 0, rows * 2 * f32)]
 
@@ -184,8 +187,8 @@ def tiny_chunk():
         mp.setenv("GPN_SCALE_CPU_STREAMS", "1")  # the core's side stream, in the stand-in the counter observes
         args = step_cost.parse_args(["--config", "gpn_m_tiny", "--device", DEVICE, "memory_form=chunk", "core_chunk=4"])
         model, cfg = step_cost.build(args)
-        runs = step_cost.measure(model, [2, 3], (1, 1 + cfg.core_chunk), "bf16", torch.device(DEVICE))
-    return cfg, step_cost.costs_of(runs, (1, 1 + cfg.core_chunk)), runs
+        runs = counting.measure(model, [2, 3], (1, 1 + cfg.core_chunk), "bf16", torch.device(DEVICE))
+    return cfg, counting.costs_of(runs, (1, 1 + cfg.core_chunk)), runs
 
 
 def test_chunk_form_reads_M_once_per_step_and_writes_it_once_per_chunk(tiny_chunk):
@@ -219,7 +222,7 @@ def test_chunk_form_reads_M_once_per_step_and_writes_it_once_per_chunk(tiny_chun
 
 def test_flash_attention_costs_are_the_stated_formula():
     B, H, T, D = 2, 3, 16, 8
-    fwd, bwd = step_cost.flash_attention("forward", B, H, T, D), step_cost.flash_attention("backward", B, H, T, D)
+    fwd, bwd = baseline.flash_attention("forward", B, H, T, D), baseline.flash_attention("backward", B, H, T, D)
     qkv, stats = B * H * T * D * 2, B * H * T * 4
     assert (fwd.read, fwd.written, fwd.flops) == (3 * qkv, qkv + stats, 2 * B * H * T * T * D)
     assert (bwd.read, bwd.written, bwd.flops) == (5 * qkv + 2 * stats, 3 * qkv, 5 * B * H * T * T * D)
@@ -234,7 +237,7 @@ def test_memory_floor_of_each_form_and_read_dtype_by_hand():
     base = dict(family="gpn_m", vocab_size=64, d_state=32, d_emb=16, d_ffn=32, n_layers=2, n_heads=3, d_key=4, d_val=8,
                 core_chunk=8)
     m = 3 * 4 * 8 * 4
-    floor = lambda dtype="bf16", **kw: step_cost.memory_floor(GPNConfig(**{**base, **kw}), step_cost.H200, dtype)
+    floor = lambda dtype="bf16", **kw: roofline.memory_floor(GPNConfig(**{**base, **kw}), roofline.H200, dtype)
     step, chunk = floor(memory_form="step"), floor(memory_form="chunk")
     low = floor(memory_form="chunk", memory_reads="compute")
     assert (step["forward_bytes_per_token"], step["backward_bytes_per_token"]) == (3 * m, 8 * m)
@@ -242,7 +245,7 @@ def test_memory_floor_of_each_form_and_read_dtype_by_hand():
     assert (low["forward_bytes_per_token"], low["backward_bytes_per_token"]) == (m * (1 + 2.5 / 8), m * (1 + 5.5 / 8))
     assert low["reads"] == "bf16" and chunk["reads"] == "float32"
     assert floor("fp32", memory_form="chunk", memory_reads="compute") == chunk
-    assert low["tokens_per_s"] == pytest.approx(step_cost.H200.bytes_per_s / (m * (2 + 8 / 8)))
+    assert low["tokens_per_s"] == pytest.approx(roofline.H200.bytes_per_s / (m * (2 + 8 / 8)))
 
 
 def test_command_line_table_json_and_bad_config(tmp_path, capsys):
@@ -278,26 +281,26 @@ def test_single_stream_schedule_is_the_serial_sum_of_its_launches(tiny_chunk_run
     per-kernel serial count; at each batch, extrapolated per launch."""
     cfg, runs = tiny_chunk_runs
     runs = {b: [[dataclasses.replace(x, stream=0, waits=()) for x in w] for w in pair] for b, pair in runs.items()}
-    hw, steps = step_cost.H200, (1, 1 + cfg.core_chunk)
+    hw, steps = roofline.H200, (1, 1 + cfg.core_chunk)
     for batch in (3, 256):
-        sch = step_cost.scheduled_step(runs, steps, batch, hw)
+        sch = schedule.scheduled_step(runs, steps, batch, hw)
         assert sch["streams"] == 1
-        for phase in step_cost.PHASES:
+        for phase in counting.PHASES:
             serial = []
             for i in range(2):
-                window = step_cost.launches_at((runs[2][i], runs[3][i]), (2, 3), batch)
-                serial.append(sum(step_cost.kernel_seconds(step_cost.Key(x.phase, x.kind, x.name, x.dtype),
-                                                           step_cost.Tally(1, x.read, x.written, x.flops, x.programs), hw)
+                window = schedule.launches_at((runs[2][i], runs[3][i]), (2, 3), batch)
+                serial.append(sum(roofline.kernel_seconds(counting.Key(x.phase, x.kind, x.name, x.dtype),
+                                                           counting.Tally(1, x.read, x.written, x.flops, x.programs), hw)
                                   + hw.graph_launch_s for x in window if x.phase == phase))
             assert sch["phases"][phase] == pytest.approx((serial[1] - serial[0]) / cfg.core_chunk, rel=1e-9)
         # the count per kernel name (all its launches summed, timed at their smallest grid) differs
         # only where one kernel's launches differ in grid or in what binds them
-        per_step = step_cost.extrapolate({b: c[0] for b, c in step_cost.costs_of(runs, steps).items()}, batch)
-        tally_s = sum(step_cost.phase_cost(per_step, p, hw).graph_s for p in step_cost.PHASES)
+        per_step = counting.extrapolate({b: c[0] for b, c in counting.costs_of(runs, steps).items()}, batch)
+        tally_s = sum(roofline.phase_cost(per_step, p, hw).graph_s for p in counting.PHASES)
         assert sch["seconds"] == pytest.approx(tally_s, rel=0.01)
         # work moved to a second stream with no waits never takes longer than the one stream
-        bounds = step_cost.overlap_what_if(runs, steps, batch, hw)
-        assert set(bounds) == set(step_cost.OVERLAPS) | {"both"}
+        bounds = schedule.overlap_what_if(runs, steps, batch, hw)
+        assert set(bounds) == set(schedule.OVERLAPS) | {"both"}
         assert all(0 < b["seconds"] <= sch["seconds"] * (1 + 1e-9) for b in bounds.values())
 
 
@@ -314,7 +317,7 @@ def test_fusion_reads_what_comes_from_outside_once_and_writes_what_is_read_after
     window) is written although nothing reads it."""
     a, w, w2 = torch.randn(64, 32), torch.randn(32, 16), torch.randn(16, 8)
     grad = torch.zeros(16)
-    with step_cost.LaunchCounter() as counter:
+    with LaunchCounter() as counter:
         h = a @ w
         s = torch.sigmoid(h)
         g = s * h + h
@@ -322,7 +325,7 @@ def test_fusion_reads_what_comes_from_outside_once_and_writes_what_is_read_after
         y = g @ w2
         z = y.sum() + s.sum()
     del z
-    fused = step_cost.fuse_elementwise(counter.launches, results={grad.untyped_storage().data_ptr()})
+    fused = baseline.fuse_elementwise(counter.launches, results={grad.untyped_storage().data_ptr()})
     assert [x.kind for x in fused] == ["gemm", "fused", "gemm", "fused"]
     f32 = 4
     group = fused[1]
@@ -338,14 +341,14 @@ def test_tuned_baseline_between_its_gemms_and_its_eager_count():
     non-attention byte and FLOP, and attention's FLOPs grow with the context."""
     args = step_cost.parse_args(["--config", "transformer_tiny", "--baseline-seq-len", "16", "--device", "cpu"])
     args.baseline = "transformer_tiny"
-    count = step_cost.baseline_tallies(args)
-    hw = step_cost.H200
-    b = step_cost.baseline_window(count, 8, hw)
+    count = baseline.baseline_tallies(args)
+    hw = roofline.H200
+    b = baseline.baseline_window(count, 8, hw)
     assert b["launches"] < b["eager"]["launches"] and b["bytes"] < b["eager"]["bytes"]
     assert b["gemm_attention_s"] <= b["device_s"] and b["graph_s"] < b["eager"]["graph_s"]
-    longer = step_cost.baseline_window(count, 2, hw, seq_len=64)
-    fa = lambda bb, T: sum(step_cost.flash_attention(p, bb, count.heads, T, count.head_dim).flops * count.attention_calls[p]  # noqa: E731
-                           for p in step_cost.PHASES)
+    longer = baseline.baseline_window(count, 2, hw, seq_len=64)
+    fa = lambda bb, T: sum(baseline.flash_attention(p, bb, count.heads, T, count.head_dim).flops * count.attention_calls[p]  # noqa: E731
+                           for p in counting.PHASES)
     assert longer["flops"] - fa(2, 64) == pytest.approx(b["flops"] - fa(8, 16))
     assert fa(2, 64) == pytest.approx(4 * fa(8, 16))  # T^2 per sequence, a quarter of the sequences
     assert count.attention_calls == {"forward": 2, "backward": 2}  # one per layer each way
@@ -360,7 +363,7 @@ def test_peak_memory_is_the_documented_formula():
     cfg = GPNConfig(family="gpn_m", vocab_size=64, d_state=32, d_emb=16, d_ffn=48, n_layers=2, n_heads=3, d_key=4,
                     d_val=8, core_chunk=8, memory_form="chunk", ce_chunk=16)
     B, T, params = 5, 20, 1000
-    pm = step_cost.peak_memory(cfg, B, T, params)
+    pm = roofline.peak_memory(cfg, B, T, params)
     m = 3 * 4 * 8 * 4 * B
     assert pm["saved"] == B * T * 4 * (2 * 32 + 1 * 33 + 3 * 3 + 4 * 3 * 8)
     assert pm["m_per_chunk"] == 3 * m  # chunks of 8 in 20 steps: 3
@@ -368,7 +371,7 @@ def test_peak_memory_is_the_documented_formula():
     assert pm["backward_chunk"] == 4 * m + 2 * 8 * B * (2 * n + 2 * (48 + 24) + 4 * 32) * 4  # two workspaces
     assert pm["logits"] == 2 * 16 * 64 * 4 and pm["weights_and_optimizer"] == 16 * params
     assert pm["total"] == sum(v for k, v in pm.items() if k != "total")
-    step = step_cost.peak_memory(dataclasses.replace(cfg, memory_form="step"), B, T, params)
+    step = roofline.peak_memory(dataclasses.replace(cfg, memory_form="step"), B, T, params)
     assert step["saved"] == B * T * 4 * (2 * 32 + 33 + 9) and step["backward_chunk"] - pm["backward_chunk"] == (8 + 2 - 4) * m
 
 
@@ -378,7 +381,7 @@ def test_the_weight_gradients_run_on_the_side_stream_after_the_sweep(tiny_chunk_
     there waits for the sweep, the main stream waits for them before the chunk after the next;
     the schedule of both streams takes no longer than the same launches on one."""
     cfg, runs = tiny_chunk_runs
-    hw, steps = step_cost.H200, (1, 1 + cfg.core_chunk)
+    hw, steps = roofline.H200, (1, 1 + cfg.core_chunk)
     long_window = runs[3][1]
     side = [x for x in long_window if x.stream == 1]
     assert side and all(x.phase == "backward" for x in side)
@@ -390,8 +393,8 @@ def test_the_weight_gradients_run_on_the_side_stream_after_the_sweep(tiny_chunk_
     assert waits_side and waits_main
     one = {b: [[dataclasses.replace(x, stream=0, waits=()) for x in w] for w in pair] for b, pair in runs.items()}
     for batch in (3, 256):
-        two_s = step_cost.scheduled_step(runs, steps, batch, hw)
-        one_s = step_cost.scheduled_step(one, steps, batch, hw)
+        two_s = schedule.scheduled_step(runs, steps, batch, hw)
+        one_s = schedule.scheduled_step(one, steps, batch, hw)
         assert two_s["streams"] == 2 and one_s["streams"] == 1
         assert two_s["seconds"] <= one_s["seconds"] * (1 + 1e-9)
 
@@ -403,7 +406,7 @@ def test_a_carried_state_costs_nothing_per_step():
     args = step_cost.parse_args(["--config", "gpn_m_tiny", "--device", "cpu", "--batch", "2", "memory_form=chunk",
                                  "kernel=torch", "core_chunk=2"])
     model, _ = step_cost.build(args)
-    empty, carried = (step_cost.step_costs(model, [2], (2, 4), "fp32", torch.device("cpu"), warm=not c, carried=c)[2]
+    empty, carried = (counting.step_costs(model, [2], (2, 4), "fp32", torch.device("cpu"), warm=not c, carried=c)[2]
                       for c in (False, True))
     assert empty[0] == carried[0]  # per step: the same tallies
     fills = {k: t for k, t in empty[1].items() if carried[1].get(k) != t}
