@@ -218,3 +218,18 @@ def test_prep_and_data_import_nothing_of_training_or_evaluation():
 
 def test_the_trainer_imports_nothing_of_eval():
     assert offending(py_files("gpn_scale/train"), ["gpn_scale.eval"]) == []
+
+
+def test_no_function_of_the_models_takes_more_than_eight_parameters():
+    """The fused core's state travels in named structures (`Weights`, `Span`, `ChunkRows`, ...):
+    a change to what a chunk carries touches one structure, not every signature."""
+    wide = []
+    for p in py_files("gpn_scale/models"):
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs] + [x.arg for x in (a.vararg, a.kwarg) if x]
+                n = len(names) - (names[:1] in (["self"], ["cls"], ["ctx"]))
+                if n > 8:
+                    wide.append(f"{p.relative_to(ROOT)}:{node.lineno}: {node.name} ({n})")
+    assert wide == []

@@ -58,6 +58,38 @@ class LayerWeights(NamedTuple):
     W2o: torch.Tensor  # (F [+ H*dv], d): [ffn_w2_k; diag(read_out_norm_w) read_W_o_k]
 
 
+class Weights(NamedTuple):
+    """The loop's weights in their fused layout (`fuse_weights`), passed whole: per layer's, the
+    fuse gate's, and the write's A_log (None without memory)."""
+
+    layers: list  # [LayerWeights] per layer
+    fg_W: torch.Tensor  # (d, d): the fuse gate, its norm weight folded in
+    fg_b: torch.Tensor  # (d,)
+    A_log: torch.Tensor | None
+
+
+class OutputGrads(NamedTuple):
+    """The gradients w.r.t. the core's outputs (None where unused): the predictions (T, B, d) and
+    the final state."""
+
+    dP: torch.Tensor | None
+    dg: torch.Tensor | None
+    dg_prev: torch.Tensor | None
+    dM: torch.Tensor | None
+
+
+class Span(NamedTuple):
+    """One chunk of the window: its index and its steps c0 .. c1-1."""
+
+    index: int
+    c0: int
+    c1: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.c0, self.c1)
+
+
 class Spec(NamedTuple):
     d: int
     F: int
@@ -150,9 +182,11 @@ def _io_dtype(spec: Spec, sd: torch.dtype) -> torch.dtype:
     return spec.compute_dtype if spec.backend.step.narrow_io else sd
 
 
-def _cast(spec: Spec, layers, fg_W, fg_b):
+def _cast(spec: Spec, weights: Weights) -> Weights:
+    """The weights the GEMMs read, in the compute dtype (A_log stays as it is)."""
     cd = spec.compute_dtype
-    return [LayerWeights(*(w.to(cd) for w in L)) for L in layers], fg_W.to(cd), fg_b.to(cd)
+    return weights._replace(layers=[LayerWeights(*(w.to(cd) for w in L)) for L in weights.layers], fg_W=weights.fg_W.to(cd),
+                            fg_b=weights.fg_b.to(cd))
 
 
 # ---- named state -----------------------------------------------------------------------------
@@ -383,15 +417,17 @@ def _layer_steps(spec: Spec, S, i, col):
     return LayerSteps(**v)
 
 
-def run_forward(spec: Spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save: bool):
-    """The loop over u (T, B, d), time-major. Returns (P (T, B, d), g, g_prev, M, saved or None).
+def run_forward(spec: Spec, u, state, weights: Weights, save: bool):
+    """The loop over u (T, B, d), time-major, from state (g, g_prev, M). Returns (P (T, B, d), g,
+    g_prev, M, saved or None).
 
     Without `save` the per-step buffers are two-slot work rings like the rest (the write's gates
     a chunk's rows in the chunk form, whose steps read their chunk's decays).
     """
     T, B, d = u.shape
-    H, dk, nl = spec.H, spec.dk, len(layers)
-    layers, fg_W, fg_b = _cast(spec, layers, fg_W, fg_b)
+    g, g_prev, M = state
+    H, dk, nl = spec.H, spec.dk, len(weights.layers)
+    layers, fg_W, fg_b, A_log = _cast(spec, weights)
     cols = [columns(spec, i == 0) for i in range(nl)]
     chunks = dict(bounds(spec, T))  # chunk start -> end
     gate_rows = T if save else max(c1 - c0 for c0, c1 in chunks.items()) if spec.chunked else 2
@@ -495,7 +531,7 @@ def _workspace(spec: Spec, layers, L, B, like):
                       dZ=new(W.W2o.shape[0], dtype=io), ffn_fac=new(2, spec.F)) for W in layers]
 
 
-def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_first, X0, R0, XP, RP, fg, work):
+def _chunk_buffers(spec: Spec, S, span: Span, layers, A, rows: ChunkRows, work):
     """Per-step views of one chunk's gradient buffers and of its derivative factors.
 
     The factors are the parts of the elementwise derivatives that do not depend on the incoming
@@ -503,10 +539,12 @@ def _chunk_buffers(spec: Spec, S, sl: slice, layers, cols, fg_W, fg_b, A, k_firs
     GEMMs. Buffers live for one chunk, so the backward's working memory is a chunk's, not T's.
     GPN+M: the keys and queries are normalised again from the recomputed projections (k_first:
     the key of the chunk's first step, which the step before projected); the reads and the
-    write's errors are left to the rebuild of M (`_rebuild`; the chunk form kept them). X0, R0, XP, RP, fg: the
-    chunk's layer-0 inputs, normalised predictions and fuse gates (`_grounded_rows`). work: the
+    write's errors are left to the rebuild of M (`_rebuild`; the chunk form kept them). rows: the
+    chunk's layer-0 inputs, normalised predictions and fuse gates (`ChunkRows`). work: the
     per-layer buffers of `_workspace`, of which the chunk uses its first L rows.
     """
+    X0, R0, XP, RP, fg, k_first = rows
+    sl, cols = span.rows, [columns(spec, i == 0) for i in range(len(layers))]
     L, B, d = XP.shape
     H, dk, Fd, sd, ew = spec.H, spec.dk, spec.F, XP.dtype, spec.backend.step
     empty = lambda *shape: XP.new_empty(shape)  # noqa: E731
@@ -565,7 +603,8 @@ def _grounded_rows(S, lo: int, hi: int, fg_W, fg_b):
     predictions P and the inputs u, time-major: for steps lo..hi-1 the normalised predictions,
     their rms and the fuse gates fg = sigmoid(xp W_fg + b) (one GEMM); layer 0's normalised
     input and its rms, from g_t = u_{t-1} + fg_{t-1} P_{t-1}, for steps lo+1..hi-1 (0..hi-1
-    when lo is 0: step 0's is the incoming state's). Returns (XP, RP, fg, X0, R0)."""
+    when lo is 0: step 0's is the incoming state's). Returns (XP, RP, fg, X0, R0), whole: the
+    caller cuts the chunk's `ChunkRows` from them."""
     XP, RP = rms_hat(S.P[lo:hi])
     L, B, d = XP.shape
     fg = torch.sigmoid(_mm(XP.reshape(L * B, d), fg_W, bias=fg_b)).view(L, B, d)
@@ -574,6 +613,30 @@ def _grounded_rows(S, lo: int, hi: int, fg_W, fg_b):
         g = torch.cat([S.g0[None], g])
     X0, R0 = rms_hat(g)
     return XP, RP, fg, X0, R0
+
+
+class ChunkRows(NamedTuple):
+    """The forward's per-step vectors around the grounded state, formed again for one chunk's steps
+    (`_grounded_rows`), (L, B, ...) each: layer 0's normalised input and its rms, the normalised
+    predictions and their rms, the fuse gates; and GPN+M's key of the chunk's first step, which
+    the step before projected (None without memory)."""
+
+    X0: torch.Tensor
+    R0: torch.Tensor
+    XP: torch.Tensor
+    RP: torch.Tensor
+    fg: torch.Tensor
+    k_first: torch.Tensor | None
+
+
+class WeightGrads(NamedTuple):
+    """The weights' gradients as the chunks accumulate them, in the state's dtype: per layer
+    [dW, db, dW2o], the fuse gate's, and A_log's (None without memory)."""
+
+    layers: list
+    fg_W: torch.Tensor
+    fg_b: torch.Tensor
+    A_log: torch.Tensor | None
 
 
 class Sweep(NamedTuple):
@@ -605,11 +668,12 @@ class Carry(NamedTuple):
     kn_flows: bool
 
 
-def _rebuild(spec: Spec, mem, S, ci: int, C: list[ChunkLayer], G: ChunkShared, c0: int, c1: int, Mbuf, BETA,
-             DECAY) -> list:
-    """M after each step of chunk ci, rebuilt from its saved start into Mbuf by replaying the
+def _rebuild(spec: Spec, S, span: Span, C: list[ChunkLayer], G: ChunkShared, Mbuf, sw: Sweep) -> list:
+    """M after each step of the chunk, rebuilt from its saved start into Mbuf by replaying the
     write (with layer 0's reads and the write's errors), then the later layers' reads, the read
     factors and the deltas. Returns Ms: Ms[j] is M before step c0 + j."""
+    ci, c0, c1 = span
+    mem, BETA, DECAY = sw.mem, sw.BETA, sw.DECAY
     Ms, c = [S.M[ci]] + list(_steps(Mbuf[: c1 - c0])), C[0]
     for j, t in enumerate(range(c0, c1)):
         mem.memory_step(Ms[j], c.keys[j], c.v[j], BETA[t], DECAY[t], c.q[j], c.gate[j], out_e=G.e[j],
@@ -649,11 +713,11 @@ class ChunkSweep(NamedTuple):
     phi: torch.Tensor
 
 
-def _chunk_algebra(spec: Spec, S, ci: int, C: list[ChunkLayer], G: ChunkShared, sl: slice, dM_end, read_grads,
-                   phi) -> ChunkSweep:
+def _chunk_algebra(spec: Spec, S, span: Span, C: list[ChunkLayer], G: ChunkShared, dM_end, read_grads, phi) -> ChunkSweep:
     """The chunk form's once-per-chunk work before the sweep: the C x C algebra of the chunk's
     keys (its deltas, errors and reads are the forward's), the read outputs and factors, and
     dM_end's products the sweep reads."""
+    ci, sl = span.index, span.rows
     keys = torch.stack(C[0].keys)
     queries = torch.stack([c.q_full for c in C])
     beta = S.BETA[sl]
@@ -665,12 +729,13 @@ def _chunk_algebra(spec: Spec, S, ci: int, C: list[ChunkLayer], G: ChunkShared, 
     return ChunkSweep(spec.backend.chunk, M_c, keys, queries, r, co, read_grads, phi)
 
 
-def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, c0: int, c1: int, T: int, carry: Carry,
-           dk_next) -> Carry:
+def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, span: Span, carry: Carry, dk_next) -> Carry:
     """Steps c1-1 .. c0, backwards: through the fuse gate, the layers and the memory, writing the
     chunk's GEMM-output gradients (dY, dZ, dU rows), du, and dL/d(first key) into dk_next."""
     ew, mem, WT, W2oT, fg_WT, dus, dPs, BETA, DECAY, dMring, W_kT, dg_prev, dX = sw
     dg, dM, kn_flows = carry
+    _, c0, c1 = span
+    T = len(dus)
     nl = len(C)
     # dL/d(a layer's output) goes on in the state's dtype (the carry); its copy in the GEMMs'
     # dtype, the layer's dU row, is the second GEMM's input and the weight gradient's.
@@ -773,32 +838,33 @@ def _gemm(acc, X, G, cd, work):
         acc.add_(torch.mm(X.T, G, out=work[: acc.numel()].view(acc.shape)))
 
 
-def _weight_grads(spec: Spec, S, sl: slice, C: list[ChunkLayer], G: ChunkShared, grads, dfg_W, dfg_b, dA_log,
-                  work) -> None:
-    """The chunk's weight gradients, accumulated: dW += X^T dY as GEMMs over its B*L rows."""
-    cd = spec.compute_dtype
+def _weight_grads(spec: Spec, S, span: Span, C: list[ChunkLayer], G: ChunkShared, grads: WeightGrads, work) -> None:
+    """The chunk's weight gradients, accumulated in place: dW += X^T dY as GEMMs over its B*L rows."""
+    cd, sl = spec.compute_dtype, span.rows
     for i, c in enumerate(C):
-        _gemm(grads[i][0], c.X_full, c.dY_full, cd, work)
-        grads[i][1] += c.dY_full.sum((0, 1), dtype=grads[i][1].dtype)
-        _gemm(grads[i][2], c.Z_full, c.dU_full, cd, work)
-    _gemm(dfg_W, G.XP, G.dYfg_full, cd, work)
-    dfg_b += G.dYfg_full.sum((0, 1), dtype=dfg_b.dtype)
+        dW, db, dW2o = grads.layers[i]
+        _gemm(dW, c.X_full, c.dY_full, cd, work)
+        db += c.dY_full.sum((0, 1), dtype=db.dtype)
+        _gemm(dW2o, c.Z_full, c.dU_full, cd, work)
+    _gemm(grads.fg_W, G.XP, G.dYfg_full, cd, work)
+    grads.fg_b.add_(G.dYfg_full.sum((0, 1), dtype=grads.fg_b.dtype))
     if spec.memory:  # the chunk form's dBD holds dL/dgamma, the step form's dL/ddecay
         dgamma = G.dBD_full[:, 1] if spec.chunked else G.dBD_full[:, 1] * S.DECAY[sl]
-        dA_log += (dgamma * S.GAMMA[sl]).sum((0, 1))
+        grads.A_log.add_((dgamma * S.GAMMA[sl]).sum((0, 1)))
 
 
-def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
+def run_backward(spec: Spec, S, weights: Weights, out: OutputGrads):
     """The reverse sweep, chunk by chunk from the end: per chunk, its buffers and derivative
     factors (`_chunk_buffers`), M rebuilt (`_rebuild`), the steps backwards (`_sweep`), and its
     weight gradients as GEMMs over its rows (`_weight_grads`).
 
-    dP (T, B, d), dg, dg_prev, dM: gradients w.r.t. the outputs (None where unused). Returns
-    (du (T, B, d), dg0, dg_prev0, dM0, dA_log, [per layer (dW, db, dW2o)], dfg_W, dfg_b).
+    out: the gradients w.r.t. the outputs (`OutputGrads`). Returns (du (T, B, d), dg0, dg_prev0,
+    dM0, dA_log, [per layer (dW, db, dW2o)], dfg_W, dfg_b).
     """
     T, B, d = S.P.shape
-    H, dk, nl, sd = spec.H, spec.dk, len(layers), S.P.dtype
-    layers, fg_W, fg_b = _cast(spec, layers, fg_W, fg_b)
+    dP, dg, dg_prev, dM = out
+    H, dk, nl, sd = spec.H, spec.dk, len(weights.layers), S.P.dtype
+    layers, fg_W, fg_b, A_log = _cast(spec, weights)
     cols = [columns(spec, i == 0) for i in range(nl)]
     ew = spec.backend.step
     du = S.P.new_empty((T, B, d))
@@ -835,6 +901,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
                ew.pack(fg_W.T, T, B), _steps(du), (_steps(dP) if dP is not None else None), BETA, DECAY, dMring, W_kT,
                dg_prev, S.P.new_empty((B, d), dtype=_io_dtype(spec, sd)))
     carry = Carry(dg, dM, True)
+    wgrads = WeightGrads(grads, dfg_W, dfg_b, dA_log)
 
     lanes.fork()
     try:
@@ -842,24 +909,24 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
         for k, (ci, (c0, c1)) in enumerate(reversed(list(enumerate(bounds(spec, T))))):
             # From two steps back: the gate of step c0 - 2 forms the input of step c0 - 1, whose
             # projection holds the key of step c0.
-            sl, lo = slice(c0, c1), max(c0 - 2, 0)
+            span = Span(ci, c0, c1)
+            sl, lo = span.rows, max(c0 - 2, 0)
             XP, RP, fg, X0, R0 = _grounded_rows(S, lo, c1, fg_W, fg_b)
             first = 0 if lo == 0 else lo + 1  # the step of X0[0]
             k_first = None
             if spec.memory:
                 k_first = S.k0 if c0 == 0 else l2n_relu(ew.mm(X0[c0 - 1 - first], W_k, bias=b_k).view(B, H, dk))[0]
-            X0, R0 = X0[c0 - first :], R0[c0 - first :]
-            C, G = _chunk_buffers(spec, S, sl, layers, cols, fg_W, fg_b, A, k_first, X0, R0, XP[c0 - lo :], RP[c0 - lo :],
-                                  fg[c0 - lo :], works[k % len(works)])
+            rows = ChunkRows(X0[c0 - first :], R0[c0 - first :], XP[c0 - lo :], RP[c0 - lo :], fg[c0 - lo :], k_first)
+            C, G = _chunk_buffers(spec, S, span, layers, A, rows, works[k % len(works)])
             Ms = None
             if spec.chunked:
-                Ms = _chunk_algebra(spec, S, ci, C, G, sl, carry.dM, read_grads, phi)
+                Ms = _chunk_algebra(spec, S, span, C, G, carry.dM, read_grads, phi)
             elif spec.memory:
-                Ms = _rebuild(spec, mem, S, ci, C, G, c0, c1, Mbuf, BETA, DECAY)
+                Ms = _rebuild(spec, S, span, C, G, Mbuf, sw)
             if spec.memory:
                 G.dKQ_full[-1, 0] = dk_next
                 dk_next = torch.empty_like(dk_next)
-            carry = _sweep(spec, sw, C, G, Ms, c0, c1, T, carry, dk_next)
+            carry = _sweep(spec, sw, C, G, Ms, span, carry, dk_next)
             if spec.chunked:  # dL/dM leaves the chunk once, at its start (none across a truncated-BPTT cut)
                 terms = algebra.finish(Ms.keys, Ms.r, Ms.co, S.BETA[sl], Ms.queries, read_grads[:, : c1 - c0])
                 dM = Ms.ops.carry_back(carry.dM, terms, out=dMring[ci % 2])  # never carry.dM's buffer
@@ -873,7 +940,7 @@ def run_backward(spec: Spec, S, A_log, layers, fg_W, fg_b, dP, dg, dg_prev, dM):
             swept = lanes.record()
             with lanes.side():
                 lanes.wait(swept)
-                _weight_grads(spec, S, sl, C, G, grads, dfg_W, dfg_b, dA_log, gemm_work)
+                _weight_grads(spec, S, span, C, G, wgrads, gemm_work)
                 done = lanes.record()
             if pending is not None:
                 lanes.wait(pending[2])
@@ -902,8 +969,10 @@ class FusedCore(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, spec, graphs, u, g, g_prev, M, A_log, fg_W, fg_b, *flat):
-        inputs = (u, g, g_prev, M, A_log, fg_W, fg_b, *flat)
+    def forward(ctx, spec, graphs, *inputs):
+        """inputs: u, g, g_prev, M, A_log, fg_W, fg_b, then each layer's W, b, W2o: flat, as autograd
+        and the graphs take tensors."""
+        u, A_log, fg_W, fg_b, flat = inputs[0], *inputs[4:7], inputs[7:]
         ctx.graph = None
         if graphs is None:
             P, g, g_prev, M, S = _forward_flat(spec, *inputs)
@@ -954,12 +1023,16 @@ def _layers(flat):
     return [LayerWeights(*flat[j : j + 3]) for j in range(0, len(flat), 3)]
 
 
-def _forward_flat(spec, u, g, g_prev, M, A_log, fg_W, fg_b, *flat):
-    return run_forward(spec, u, g, g_prev, M, A_log, _layers(flat), fg_W, fg_b, save=True)
+def _forward_flat(spec, *inputs):
+    """`run_forward` on `FusedCore.forward`'s flat inputs."""
+    u, g, g_prev, M, A_log, fg_W, fg_b, *flat = inputs
+    return run_forward(spec, u, (g, g_prev, M), Weights(_layers(flat), fg_W, fg_b, A_log), save=True)
 
 
-def _backward_flat(spec, S, A_log, fg_W, fg_b, dP, dg, dg_prev, dM, *flat):
-    return run_backward(spec, S, A_log, _layers(flat), fg_W, fg_b, dP, dg, dg_prev, dM)
+def _backward_flat(spec, S, *inputs):
+    """`run_backward` on flat inputs: A_log, fg_W, fg_b, the output gradients, each layer's weights."""
+    A_log, fg_W, fg_b, dP, dg, dg_prev, dM, *flat = inputs
+    return run_backward(spec, S, Weights(_layers(flat), fg_W, fg_b, A_log), OutputGrads(dP, dg, dg_prev, dM))
 
 
 def fused_recurrence(model, u: torch.Tensor, state):
@@ -984,5 +1057,5 @@ def fused_recurrence(model, u: torch.Tensor, state):
             flat = [x for L in layers for x in L]
             P, g, g_prev, M = FusedCore.apply(spec, graphs, u, g, g_prev, M, A_log, fg_W, fg_b, *flat)
         else:
-            P, g, g_prev, M, _ = run_forward(spec, u, g, g_prev, M, A_log, layers, fg_W, fg_b, save=False)
+            P, g, g_prev, M, _ = run_forward(spec, u, (g, g_prev, M), Weights(layers, fg_W, fg_b, A_log), save=False)
     return P.transpose(0, 1), (g, g_prev, M)
