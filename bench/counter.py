@@ -296,11 +296,18 @@ def window(model, batch: int, steps: int, dtype: str, device: torch.device, coun
     return counter.launches  # none when not counted
 
 
+def first_seen(a: dict, b: dict) -> list:
+    """The keys of two tallies in the order their launches were first seen, not a set's: a set of
+    string keys iterates in an order hashed anew in every process, and the float sums over the
+    tallies (each phase's time) would round differently from run to run."""
+    return list(a) + [k for k in b if k not in a]
+
+
 def difference(short: dict[Key, Tally], long: dict[Key, Tally], steps: tuple[int, int]):
     """(per step, once per window) from the tallies of windows of steps[0] and steps[1] steps."""
     t0, t1 = steps
     per_step, fixed = {}, {}
-    for key in short.keys() | long.keys():
+    for key in first_seen(short, long):
         a, b = short.get(key, Tally()), long.get(key, Tally())
         diff = Tally(**{f: (getattr(b, f) - getattr(a, f)) / (t1 - t0) for f in SUMMED}, programs=b.programs)
         if diff.count or diff.read or diff.written or diff.flops:
@@ -365,7 +372,7 @@ def extrapolate(at: dict[int, dict[Key, Tally]], batch: int) -> dict[Key, Tally]
         return tallies
     (b0, x0), (b1, x1) = sorted(at.items())
     out = {}
-    for key in x0.keys() | x1.keys():
+    for key in first_seen(x0, x1):
         p, q = x0.get(key, Tally()), x1.get(key, Tally())
         if p.count != q.count:
             raise SystemExit(f"error: {key.name} ({key.phase}): {p.count:g} launches per step at batch {b0}, {q.count:g} at "

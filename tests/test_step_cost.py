@@ -411,3 +411,16 @@ def test_a_carried_state_costs_nothing_per_step():
     assert empty[0] == carried[0]  # per step: the same tallies
     fills = {k: t for k, t in empty[1].items() if carried[1].get(k) != t}
     assert fills and all(k.phase == "forward" for k in fills)
+
+
+def test_extrapolated_tallies_keep_the_order_the_launches_were_seen():
+    """Each phase's time is a float sum over the tallies, so their order must not depend on the
+    process (a set of string keys iterates in an order hashed anew each run): the same count
+    gives the same JSON, digit for digit."""
+    keys = [counting.Key("forward", "triton", f"k{i}", "float32") for i in range(40)]
+    at2 = {k: counting.Tally(1, 10 + i, 5, 0, 2) for i, k in enumerate(keys)}
+    at3 = {k: counting.Tally(1, 15 + i, 7, 0, 3) for i, k in enumerate(keys)}
+    at3[counting.Key("backward", "gemm", "mm", "float32")] = counting.Tally(0, 1, 1, 1, 0)
+    out = counting.extrapolate({3: at3, 2: at2}, 8)
+    assert list(out) == keys + [counting.Key("backward", "gemm", "mm", "float32")]
+    assert out[keys[3]].read == 13 + (18 - 13) * 6 and out[keys[3]].programs == 8
