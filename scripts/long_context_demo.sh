@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The long-context demonstration of docs/eval.md on a CPU: the embedded corpus prepared with
-# streams; the demo's GPN+M trained on independent windows and with the state carried (the same
-# steps, batch and tokens), a GDN with carried state and a Transformer++ on windows beside them;
+# streams; the demo's GPN+M trained on independent windows, with the state carried, and with the state
+# carried but reset after each EOS (the same steps, batch and tokens), a GDN with carried state and a
+# Transformer++ on windows beside them;
 # each scored with `eval --context` and `--passkey`. Usage: scripts/long_context_demo.sh OUT [STEPS]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -24,6 +25,7 @@ fi
 runs=(
   "gpn_m_windows gpn_m_demo $OUT/data/train"
   "gpn_m_carried gpn_m_demo $OUT/data/streams/train train.carry_state=true"
+  "gpn_m_carried_reset gpn_m_demo $OUT/data/streams/train train.carry_state=true train.reset_on_eos=true"
   "gdn_carried gdn_demo $OUT/data/streams/train train.carry_state=true"
   "transformer_windows transformer_demo $OUT/data/train"
 )
@@ -35,8 +37,9 @@ for spec in "${runs[@]}"; do
     python -m gpn_scale train demo "model=$model" "run.dir=$run" "data.train=$train" "data.val=$OUT/data/val" \
       train.micro_batch=8 "train.total_steps=$STEPS" "train.save_every=$STEPS" eval.every=0 ${extra:-} --resume "$resume"
   fi
+  reset=(); [[ "$extra" == *reset_on_eos=true* ]] && reset=(--reset-on-eos)  # read as it was trained
   [ -d "$OUT/eval/$name" ] || python -m gpn_scale eval "$run" --data "$OUT/data" --context "$CONTEXT" \
-    --passkey "$PASSKEY" --passkey-trials 10 --batch 2 --out "$OUT/eval/$name"
+    --passkey "$PASSKEY" --passkey-trials 10 --batch 2 "${reset[@]}" --out "$OUT/eval/$name"
 done
 
 python - "$OUT" <<'EOF'

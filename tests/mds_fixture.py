@@ -21,10 +21,13 @@ def write_windows(out: Path, n: int, seq_len: int, vocab: int, seed: int = 0) ->
     return out
 
 
-def write_streams(out: Path, streams: int, windows: int, seq_len: int, vocab: int, seed: int = 0) -> Path:
+def write_streams(out: Path, streams: int, windows: int, seq_len: int, vocab: int, seed: int = 0,
+                  eos: int | None = None) -> Path:
     """The prep's stream layout (gpn_scale/prep/streams.py): window-major samples with their stream and
     window, and streams.json. Each stream repeats its own pattern, so a state carried from window to
-    window knows where the next window begins."""
+    window knows where the next window begins. With `eos`, documents end (that token, found nowhere
+    else) a third of the way into every window, and the even streams' at each window's last token
+    too; the prep's stats.json with that EOS id goes two levels up (OUT of OUT/streams/train)."""
     from streaming import MDSWriter
 
     from gpn_scale.prep.streams import StreamStats
@@ -39,8 +42,15 @@ def write_streams(out: Path, streams: int, windows: int, seq_len: int, vocab: in
                 window = patterns[i][(np.arange(seq_len) + k * seq_len) % period].copy()
                 noise = rng.random(seq_len) < 0.1
                 window[noise] = rng.integers(0, vocab, size=noise.sum())
+                if eos is not None:
+                    window[window == eos] = (eos + 1) % vocab
+                    window[seq_len // 3] = eos
+                    if i % 2 == 0:
+                        window[-1] = eos
                 w.write({"tokens": window.astype(np.uint16), "stream": i, "window": k})
     stats = StreamStats(streams, seq_len, windows, streams, streams * windows * seq_len, 0, windows * seq_len,
                         windows * seq_len)
     (out / "streams.json").write_text(json.dumps(stats.to_json()))
+    if eos is not None:
+        (out.parent.parent / "stats.json").write_text(json.dumps({"vocab_size": vocab, "eos_id": eos}))
     return out

@@ -163,6 +163,9 @@ def test_a_transformer_refuses_to_carry_state(tmp_path):
     (["train.global_batch=3"], "data.train: 8 streams ("),
     (["data.train={windows}"], "no streams.json, so not the prep's streams"),
     (["model=transformer_tiny"], "train.carry_state: the transformer family carries no state"),
+    (["model=transformer_tiny", "train.carry_state=false", "train.reset_on_eos=true"],
+     "command-line override: train.reset_on_eos: the transformer family has no recurrent state to reset"),
+    (["train.reset_on_eos=true"], "train.reset_on_eos: needs the EOS id, from the prep's stats.json beside data.train"),
 ])
 def test_bad_carry_settings_are_one_line(tmp_path, capsys, overrides, message):
     from gpn_scale.cli import main

@@ -85,6 +85,29 @@ def test_carried_context_scores_the_whole_stream(setup, tmp_path, capsys, family
     assert (out / "context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("family", ["gpn_m", "gdn"])
+def test_reset_on_eos_reads_each_document_from_the_empty_state(setup, tmp_path, capsys, family):
+    root, prep, models = setup
+    code, stdout, err = run(capsys, "eval", root / family, "--data", prep, "--context", CONTEXT, "--batch", 2,
+                            "--reset-on-eos", "--json", "--out", tmp_path / "out")
+    assert code == 0, err
+    c = json.loads(stdout)["context"]
+    assert c["reset_on_eos"] is True
+    curve = np.loadtxt(tmp_path / "out" / "context_loss_by_position.csv", delimiter=",", skiprows=1)[:, 1]
+    eos = json.loads((prep / "stats.json").read_text())["eos_id"]
+    streams, per_doc = val_streams(prep), []
+    with torch.no_grad():  # each document on its own, from the empty state: what the resets must give
+        for row in streams:
+            ends = [0] + [t + 1 for t in range(len(row)) if row[t] == eos]
+            docs = [row[a:b] for a, b in zip(ends, ends[1:] + [len(row)]) if b > a]
+            assert len(docs) > 2  # the streams hold several documents
+            per_doc.append(torch.cat([models[family](d[None]).token_losses[0] for d in docs]).double())
+    np.testing.assert_allclose(curve, torch.stack(per_doc).mean(0).numpy(), atol=1e-4)
+    with torch.no_grad():
+        carried = models[family](streams).token_losses.double().mean(0).numpy()
+    assert np.abs(carried - curve).max() > 1e-2  # without the resets, documents read their predecessors' state
+
+
 def test_position_bins_are_log_spaced_to_the_end():
     bins = PositionBins.of(np.arange(1, 101, dtype=float))
     assert list(zip(bins.starts, bins.stops)) == [(1, 2), (2, 4), (4, 8), (8, 16), (16, 32), (32, 64), (64, 101)]
@@ -122,6 +145,7 @@ def test_passkey_scores_the_key_as_a_forward_over_prompt_and_key(setup, tmp_path
     (["--context", 1 << 20], "--context: 1048576 tokens, but the streams of"),
     (["--streams", 2], "--streams: counts the streams of --context"),
     (["--context", 0], "--context: expected a positive integer, got 0"),
+    (["--reset-on-eos"], "--reset-on-eos: resets the state in the streams of --context"),
 ])
 def test_bad_context_arguments_are_one_line(setup, tmp_path, capsys, args, message):
     root, prep, _ = setup
@@ -134,3 +158,12 @@ def test_context_needs_streams(setup, tmp_path, capsys):
     root, prep, _ = setup
     code, _, err = run(capsys, "eval", root / "gpn_m", "--data", prep / "val", "--context", 64, "--out", tmp_path / "o")
     assert code == 2 and "holds no streams" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_transformer_refuses_to_reset(setup, tmp_path, capsys):
+    root, prep, _ = setup
+    code, _, err = run(capsys, "eval", root / "transformer", "--data", prep, "--context", 64, "--reset-on-eos",
+                       "--out", tmp_path / "o")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--reset-on-eos: the transformer family has no recurrent state to reset" in err
+    assert not (tmp_path / "o").exists()

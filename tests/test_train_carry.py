@@ -1,7 +1,7 @@
-"""`train.carry_state` through the engine (real DeepSpeed on 2 ranks, real MDS streams): a run
-resumed from its checkpoint, on the same world size or on another with the same global batch,
-continues every stream from the state it was left in and repeats the uninterrupted run's losses
-bit for bit (fp32)."""
+"""`train.carry_state` through the engine (real DeepSpeed on 2 ranks, real MDS streams, the state
+reset at documents' ends: train.reset_on_eos): a run resumed from its checkpoint, on the same world
+size or on another with the same global batch, continues every stream from the state it was left
+in and repeats the uninterrupted run's losses bit for bit (fp32)."""
 
 from __future__ import annotations
 
@@ -19,18 +19,21 @@ from test_train import losses, samples, train
 pytestmark = pytest.mark.slow
 TOTAL = 8
 STREAMS, WINDOWS, SEQ = 8, 5, 32  # 8 streams, 2 per slot: every slot moves to its second stream at step 6
+EOS = 3
 # Global batch 4 as 2 micro-batches (1 per rank on 2 ranks, 2 on 1 rank): two gradients sum to the same
 # bits in either order, so the world sizes agree bit for bit (gradient clipping off: its global norm
 # is summed per partition, in an order that follows the world size).
-BATCH = ("train.carry_state=true", "train.grad_accum=null", "train.global_batch=4", "train.micro_batch=2",
+BATCH = ("train.carry_state=true", "train.reset_on_eos=true", "train.grad_accum=null", "train.global_batch=4", "train.micro_batch=2",
          "train.save_every=2", "train.keep_last=4", "train.grad_clip=0", "zero.stage=2", "data.val=null",
          f"train.total_steps={TOTAL}")
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("streams")
-    write_streams(root / "train", STREAMS, WINDOWS, SEQ, 512)
+    """OUT/streams/train with documents ending mid-window in every stream, and at each window's end in
+    the even ones (the run resets the state there: train.reset_on_eos)."""
+    root = tmp_path_factory.mktemp("prep") / "streams"
+    write_streams(root / "train", STREAMS, WINDOWS, SEQ, 512, eos=EOS)
     return root
 
 
@@ -58,9 +61,12 @@ def test_checkpoints_hold_each_slot_block_and_the_stream_position(reference):
     files = sorted(p.name for p in tag.glob("carry_slots_*.pt"))
     assert files == ["carry_slots_000000-000002.pt", "carry_slots_000002-000004.pt"]
     record = safe_load.load(tag / files[1])
-    s, _, M = record["state"]
+    s, prev, M = record["state"]
     assert record["first_slot"] == 2 and s.shape[0] == M.shape[0] == 2 and s.dtype == torch.float32
-    assert torch.count_nonzero(M) > 0  # a state the windows left, not the empty one
+    # slot 2 reads stream 2, whose windows end with EOS: it starts the next from the empty state;
+    # slot 3's (stream 3) ends mid-document: a state the window left
+    assert not torch.count_nonzero(s[0]) and not torch.count_nonzero(prev[0]) and not torch.count_nonzero(M[0])
+    assert torch.count_nonzero(M[1]) > 0
     listed = json.loads((tag / "manifest.json").read_text())
     assert set(files) <= set(listed.get("files", listed))
     # each slot read its own stream, window after window: stream j at steps 1-5, then stream j + 4

@@ -53,6 +53,9 @@ def eval_main(argv: list[str]) -> int:
                     help="score held-out streams to N tokens, the state carried from window to window: loss by position "
                          "(--data: a prep output made with --streams, or its streams/val)")
     ap.add_argument("--streams", type=int, help="with --context: the first N streams (default: all)")
+    ap.add_argument("--reset-on-eos", action="store_true",
+                    help="with --context: the empty state after every EOS, each document read alone (as a run trained "
+                         "with train.reset_on_eos reads)")
     ap.add_argument("--passkey", type=int, metavar="N",
                     help="passkey retrieval at distances 256, 512, ... N tokens: accuracy and key log-probability")
     ap.add_argument("--passkey-trials", type=int, default=10, help="prompts (keys) per passkey distance")
@@ -69,6 +72,8 @@ def eval_main(argv: list[str]) -> int:
         raise UserError("--context: needs --data, the held-out streams (a prep output made with --streams)")
     if args.streams and not args.context:
         raise UserError("--streams: counts the streams of --context; pass --context N")
+    if args.reset_on_eos and not args.context:
+        raise UserError("--reset-on-eos: resets the state in the streams of --context; pass --context N")
     if args.context:
         from gpn_scale.prep.streams import StreamLayout
         from gpn_scale.eval import long_context
@@ -76,6 +81,7 @@ def eval_main(argv: list[str]) -> int:
         streams = open_streams(args.data)
         layout = StreamLayout.read(streams.split_dir)
         long_context.check_context(streams.split_dir, layout, args.context)  # before the model loads
+        eos = long_context.eos_id(streams) if args.reset_on_eos else None
     from gpn_scale.eval.heldout import evaluate_windows
     from gpn_scale.eval.lambada import make_examples, read_lambada, score_lambada
 
@@ -93,11 +99,14 @@ def eval_main(argv: list[str]) -> int:
     if args.context:
         tokens = long_context.stream_tokens(streams.split_dir, layout, args.context, args.streams)
         check_model_fits(model, streams, tokens, trained.tokenizer_sha256 if trained else None)
-        curve = long_context.carried_losses(model, tokens, layout.seq_len, args.batch)
+        if eos is not None:
+            long_context.check_resettable(model)
+        curve = long_context.carried_losses(model, tokens, layout.seq_len, args.batch, eos)
         bins = long_context.PositionBins.of(curve)
         context = (curve, bins)
         metrics["context"] = {"tokens": args.context, "streams": len(tokens), "window": layout.seq_len,
-                              "data": str(streams.split_dir), "loss": float(curve.mean()), "bins": bins.to_json(),
+                              "data": str(streams.split_dir), "reset_on_eos": eos is not None, "loss": float(curve.mean()),
+                              "bins": bins.to_json(),
                               "loss_by_position": str(out / "context_loss_by_position.csv"),
                               "plot": str(out / "context.png")}
     if args.passkey:

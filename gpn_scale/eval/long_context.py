@@ -48,17 +48,36 @@ def stream_tokens(split_dir: Path, layout, context: int, limit: int | None) -> t
     return torch.from_numpy(np.stack([np.concatenate(r) for r in rows]))
 
 
+def eos_id(streams) -> int:
+    """The EOS id of the prep that wrote the held-out streams (its stats.json)."""
+    if streams.stats is None or streams.stats.get("eos_id") is None:
+        raise UserError(f"--reset-on-eos: needs the EOS id from the prep's stats.json, and {streams.split_dir} has "
+                        "none beside it (pass the prep output's directory as --data)")
+    return int(streams.stats["eos_id"])
+
+
+def check_resettable(model) -> None:
+    from gpn_scale.models import MODEL_FAMILIES
+
+    family = model.config.family
+    if not MODEL_FAMILIES[family].carries_state:
+        raise UserError(f"--reset-on-eos: the {family} family has no recurrent state to reset (its attention spans its "
+                        "cache)")
+
+
 @torch.no_grad()
-def carried_losses(model, tokens: torch.Tensor, chunk: int, batch: int) -> np.ndarray:
+def carried_losses(model, tokens: torch.Tensor, chunk: int, batch: int, eos: int | None = None) -> np.ndarray:
     """Mean loss at each position 1..N over the rows of `tokens` (n, N), fed `chunk` tokens at a
-    time, each call starting from the state the last one returned."""
+    time, each call starting from the state the last one returned (with `eos`: the empty state
+    after each EOS, models/resets.py)."""
     model.eval()
     sums = torch.zeros(tokens.shape[1], dtype=torch.float64)
     for start in range(0, len(tokens), batch):
         rows = tokens[start : start + batch].to(model_device(model))
         state = None
         for t0 in range(0, rows.shape[1], chunk):
-            out = model(rows[:, t0 : t0 + chunk], state=state)
+            piece = rows[:, t0 : t0 + chunk]
+            out = model(piece, state=state, **({} if eos is None else {"resets": piece == eos}))
             sums[t0 : t0 + chunk] += out.token_losses.double().sum(0).cpu()
             state = out.state
     return (sums / len(tokens)).numpy()

@@ -6,7 +6,7 @@ from the tokens before it, the first one from an empty context. A layered model 
 shifted right by one: position 0 reads a learned `start` vector (the empty context; it is not a
 token and never appears in a window), position t > 0 reads the embedding of token t-1. A state
 carried to the next window holds the window's last token, which the next window reads at its
-position 0 instead of `start`.
+position 0 instead of `start` (or `start` again, where a reset put -1: models/resets.py).
 """
 
 from __future__ import annotations
@@ -81,9 +81,14 @@ def init_weights(model: nn.Module, n_layers: int, residual_out: tuple[str, ...])
 
 def shifted_inputs(embedding: torch.Tensor, start: torch.Tensor, tokens: torch.Tensor,
                    last_token: torch.Tensor | None) -> torch.Tensor:
-    """(B, T, E) inputs for predicting `tokens`: [start or emb[last_token], emb[x_0], ..., emb[x_{T-2}]]."""
+    """(B, T, E) inputs for predicting `tokens`: [start or emb[last_token], emb[x_0], ..., emb[x_{T-2}]];
+    a row whose last_token is -1 (a reset) reads start."""
     B = tokens.shape[0]
-    first = start.expand(B, 1, -1) if last_token is None else embedding[last_token][:, None]
+    if last_token is None:
+        first = start.expand(B, 1, -1)
+    else:
+        none = (last_token < 0)[:, None, None]
+        first = torch.where(none, start.to(embedding.dtype).expand(B, 1, -1), embedding[last_token.clamp_min(0)][:, None])
     return torch.cat([first, embedding[tokens[:, :-1]]], 1)
 
 

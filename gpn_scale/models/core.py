@@ -1035,8 +1035,10 @@ def _backward_flat(spec, S, *inputs):
     return run_backward(spec, S, Weights(_layers(flat), fg_W, fg_b, A_log), OutputGrads(dP, dg, dg_prev, dM))
 
 
-def fused_recurrence(model, u: torch.Tensor, state):
-    """The fused core for a `GPN`: u (B, T, d) input projections, state a `GPNState`.
+def fused_recurrence(model, u: torch.Tensor, state, graphs: bool = True):
+    """The fused core for a `GPN`: u (B, T, d) input projections, state a `GPNState`; `graphs`:
+    False runs the loops eagerly whatever the backend says (callers that run several forwards
+    before their backwards, which a graph's next replay would overwrite).
 
     Returns (predictions (B, T, d), (g, g_prev, M)).
     """
@@ -1048,7 +1050,8 @@ def fused_recurrence(model, u: torch.Tensor, state):
     chunked = cfg.memory and cfg.memory_form_on(device) == "chunk"
     spec = Spec(cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.memory, cfg.core_chunk, cfg.bptt, cd, backend,
                 chunked, chunked and cfg.memory_reads == "compute" and cd != g.dtype)
-    graphs = None if backend.graphs is None else core_graphs(model, _forward_flat, _backward_flat, backend.graphs)
+    graphs = None if backend.graphs is None or not graphs else core_graphs(model, _forward_flat, _backward_flat,
+                                                                            backend.graphs)
     A_log = model.write_A_log if cfg.memory else None
     u = u.transpose(0, 1)
     with torch.autocast(device, enabled=False):

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from gpn_scale.models.blocks import Block, RMSNorm, check_tokens, init_weights, shifted_inputs, tied_lm_loss
 from gpn_scale.models.gpn import ModelOutput
 from gpn_scale.models.ops import at_least_f32, l2_normalize, rms_norm
+from gpn_scale.models.resets import check as check_resets, pieces, where_rows
 from gpn_scale.models.spec import ModelSpec, matrices_decay, no_external_params
 
 CORES = ("chunk", "recurrent")
@@ -81,7 +82,8 @@ class GDNConfig:
 
 
 class GDNState(NamedTuple):
-    """last_token: (B,) the token the next window reads at its position 0.
+    """last_token: (B,) the token the next window reads at its position 0 (-1: none, the empty
+    context's `start`, as after a reset).
     layers: per layer (conv buffer (B, channels, conv_size - 1), S (B, n_heads, d_key, d_val) float32)."""
 
     last_token: torch.Tensor
@@ -242,20 +244,43 @@ class GatedDeltaNet(nn.Module):
         for layer in self.layers:
             layer.mixer.reset_parameters()
 
-    def forward(self, tokens: torch.Tensor, state: GDNState | None = None, return_logits: bool = False) -> ModelOutput:
+    def forward(self, tokens: torch.Tensor, state: GDNState | None = None, return_logits: bool = False,
+                resets: torch.Tensor | None = None) -> ModelOutput:
+        """`resets` (B, T) bool: the state after these positions is the empty one (models/resets.py)."""
         B, T = check_tokens(tokens)
         if state is not None:
             state = GDNState(*state)
             if len(state.layers) != len(self.layers):
                 raise ValueError(f"state: expected {len(self.layers)} layers, got {len(state.layers)}")
+        if resets is None:
+            x, state = self._layers(tokens, state)
+        else:  # the layers over each piece between documents' ends (models/resets.py)
+            check_resets(resets, tokens)
+            empty, xs = self.initial_state(B, tokens.device), []
+            state = empty if state is None else state
+            for piece in pieces(resets):
+                x, state = self._layers(tokens[:, piece.start : piece.stop], state)
+                xs.append(x)
+                if piece.reset is not None:
+                    state = where_rows(piece.reset, empty, state)
+            x = torch.cat(xs, 1)
+        loss, token_losses, logits = tied_lm_loss(self.norm(x), self.embedding, tokens, self.config.ce_chunk,
+                                                  return_logits)
+        return ModelOutput(loss, token_losses, state, logits)
+
+    def _layers(self, tokens: torch.Tensor, state: GDNState | None) -> tuple[torch.Tensor, GDNState]:
         x = shifted_inputs(self.embedding, self.start, tokens, None if state is None else state.last_token)
         caches = []
         for i, layer in enumerate(self.layers):
             x, cache = layer(x, None if state is None else state.layers[i])
             caches.append(cache)
-        loss, token_losses, logits = tied_lm_loss(self.norm(x), self.embedding, tokens, self.config.ce_chunk,
-                                                  return_logits)
-        return ModelOutput(loss, token_losses, GDNState(tokens[:, -1], tuple(caches)), logits)
+        return x, GDNState(tokens[:, -1], tuple(caches))
+
+    def initial_state(self, batch: int, device=None) -> GDNState:
+        """The empty state, as a tensor nest: what `state=None` means."""
+        like = self.embedding.new_empty(0, device=device)
+        return GDNState(torch.full((batch,), -1, dtype=torch.long, device=like.device),
+                        tuple(layer.mixer.initial_state(batch, like) for layer in self.layers))
 
 
 SPEC = ModelSpec(GDNConfig, GatedDeltaNet, no_external_params, matrices_decay)

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gpn_scale.models.core import fused_recurrence
 from gpn_scale.models.ops import at_least_f32, l2_normalize, lecun_normal_, linear_cross_entropy, rms_norm, rms_norm_rows
+from gpn_scale.models.resets import check as resets_check, pieces, where_rows
 from gpn_scale.models.spec import ModelSpec, matrices_decay
 import kernels
 from kernels import KERNELS, Backend
@@ -337,11 +338,12 @@ class GPN(nn.Module):
             g_prev, g = g, _gate(c, self.fg_norm_w, self.fg_gate_k, self.fg_gate_b) * c + u[:, i].to(g.dtype)
         return torch.stack(predictions, 1), GPNState(g, g_prev, M)
 
-    def _recurrence(self, u, state: GPNState, core: str, hooks: StepHooks | None) -> tuple[torch.Tensor, GPNState]:
+    def _recurrence(self, u, state: GPNState, core: str, hooks: StepHooks | None,
+                    graphs: bool = True) -> tuple[torch.Tensor, GPNState]:
         if hooks is not None:  # hooks must see every step exactly once: no fused core, no recomputation
             return self._run_steps(u, state, 0, hooks)
         if core == "fused":
-            predictions, state = fused_recurrence(self, u, state)
+            predictions, state = fused_recurrence(self, u, state, graphs)
             return predictions, GPNState(*state)
         seg = self.config.checkpoint_every
         if not seg or not torch.is_grad_enabled():
@@ -351,6 +353,21 @@ class GPN(nn.Module):
             out, state = checkpoint(self._run_steps, u[:, t0 : t0 + seg], state, t0, use_reentrant=False)
             outs.append(out)
         return torch.cat(outs, 1), GPNState(*state)
+
+    def _resetting_recurrence(self, u, state: GPNState, core: str, hooks, resets: torch.Tensor):
+        empty, outs = self.initial_state(u.shape[0], u.device), []
+        cut = pieces(resets, self.config.bptt)
+        # Each piece's backward reads what its forward saved; a captured graph keeps that in its own
+        # memory, which the next piece of the same length would overwrite: several pieces run eagerly.
+        graphs = len(cut) == 1
+        for piece in cut:
+            out, state = self._recurrence(u[:, piece.start : piece.stop], state, core, hooks, graphs)
+            outs.append(out)
+            if piece.cut:
+                state = state.detach()
+            if piece.reset is not None:
+                state = where_rows(piece.reset, empty, state)
+        return torch.cat(outs, 1), state
 
     # ---- the whole model ---------------------------------------------------------------------
 
@@ -366,9 +383,11 @@ class GPN(nn.Module):
         return_logits: bool = False,
         core: str | None = None,
         hooks: StepHooks | None = None,
+        resets: torch.Tensor | None = None,
     ) -> ModelOutput:
         """Loss (and state, logits) of a window. `core` overrides `config.core` for this call;
-        `hooks` observe or change the loop's steps (and imply the naive core)."""
+        `hooks` observe or change the loop's steps (and imply the naive core); `resets` (B, T) bool:
+        the state after these positions is the empty one (documents' ends: models/resets.py)."""
         core = core or self.config.core
         if core not in CORES:
             raise ValueError(f"core: expected one of {CORES}, got {core!r}")
@@ -377,7 +396,11 @@ class GPN(nn.Module):
         B, T = tokens.shape
         state = self.initial_state(B, tokens.device) if state is None else GPNState(*state)
         u = rms_norm_rows(self.embedding[tokens], self.fuse_norm_w) @ self.fuse_proj_k
-        predictions, state = self._recurrence(u, state, core, hooks)
+        if resets is None:
+            predictions, state = self._recurrence(u, state, core, hooks)
+        else:
+            resets_check(resets, tokens)
+            predictions, state = self._resetting_recurrence(u, state, core, hooks, resets)
         h = self.decode_hidden(predictions).reshape(B * T, -1)
         # the fused core's kernels compute the cross-entropy too; the naive core, the reference, the twin's
         ce_ops = self.backend(h.device.type).step if core == "fused" else ce_twin

@@ -54,6 +54,9 @@ class TrainSection:
     # each batch slot reads one of the prep's streams window after window (data.train: OUT/streams/train), and
     # the recurrent state ending a window starts the next (gradients stop at the boundary): gpn_scale/train/carry.py
     carry_state: bool = False
+    # the state after each EOS token is the empty one, so every document is read from its start alone (the
+    # EOS id is the prep's, from stats.json beside data.train): gpn_scale/models/resets.py
+    reset_on_eos: bool = False
 
     def __post_init__(self):
         for name in ("total_steps", "micro_batch", "save_every", "keep_last"):
@@ -183,14 +186,17 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
         raise UserError(f"{where}: model.checkpoint_every: {segments} has no effect with model.core={core} (it segments "
                         "the naive core's recomputation; the fused core's memory follows model.core_chunk): remove it, "
                         "or set model.core=naive")
-    if cfg.train.carry_state:
-        from gpn_scale.models import MODEL_FAMILIES
+    from gpn_scale.models import MODEL_FAMILIES
 
-        family = cfg.model.get("family")
-        if not MODEL_FAMILIES[family].carries_state:
-            raise UserError(f"{OVERRIDE if 'carry_state' in overrides.get('train', {}) else where}: train.carry_state: "
-                            f"the {family} family carries no state from one window to the next (its context is its "
-                            f"window); use gpn, gpn_m or gdn, or set train.carry_state=false")
+    family = cfg.model.get("family")
+    if cfg.train.carry_state and not MODEL_FAMILIES[family].carries_state:
+        raise UserError(f"{OVERRIDE if 'carry_state' in overrides.get('train', {}) else where}: train.carry_state: "
+                        f"the {family} family carries no state from one window to the next (its context is its "
+                        f"window); use gpn, gpn_m or gdn, or set train.carry_state=false")
+    if cfg.train.reset_on_eos and not MODEL_FAMILIES[family].carries_state:
+        raise UserError(f"{OVERRIDE if 'reset_on_eos' in overrides.get('train', {}) else where}: train.reset_on_eos: "
+                        f"the {family} family has no recurrent state to reset (its attention spans the window); use "
+                        f"gpn, gpn_m or gdn, or set train.reset_on_eos=false")
     for key, value in (("run.dir", cfg.run.dir), ("data.train", cfg.data.train)):
         if not value:
             raise UserError(f"{where}: {key}: missing")

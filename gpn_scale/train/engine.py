@@ -278,11 +278,13 @@ class Trainer:
         for micro in range(self.grad_accum):
             batch = next(self.data)
             tokens = batch["tokens"].to(self.device, non_blocking=True)
+            # the state after each EOS is the empty one (models/resets.py)
+            resets = {"resets": tokens == self.data_info.eos_id} if self.cfg.train.reset_on_eos else {}
             with self._autocast():
                 if self.carried is None:
-                    loss = self.engine(tokens).loss
+                    loss = self.engine(tokens, **resets).loss
                 else:  # this micro-batch's slots go on from the state their last window ended with
-                    out = self.engine(tokens, state=self.carried.get(batch["micro"]))
+                    out = self.engine(tokens, state=self.carried.get(batch["micro"]), **resets)
                     loss = out.loss
                     self.carried.put(batch["micro"], out.state)
             self.engine.backward(loss)

@@ -24,6 +24,7 @@ class DataInfo:
     seq_len: int | None  # tokens per window, from the MDS index
     samples: int | None
     vocab_size: int | None  # of the tokenizer that made it (the prep's stats.json), when known
+    eos_id: int | None = None  # the tokenizer's EOS, from the same stats.json, when known
 
 
 def data_info(location: str, split: str) -> DataInfo | None:
@@ -36,16 +37,18 @@ def data_info(location: str, split: str) -> DataInfo | None:
         index = mds_index.check(location, hashes=False)  # hashes: by the loader's leader, once per node
     except UserError as e:
         raise UserError(f"data.{split}: {e}") from None
-    vocab = None
+    vocab = eos = None
     stats_path = Path(location).parent / "stats.json"
     if (Path(location) / "streams.json").is_file():  # the prep's OUT/streams/{split}: its stats are OUT's
         stats_path = Path(location).parent.parent / "stats.json"
     if stats_path.is_file():
         try:
-            vocab = int(json.loads(stats_path.read_text())["vocab_size"])
+            stats = json.loads(stats_path.read_text())
+            vocab = int(stats["vocab_size"])
+            eos = None if stats.get("eos_id") is None else int(stats["eos_id"])
         except (ValueError, KeyError, TypeError):
             raise UserError(f"{stats_path}: unreadable (expected the prep's stats.json with vocab_size)") from None
-    return DataInfo(index.seq_len, index.samples, vocab)
+    return DataInfo(index.seq_len, index.samples, vocab, eos)
 
 
 def check_run_dir(run_dir: Path, config_file: Path | None) -> None:
@@ -78,6 +81,9 @@ def check(cfg: TrainConfig, resume: str, config_file: Path | None = None) -> Dat
         world = int(os.environ.get("WORLD_SIZE", "1"))
         training_layout(cfg.data.train, t.global_batch or t.micro_batch * (t.grad_accum or 1) * world)
     train, val = infos.get("train"), infos.get("val")
+    if cfg.train.reset_on_eos and (train is None or train.eos_id is None):
+        raise UserError(f"train.reset_on_eos: needs the EOS id, from the prep's stats.json beside data.train "
+                        f"({cfg.data.train}); none there: train on a local prep output, or set train.reset_on_eos=false")
     if train and val and train.seq_len and val.seq_len and train.seq_len != val.seq_len:
         raise UserError(f"data.val: windows of {val.seq_len} tokens, data.train's have {train.seq_len}")
 
