@@ -19,16 +19,17 @@ points 2-4):
   projections with one GEMM over the chunk's rows, keys and queries from them, the fuse gates'
   inputs from P, the write's errors and the reads while M is rebuilt.
 - Reverse sweep for the input-gradient chain only, chunk by chunk from the end. Step by step,
-  back through the fuse gate, the layers and the memory, carrying dL/dg and dL/dM (in two
-  buffers written in turn); M is rebuilt inside each chunk from the chunk's saved start, into
-  one buffer that every chunk reuses. The gradients w.r.t. each GEMM's output are
+  back through the fuse gate, the layers and the memory, carrying dL/dg, and dL/dM the way the
+  memory's form does (memory_step.py: M rebuilt inside each chunk from its saved start, dL/dM
+  carried step by step; memory_chunk.py: the chunk's algebra, dL/dM carried once per chunk).
+  The named structures the core passes around are in core_state.py. The gradients w.r.t. each GEMM's output are
   kept for the chunk (dY rows), and the weight gradients are GEMMs over the chunk's B*chunk rows
   (dW += X^T dY), so the backward's working memory is a chunk's, not the window's.
 
 Under autocast the GEMMs run in the autocast dtype; the state, M and all elementwise math stay
 float32 (float64 inputs stay float64, for gradient checks). With kernels that read and write
 the compute dtype (`StepOps.narrow_io`), the per-step buffers a step GEMM reads or writes are
-kept in it (`_io_dtype`): the GEMMs cast nothing inside the loop, and the values are those a
+kept in it (`io_dtype`): the GEMMs cast nothing inside the loop, and the values are those a
 cast would give (a bf16 GEMM's output widened is exact; its input is the float32 value rounded). Truncated BPTT (`bptt`) cuts the
 sweep at the same places where the naive core detaches the state. The incoming state receives
 gradients, as in the naive core.
@@ -36,105 +37,16 @@ gradients, as in the naive core.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import NamedTuple
-
 import torch
-import torch.nn.functional as F
 
-from kernels import Backend
-from kernels.common import rms
+from gpn_scale.models import memory_chunk, memory_step
+from gpn_scale.models.core_state import (Carry, ChunkLayer, ChunkRows, ChunkShared, LayerSteps, LayerWeights, OutputGrads,
+                                         Saved, Span, Spec, Sweep, WeightGrads, Weights, Workspace, bounds, cast, columns,
+                                         io_dtype)
+from gpn_scale.models.core_state import step_views as _steps  # short: the loop's lines are full of them
 from kernels.graph import core_graphs, signature
-from kernels.memory import ReadFactors
-from kernels.memory.reference import read_factors
-from kernels.memory_chunk import algebra
 from kernels.step.reference import l2n_relu, rms_hat
 from kernels.step.reference import mm as _mm  # the chunk's GEMMs, of many rows: BLAS
-
-
-class LayerWeights(NamedTuple):
-    W: torch.Tensor  # (d, N): the layer's fused projection, norm weights folded in
-    b: torch.Tensor  # (N,)
-    W2o: torch.Tensor  # (F [+ H*dv], d): [ffn_w2_k; diag(read_out_norm_w) read_W_o_k]
-
-
-class Weights(NamedTuple):
-    """The loop's weights in their fused layout (`fuse_weights`), passed whole: per layer's, the
-    fuse gate's, and the write's A_log (None without memory)."""
-
-    layers: list  # [LayerWeights] per layer
-    fg_W: torch.Tensor  # (d, d): the fuse gate, its norm weight folded in
-    fg_b: torch.Tensor  # (d,)
-    A_log: torch.Tensor | None
-
-
-class OutputGrads(NamedTuple):
-    """The gradients w.r.t. the core's outputs (None where unused): the predictions (T, B, d) and
-    the final state."""
-
-    dP: torch.Tensor | None
-    dg: torch.Tensor | None
-    dg_prev: torch.Tensor | None
-    dM: torch.Tensor | None
-
-
-class Span(NamedTuple):
-    """One chunk of the window: its index and its steps c0 .. c1-1."""
-
-    index: int
-    c0: int
-    c1: int
-
-    @property
-    def rows(self) -> slice:
-        return slice(self.c0, self.c1)
-
-
-class Spec(NamedTuple):
-    d: int
-    F: int
-    H: int
-    dk: int
-    dv: int
-    memory: bool
-    chunk: int
-    bptt: int
-    compute_dtype: torch.dtype
-    backend: Backend  # the step's memory and elementwise implementation (kernels.backend)
-    chunked: bool = False  # the memory's chunk form (kernels/memory_chunk) rather than its step form
-    low_reads: bool = False  # the chunk form's per-step products read M_c in compute_dtype (memory_reads: compute)
-
-
-def bounds(spec: Spec, T: int) -> list[tuple[int, int]]:
-    """The chunks (c0, c1) of a window: every `chunk` steps, and in the chunk form also at every
-    truncated-BPTT cut, where dL/dM stops (it enters and leaves a chunk only at its ends)."""
-    starts = set(range(0, T, spec.chunk))
-    if spec.chunked and spec.bptt:
-        starts |= set(range(0, T, spec.bptt))
-    starts = sorted(starts)
-    return list(zip(starts, starts[1:] + [T]))
-
-
-def columns(spec: Spec, first: bool) -> dict[str, slice]:
-    """Column blocks of a layer's fused projection.
-
-    Layer 0 of GPN+M leads with the next step's key next to its query, so both are normalised
-    (and differentiated) as one block of 2H heads, then the write's v, beta, a.
-    """
-    hk, hv = spec.H * spec.dk, spec.H * spec.dv
-    widths = []
-    if spec.memory:
-        widths += [("k", hk)] if first else []
-        widths += [("q", hk), ("gate", hv)]
-        widths += [("v", hv), ("beta", spec.H), ("a", spec.H)] if first else []
-    widths += [("ffn", 2 * spec.F), ("pg", spec.d)]
-    out, start = {}, 0
-    for name, w in widths:
-        out[name] = slice(start, start + w)
-        start += w
-    if spec.memory:  # the block that is l2-normalised per head: [k | q] or [q]
-        out["heads"] = slice(out["k" if first else "q"].start, out["q"].stop)
-    return out
 
 
 def fuse_weights(model) -> tuple[list[LayerWeights], torch.Tensor, torch.Tensor]:
@@ -176,191 +88,13 @@ def fuse_weights(model) -> tuple[list[LayerWeights], torch.Tensor, torch.Tensor]
 # B rows, are `ew.mm` (its own kernel on CPU), the chunk's, of many rows, `_mm` (BLAS).
 
 
-def _io_dtype(spec: Spec, sd: torch.dtype) -> torch.dtype:
-    """The dtype of the per-step buffers the step's GEMMs read and write: the compute dtype when
-    the step's kernels widen them on load and round into them on store, else the state's (sd)."""
-    return spec.compute_dtype if spec.backend.step.narrow_io else sd
-
-
-def _cast(spec: Spec, weights: Weights) -> Weights:
-    """The weights the GEMMs read, in the compute dtype (A_log stays as it is)."""
-    cd = spec.compute_dtype
-    return weights._replace(layers=[LayerWeights(*(w.to(cd) for w in L)) for L in weights.layers], fg_W=weights.fg_W.to(cd),
-                            fg_b=weights.fg_b.to(cd))
-
-
-# ---- named state -----------------------------------------------------------------------------
-# Shapes: T steps of the window (2 for a work ring: two slots written in turn), B sequences, d the
-# state, F the FFN, H heads of dk x dv, N_i the width of layer i's fused projection; L the steps of
-# a chunk. Per-step views (`_steps`) are tuples of the time-major tensor's rows, one per step.
-
-
-@dataclass(eq=False)
-class Saved:
-    """What the forward keeps for the backward (time-major); the work-ring ones hold only the
-    current step's, the backward recomputes them per chunk.
-
-    X, R: per layer, the normalised input (T, B, d) and its rms (T, B, 1); layer 0's in the ring
-      (the backward forms it again from u, P and the fuse gates).
-    Y, Z: per layer, the fused projection's output (2, B, N_i) and the second GEMM's input
-      (2, B, F [+ H*dv]) = [silu(h1) h2 | read output]. XP, RP, FG: the normalised prediction
-      (2, B, d), its rms (2, B, 1), the fuse gate (2, B, d).
-    P: the predictions (T, B, d); u: the input projections (T, B, d); g0: the incoming state (B, d).
-    GPN+M: NQ, NN: per layer, the normalised [next key | query] heads (2, B, 2 or 1, H, dk) and
-      their norms (.., 1); O: per layer, the raw reads (2, B, H*dv); E: the write's error
-      (2, B, H, dv); BETA, GAMMA, DECAY: the write's gates (T, B, H); M: M before every chunk
-      (B, H, dk, dv) each; x_prev, r_prev: the incoming previous state normalised (B, d) and its
-      rms (B, 1); k0, k0n: the first step's key (B, H, dk) and its norm (B, H, 1). The chunk form
-      keeps O and E for every step (T rows), and DELTA (T, B, H, dv), the write's beta e, and
-      M_end, the window's last M (its phi = <dL/dM, M> starts the sweep).
-    """
-
-    X: list
-    R: list
-    Y: list
-    Z: list
-    XP: torch.Tensor
-    RP: torch.Tensor
-    FG: torch.Tensor
-    P: torch.Tensor | None = None
-    u: torch.Tensor | None = None
-    g0: torch.Tensor | None = None
-    NQ: list = field(default_factory=list)
-    NN: list = field(default_factory=list)
-    O: list = field(default_factory=list)
-    E: torch.Tensor | None = None
-    BETA: torch.Tensor | None = None
-    GAMMA: torch.Tensor | None = None
-    DECAY: torch.Tensor | None = None
-    M: list = field(default_factory=list)
-    x_prev: torch.Tensor | None = None
-    r_prev: torch.Tensor | None = None
-    k0: torch.Tensor | None = None
-    k0n: torch.Tensor | None = None
-    DELTA: torch.Tensor | None = None
-    M_end: torch.Tensor | None = None
-
-
-class LayerSteps(NamedTuple):
-    """Per-step views of one layer's forward buffers (`Saved`) and of its projection's column
-    blocks (`columns`); the memory ones are None without memory, next_key, v, beta, a are layer 0's."""
-
-    x: tuple
-    r: tuple
-    y: tuple
-    z: tuple
-    pg: tuple
-    h1: tuple
-    h2: tuple
-    z_ffn: tuple
-    z_read: tuple
-    heads: tuple | None = None
-    gate: tuple | None = None
-    nq: tuple | None = None
-    nn: tuple | None = None
-    q: tuple | None = None
-    o: tuple | None = None
-    next_key: tuple | None = None
-    v: tuple | None = None
-    beta: tuple | None = None
-    a: tuple | None = None
-
-
-class Workspace(NamedTuple):
-    """One layer's widest chunk buffers, (L, B, ...): reused by every chunk of the sweep."""
-
-    Y: torch.Tensor  # projection outputs (.., N_i)
-    dY: torch.Tensor  # their gradients
-    Z: torch.Tensor  # second GEMM inputs (.., F [+ H*dv])
-    dZ: torch.Tensor  # their gradients
-    ffn_fac: torch.Tensor  # (.., 2, F): the SwiGLU's (dL/dh1, dL/dh2) per dL/d(silu(h1) h2)
-
-
-@dataclass(eq=False, slots=True)
-class ChunkLayer:
-    """One layer's buffers for one chunk of the reverse sweep: `*_full` tensors (L, B, ...), the
-    rest per-step views of them. x, r: the normalised input and its rms; Y, Z: the recomputed
-    projection and second GEMM input; dY, dZ, dU: the gradients w.r.t. the projection output, the
-    second GEMM input and the layer's output c; pg_gate, pg_fac: the predict gate and its
-    derivative factor; ffn_fac, dffn, dpg, dz_ffn, dz_read: the SwiGLU's factors and the
-    gradient blocks. GPN+M: nq, q (q_full), nq_mask: the normalised heads, the query, relu's mask
-    over the norm; gate, o, z_read: the read's gate, raw output and output; dgate, dheads: their gradient
-    blocks; rf: the reads' `ReadFactors`; keys, v: layer 0's write keys and values."""
-
-    X_full: torch.Tensor
-    x: tuple
-    r: tuple
-    Y: torch.Tensor
-    Z_full: torch.Tensor
-    dY_full: torch.Tensor
-    dZ_full: torch.Tensor
-    dU_full: torch.Tensor
-    dU: tuple
-    pg_gate: tuple
-    pg_fac: tuple
-    ffn_fac: tuple
-    dY: tuple
-    dZ: tuple
-    dffn: tuple
-    dpg: tuple
-    dz_ffn: tuple
-    dz_read: tuple
-    nq: tuple | None = None
-    q_full: torch.Tensor | None = None
-    q: tuple | None = None
-    nq_mask: tuple | None = None
-    gate_full: torch.Tensor | None = None
-    gate: tuple | None = None
-    O_full: torch.Tensor | None = None
-    o: tuple | None = None
-    z_read: tuple | None = None
-    dgate: tuple | None = None
-    dheads: tuple | None = None
-    keys: list | None = None
-    v: tuple | None = None
-    rf: list | None = None
-
-
-@dataclass(eq=False, slots=True)
-class ChunkShared:
-    """The chunk's buffers outside the layers, (L, B, ...) and per-step views. XP, xp, rp: the
-    normalised predictions and their rms; fg, fg_fac: the fuse gates and their derivative factor;
-    dYfg: the fuse-gate GEMM's output gradient. GPN+M: e (E_full), delta: the write's errors and
-    beta e; gate_fac: (beta, a) derivative factors; dBD (dbeta, ddecay), dgates: the gates'
-    gradients; dv, dkn: layer 0's v and next-key gradient blocks; dKQ (dk_out, dq_out): dL/d the
-    normalised [next key | query] of layer 0."""
-
-    dYfg_full: torch.Tensor
-    dYfg: tuple
-    fg: tuple
-    fg_fac: tuple
-    XP: torch.Tensor
-    xp: tuple
-    rp: tuple
-    E_full: torch.Tensor | None = None
-    e: tuple | None = None
-    gate_fac: tuple | None = None
-    dBD_full: torch.Tensor | None = None
-    dBD: tuple | None = None
-    dbeta: tuple | None = None
-    ddecay: tuple | None = None
-    dgates: tuple | None = None
-    dv: tuple | None = None
-    dkn: tuple | None = None
-    dKQ_full: torch.Tensor | None = None
-    dKQ: tuple | None = None
-    dk_out: tuple | None = None
-    dq_out: tuple | None = None
-    delta: tuple | None = None
+def memory_form(spec: Spec):
+    """The module of the memory's form the core runs (memory_step, memory_chunk): its `Forward` and
+    `Backward` do what the two forms do differently."""
+    return memory_chunk if spec.chunked else memory_step
 
 
 # ---- forward ---------------------------------------------------------------------------------
-
-
-def _steps(x, *shape):
-    """Per-step views of a time-major (T, B, ...) tensor, made in one call: indexing inside the
-    loop would cost a dispatched op per step and use."""
-    return (x.view(*x.shape[:2], *shape) if shape else x).unbind(0)
 
 
 def _buffers(spec: Spec, layers, T, B, like, gate_rows):
@@ -369,7 +103,7 @@ def _buffers(spec: Spec, layers, T, B, like, gate_rows):
     d, H, dk, dv = spec.d, spec.H, spec.dk, spec.dv
     new = lambda *shape: like.new_empty((T, B) + shape)  # noqa: E731
     ring = lambda *shape: like.new_empty((2, B) + shape)  # noqa: E731
-    io = _io_dtype(spec, like.dtype)
+    io = io_dtype(spec, like.dtype)
     gemm_ring = lambda *shape: like.new_empty((2, B) + shape, dtype=io)  # noqa: E731  (only GEMMs read or write it)
     S = Saved(
         # Normalised layer inputs and their rms. Layer 0's is the grounded state's, which the
@@ -392,16 +126,17 @@ def _buffers(spec: Spec, layers, T, B, like, gate_rows):
         S.NN = [ring(h, H, 1) for h in heads]
         # The chunk form keeps each step's raw reads, error and delta (its backward takes them as
         # they were, instead of forming them again from M_c); the step form only the current step's.
-        kept = new if spec.chunked else ring
+        keeps = memory_form(spec).KEEPS_READS
+        kept = new if keeps else ring
         S.O = [kept(H * dv) for _ in layers]  # raw reads
         S.E = kept(H, dv)  # the write's error
-        S.DELTA = new(H, dv) if spec.chunked else None  # beta e
+        S.DELTA = new(H, dv) if keeps else None  # beta e
         S.BETA, S.GAMMA, S.DECAY = (like.new_empty((gate_rows, B, H)) for _ in range(3))  # the write's gates
         S.M = []  # M before every chunk
     return S
 
 
-def _layer_steps(spec: Spec, S, i, col):
+def _layer_views(spec: Spec, S, i, col):
     """Per-step views of layer i's buffers and of the blocks of its projection (in the work ring)."""
     Y, Fd, H, dk = S.Y[i], spec.F, spec.H, spec.dk
     v = dict(x=_steps(S.X[i]), r=_steps(S.R[i]), y=_steps(Y), z=_steps(S.Z[i]), pg=_steps(Y[..., col["pg"]]),
@@ -427,29 +162,20 @@ def run_forward(spec: Spec, u, state, weights: Weights, save: bool):
     T, B, d = u.shape
     g, g_prev, M = state
     H, dk, nl = spec.H, spec.dk, len(weights.layers)
-    layers, fg_W, fg_b, A_log = _cast(spec, weights)
+    layers, fg_W, fg_b, A_log = cast(spec, weights)
     cols = [columns(spec, i == 0) for i in range(nl)]
     chunks = dict(bounds(spec, T))  # chunk start -> end
-    gate_rows = T if save else max(c1 - c0 for c0, c1 in chunks.items()) if spec.chunked else 2
-    S = _buffers(spec, layers, T if save else 2, B, g, gate_rows)
-    V = [_layer_steps(spec, S, i, cols[i]) for i in range(nl)]
+    S = _buffers(spec, layers, T if save else 2, B, g, memory_form(spec).gate_rows(T, chunks, save))
+    V = [_layer_views(spec, S, i, cols[i]) for i in range(nl)]
     XP, RP, FG = _steps(S.XP), _steps(S.RP), _steps(S.FG)
     P = S.P = g.new_empty((T, B, d))
     Ps, us = _steps(P), _steps(u.to(g.dtype))
     ew = spec.backend.step
     if spec.memory:
-        mem = spec.backend.memory
         A = -torch.exp(A_log.to(g.dtype))
-        M = M.contiguous()
-        # M lives in two work buffers, written in turn (in the chunk form, once per chunk); the one
-        # that starts a chunk gets its own when saved.
-        Mring = _steps(M.new_empty((2,) + M.shape))
-        ends = {c1 - 1 for c1 in chunks.values()}
-        E, BETA, GAMMA, DECAY = _steps(S.E), _steps(S.BETA), _steps(S.GAMMA), _steps(S.DECAY)
-        if spec.chunked:  # the chunk's keys and deltas, kept as it goes (kernels/memory_chunk)
-            chunk, C = spec.backend.chunk, max(c1 - c0 for c0, c1 in chunks.items())
-            Kc = M.new_empty((C, B, H, dk))
-            Dc = None if save else M.new_empty((C, B, H, spec.dv))  # saved: the chunk's rows of S.DELTA
+        # M's reads and writes, in the memory's form (memory_step.py, memory_chunk.py)
+        form = memory_form(spec).Forward(spec, S, M.contiguous(), save, chunks)
+        BETA, GAMMA, DECAY = _steps(S.BETA), _steps(S.GAMMA), _steps(S.DECAY)
         S.x_prev, S.r_prev = ew.rms_hat(g_prev)
         k_col = cols[0]["k"]
         kpre = ew.mm(S.x_prev, layers[0].W[:, k_col], bias=layers[0].b[k_col])
@@ -459,23 +185,17 @@ def run_forward(spec: Spec, u, state, weights: Weights, save: bool):
     S.u, S.g0 = u, g  # the backward forms layer 0's inputs again from them
     # The step's weights, in the layout its GEMM reads fastest (kernels/cpu/gemm.cpp packs them).
     packed = [L._replace(W=ew.pack(L.W, T, B), W2o=ew.pack(L.W2o, T, B)) for L in layers]
-    Y2 = _steps(g.new_empty((2, B, d), dtype=_io_dtype(spec, g.dtype)))  # the second GEMM's output, read by residual_rms
+    Y2 = _steps(g.new_empty((2, B, d), dtype=io_dtype(spec, g.dtype)))  # the second GEMM's output, read by residual_rms
     fg_Wp = ew.pack(fg_W, T, B)
     # Each layer's normalised input is written by the group before it: the previous layer's
     # residual_rms, or (layer 0) the previous step's ground; the first step's here.
     ew.rms_hat(g, V[0].x[0], V[0].r[0])
     for t in range(T):
         s, w = (t if save else t % 2), t % 2  # saved and work-ring slots
-        if spec.memory and t in chunks:
-            c0, c1, M_c, ci = t, chunks[t], M, (ci + 1 if t else 0)
-            if save:
-                S.M.append(M)
-            if spec.chunked:
-                decays = S.DECAY[c0:c1] if save else S.DECAY[: c1 - c0]
-                deltas = S.DELTA[c0:c1] if save else Dc
-                M_read = M_c.to(spec.compute_dtype) if spec.low_reads else None  # once per chunk
-        gs = s if save or not spec.chunked else t - c0  # the slot of the write's gates
-        vs = s if spec.chunked else w  # the slot of the reads and the write's error
+        if spec.memory:
+            if t in chunks:
+                form.begin_chunk(t, chunks[t])
+            gs = form.gate_slot(t, s)  # the row of the write's gates
         c = g
         for i, (L, v) in enumerate(zip(packed, V)):
             ew.mm(v.x[w if i == 0 else s], L.W, v.y[w], L.b)
@@ -484,24 +204,11 @@ def run_forward(spec: Spec, u, state, weights: Weights, save: bool):
             elif i == 0:
                 ew.post_projection(v.h1[w], v.h2[w], v.z_ffn[w], v.heads[w], v.nq[w], v.nn[w], v.beta[w],
                                    v.a[w], A, BETA[gs], GAMMA[gs], DECAY[gs])
-                # the chunk form writes M once per chunk: its ring turns per chunk, not per step
-                out_M = M.new_empty(M.shape) if save and t in ends else Mring[ci % 2 if spec.chunked else w]
-                if not spec.chunked:
-                    M, *_ = mem.memory_step(M, k, v.v[w], BETA[gs], DECAY[gs], v.q[w], v.gate[w], out_e=E[w],
-                                            out_o=v.o[w], out_y=v.z_read[w], out_M=out_M)
-                else:  # M is written at the chunk's last step only, into a buffer other than M_c
-                    out_M = out_M if t in ends else None
-                    chunk.step(M_c, Kc, deltas, decays, t - c0, k, v.v[w], BETA[gs], v.q[w], v.gate[w], out_e=E[vs],
-                               out_o=v.o[vs], out_y=v.z_read[w], out_M=out_M, M_read=M_read)
-                    M = M if out_M is None else out_M
+                form.write(t, w, s, v, k)
                 k = v0.next_key[w]
             else:
                 ew.post_projection(v.h1[w], v.h2[w], v.z_ffn[w], v.heads[w], v.nq[w], v.nn[w])
-                if spec.chunked:
-                    chunk.read(M_c, Kc, deltas, decays, t - c0, v.q[w], v.gate[w], out_o=v.o[vs], out_y=v.z_read[w],
-                               M_read=M_read)
-                else:
-                    mem.memory_read(M, v.q[w], v.gate[w], out_o=v.o[w], out_y=v.z_read[w])
+                form.read(t, w, s, v)
             last = i == nl - 1
             x_next, r_next = (XP[w], RP[w]) if last else (V[i + 1].x[s], V[i + 1].r[s])
             c = ew.residual_rms(ew.mm(v.z[w], L.W2o, Y2[w]), v.pg[w], c, Ps[t] if last else None, x_next, r_next)
@@ -510,8 +217,8 @@ def run_forward(spec: Spec, u, state, weights: Weights, save: bool):
         # The gates go to Y2's row, which residual_rms has read: over FG itself, the Triton
         # kernel's column blocks could read one another's gates where they need the row's norm.
         g_prev, g = g, ew.ground(FG[w], c, us[t], Y2[w], x_next, r_next)
-    if save and spec.chunked:
-        S.M_end = M
+    if spec.memory:
+        M = form.finish()
     return P, g, g_prev, M, (S if save else None)
 
 
@@ -523,7 +230,7 @@ def _workspace(spec: Spec, layers, L, B, like):
     the SwiGLU factors), made once for the sweep and reused by every chunk: fresh ones per chunk
     leave the heap fragmented, and the process's resident memory creeping up chunk by chunk."""
     new = lambda *shape, dtype=like.dtype: like.new_empty((L, B) + shape, dtype=dtype)  # noqa: E731
-    io = _io_dtype(spec, like.dtype)  # the sweep's GEMM outputs and inputs (the weight gradients' too)
+    io = io_dtype(spec, like.dtype)  # the sweep's GEMM outputs and inputs (the weight gradients' too)
     # Z is read by one GEMM only (W2o's weight gradient): written rounded, it is not cast there.
     # Y is the recomputed projection as its GEMM writes it: `gate_factors` and the memory kernels
     # widen it on load, torch's ops take widened copies of the blocks they read.
@@ -539,7 +246,7 @@ def _chunk_buffers(spec: Spec, S, span: Span, layers, A, rows: ChunkRows, work):
     GEMMs. Buffers live for one chunk, so the backward's working memory is a chunk's, not T's.
     GPN+M: the keys and queries are normalised again from the recomputed projections (k_first:
     the key of the chunk's first step, which the step before projected); the reads and the
-    write's errors are left to the rebuild of M (`_rebuild`; the chunk form kept them). rows: the
+    write's errors are left to the memory form's `Backward.chunk` (the chunk form kept them). rows: the
     chunk's layer-0 inputs, normalised predictions and fuse gates (`ChunkRows`). work: the
     per-layer buffers of `_workspace`, of which the chunk uses its first L rows.
     """
@@ -548,7 +255,7 @@ def _chunk_buffers(spec: Spec, S, span: Span, layers, A, rows: ChunkRows, work):
     L, B, d = XP.shape
     H, dk, Fd, sd, ew = spec.H, spec.dk, spec.F, XP.dtype, spec.backend.step
     empty = lambda *shape: XP.new_empty(shape)  # noqa: E731
-    io = _io_dtype(spec, sd)
+    io, form = io_dtype(spec, sd), memory_form(spec)
     C = []
     for i, (W, col, ws) in enumerate(zip(layers, cols, work)):
         x_hat, r = (X0, R0) if i == 0 else (S.X[i][sl], S.R[i][sl])
@@ -570,7 +277,7 @@ def _chunk_buffers(spec: Spec, S, span: Span, layers, A, rows: ChunkRows, work):
             # The heads and the read's gate feed torch's elementwise ops: widened to the state's dtype.
             nq, norms = l2n_relu(Y[..., col["heads"]].to(sd).view(L, B, nh, H, dk))
             gate = Y[..., col["gate"]].to(sd)
-            O = S.O[i][sl] if spec.chunked else empty(L, B, H * spec.dv)  # the chunk form kept its reads
+            O = S.O[i][sl] if form.KEEPS_READS else empty(L, B, H * spec.dv)  # kept, or from the rebuild
             c.update(nq=_steps(nq), q_full=nq[:, :, -1], q=_steps(nq[:, :, -1]), nq_mask=_steps((nq > 0) / norms), gate_full=gate,
                      gate=_steps(gate), O_full=O, o=_steps(O), z_read=_steps(Z[..., Fd:]),
                      dgate=_steps(dY[..., col["gate"]]), dheads=_steps(dY[..., col["heads"]], nh, H, dk))
@@ -583,13 +290,13 @@ def _chunk_buffers(spec: Spec, S, span: Span, layers, A, rows: ChunkRows, work):
     if spec.memory:
         col0, dY0 = cols[0], C[0].dY_full
         # dL/d(beta, a pre-activations) = (dL/dbeta, dL/ddecay) * gate_fac
-        # (the chunk form's backward gives dL/dgamma = dL/ddecay * decay: its factor has no decay)
+        # (a form whose backward gives dL/dgamma = dL/ddecay * decay has no decay in the factor)
         da_fac = A * torch.sigmoid(C[0].Y[..., col0["a"]].to(sd))
-        if not spec.chunked:
+        if not form.GATE_GRAD_IS_GAMMA:
             da_fac = da_fac * S.DECAY[sl]
         dBD = empty(L, 2, B, H)  # (dL/dbeta, dL/ddecay)
         dKQ = empty(L, 2, B, H, dk)  # dL/d(normalised [next key | query]) of layer 0
-        E = S.E[sl] if spec.chunked else empty(L, B, H, spec.dv)  # the write's errors: kept, or from the rebuild
+        E = S.E[sl] if form.KEEPS_READS else empty(L, B, H, spec.dv)  # the write's errors: kept, or from the rebuild
         G.update(E_full=E, e=_steps(E), gate_fac=_steps(torch.stack([S.BETA[sl] * (1 - S.BETA[sl]), da_fac], 2)),
                  dBD_full=dBD, dBD=_steps(dBD.transpose(1, 2)),
                  dbeta=_steps(dBD[:, 0]), ddecay=_steps(dBD[:, 1]), dgates=_steps(dY0[..., col0["beta"].start : col0["a"].stop], 2, H),
@@ -615,124 +322,11 @@ def _grounded_rows(S, lo: int, hi: int, fg_W, fg_b):
     return XP, RP, fg, X0, R0
 
 
-class ChunkRows(NamedTuple):
-    """The forward's per-step vectors around the grounded state, formed again for one chunk's steps
-    (`_grounded_rows`), (L, B, ...) each: layer 0's normalised input and its rms, the normalised
-    predictions and their rms, the fuse gates; and GPN+M's key of the chunk's first step, which
-    the step before projected (None without memory)."""
-
-    X0: torch.Tensor
-    R0: torch.Tensor
-    XP: torch.Tensor
-    RP: torch.Tensor
-    fg: torch.Tensor
-    k_first: torch.Tensor | None
-
-
-class WeightGrads(NamedTuple):
-    """The weights' gradients as the chunks accumulate them, in the state's dtype: per layer
-    [dW, db, dW2o], the fuse gate's, and A_log's (None without memory)."""
-
-    layers: list
-    fg_W: torch.Tensor
-    fg_b: torch.Tensor
-    A_log: torch.Tensor | None
-
-
-class Sweep(NamedTuple):
-    """What the reverse sweep reads at every chunk: the step functions, the transposed weights of
-    its GEMMs (packed as they are read fastest), du's and dP's per-step views, the write's gates,
-    the two dL/dM buffers written in turn, the key projection's transpose and dL/dg_prev."""
-
-    ew: object  # StepOps
-    mem: object  # MemoryOps, or None without memory
-    WT: list
-    W2oT: list
-    fg_WT: object
-    dus: tuple
-    dPs: tuple | None
-    BETA: tuple | None
-    DECAY: tuple | None
-    dMring: tuple | None
-    W_kT: torch.Tensor | None
-    dg_prev: torch.Tensor | None
-    dX: torch.Tensor  # (B, d): the input-gradient GEMMs' output, read by the next group
-
-
-class Carry(NamedTuple):
-    """What the sweep carries from step to step, backwards: dL/dg, dL/dM, and whether the next
-    key's gradient flows into the state (not across a truncated-BPTT cut)."""
-
-    dg: torch.Tensor
-    dM: torch.Tensor | None
-    kn_flows: bool
-
-
-def _rebuild(spec: Spec, S, span: Span, C: list[ChunkLayer], G: ChunkShared, Mbuf, sw: Sweep) -> list:
-    """M after each step of the chunk, rebuilt from its saved start into Mbuf by replaying the
-    write (with layer 0's reads and the write's errors), then the later layers' reads, the read
-    factors and the deltas. Returns Ms: Ms[j] is M before step c0 + j."""
-    ci, c0, c1 = span
-    mem, BETA, DECAY = sw.mem, sw.BETA, sw.DECAY
-    Ms, c = [S.M[ci]] + list(_steps(Mbuf[: c1 - c0])), C[0]
-    for j, t in enumerate(range(c0, c1)):
-        mem.memory_step(Ms[j], c.keys[j], c.v[j], BETA[t], DECAY[t], c.q[j], c.gate[j], out_e=G.e[j],
-                        out_o=c.o[j], out_y=c.z_read[j], out_M=Ms[j + 1])
-    L, B = c1 - c0, S.P.shape[1]
-    for c in C[1:]:  # the later layers' reads: one batched product each over the rebuilt M's
-        torch.matmul(torch.stack(c.q).unsqueeze(-2), Mbuf[:L], out=c.O_full.view(L, B, spec.H, 1, spec.dv))
-    _read_outputs(spec, C[1:], C)
-    G.delta = _steps(S.BETA[c0:c1].unsqueeze(-1) * G.E_full)
-    return Ms
-
-
-def _read_outputs(spec: Spec, outputs: list, C: list) -> None:
-    """The chunk's read outputs y = silu(gate) o / rms(o) into the second GEMM's input rows of the
-    layers `outputs` (whose reads were not made by a memory function that writes them), then the
-    read factors of every layer (`ChunkLayer.rf`)."""
-    for c in outputs:
-        torch.mul(F.silu(c.gate_full), c.O_full / rms(c.O_full), out=c.Z_full[..., spec.F :])
-    for c in C:
-        c.rf = [ReadFactors(*f) for f in zip(*map(_steps, read_factors(c.O_full, c.gate_full)))]
-
-
-class ChunkSweep(NamedTuple):
-    """The chunk form's state for one chunk of the reverse sweep (kernels/memory_chunk): its ops,
-    M_c (in the compute dtype with `low_reads`), the chunk's keys (L, B, H, dk) and queries
-    (layers, L, B, H, dk), its forward values and C x C algebra (`algebra.Rebuilt`), dL/dM's
-    products at the chunk's end (`Coefficients`), the read gradients (layers, >= L, B, H, dv) the
-    sweep fills, and phi (B, H)."""
-
-    ops: object
-    M_c: torch.Tensor
-    keys: torch.Tensor
-    queries: torch.Tensor
-    r: algebra.Rebuilt
-    co: algebra.Coefficients
-    read_grads: torch.Tensor
-    phi: torch.Tensor
-
-
-def _chunk_algebra(spec: Spec, S, span: Span, C: list[ChunkLayer], G: ChunkShared, dM_end, read_grads, phi) -> ChunkSweep:
-    """The chunk form's once-per-chunk work before the sweep: the C x C algebra of the chunk's
-    keys (its deltas, errors and reads are the forward's), the read outputs and factors, and
-    dM_end's products the sweep reads."""
-    ci, sl = span.index, span.rows
-    keys = torch.stack(C[0].keys)
-    queries = torch.stack([c.q_full for c in C])
-    beta = S.BETA[sl]
-    r = algebra.from_forward(keys, beta, S.DECAY[sl], S.DELTA[sl], G.E_full, [c.O_full for c in C])
-    G.delta = _steps(r.delta)
-    _read_outputs(spec, C, C)
-    co = algebra.coefficients(*spec.backend.chunk.dm_products(dM_end, keys, r.delta), keys, r, beta, queries)
-    M_c = S.M[ci].to(spec.compute_dtype) if spec.low_reads else S.M[ci]  # what the step's products read
-    return ChunkSweep(spec.backend.chunk, M_c, keys, queries, r, co, read_grads, phi)
-
-
 def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, span: Span, carry: Carry, dk_next) -> Carry:
     """Steps c1-1 .. c0, backwards: through the fuse gate, the layers and the memory, writing the
-    chunk's GEMM-output gradients (dY, dZ, dU rows), du, and dL/d(first key) into dk_next."""
-    ew, mem, WT, W2oT, fg_WT, dus, dPs, BETA, DECAY, dMring, W_kT, dg_prev, dX = sw
+    chunk's GEMM-output gradients (dY, dZ, dU rows), du, and dL/d(first key) into dk_next. Ms: the
+    memory form's chunk (`Backward.chunk`)."""
+    ew, form, WT, W2oT, fg_WT, dus, dPs, W_kT, dg_prev, dX = sw
     dg, dM, kn_flows = carry
     _, c0, c1 = span
     T = len(dus)
@@ -755,35 +349,11 @@ def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, span:
             c = C[i]
             ew.mm(c.dU[j], W2oT[i], c.dZ[j])  # into the dZ rows of the chunk
             ew.gate_grads(c.dz_ffn[j], c.ffn_fac[j], c.dffn[j], dc, c.pg_fac[j], c.dpg[j])
-            if spec.chunked:  # Ms is the chunk's ChunkSweep; dL/dM is not carried step by step
+            if form is not None:
                 if i == 0:
-                    Ms.ops.step_backward(
-                        Ms.M_c, Ms.keys, Ms.r.delta, Ms.r, Ms.co, j, BETA[t], G.e[j], c.v[j], Ms.queries, c.o[j], c.rf[j],
-                        c.dz_read[j], Ms.read_grads, Ms.phi, out_dk=G.dk_out[j - 1] if j > 0 else dk_next,
-                        out_dq=G.dq_out[j], out_dbeta=G.dbeta[j], out_dgamma=G.ddecay[j], out_dgate=c.dgate[j],
-                        out_dv=G.dv[j], gate_fac=G.gate_fac[j], out_dgates=G.dgates[j])
-                    dq = G.dKQ[j]
+                    dq, dM = form.write(j, t, c, G, Ms, dM, G.dk_out[j - 1] if j > 0 else dk_next)
                 else:
-                    dq, _ = Ms.ops.read_backward(Ms.M_c, Ms.keys, Ms.r.delta, Ms.r, j, c.o[j], c.rf[j], c.dz_read[j],
-                                                 Ms.read_grads[i], Ms.phi, out_dgate=c.dgate[j])
-                    dq = dq.unsqueeze(1)
-                ew.l2n_relu_backward(c.nq[j], c.nq_mask[j], dq, out=c.dheads[j])
-            elif spec.memory:
-                if i == 0:
-                    # dv and the gates' pre-activation gradients go straight into the projection's
-                    # gradient row, which the GEMM below reads.
-                    dM, *_ = mem.memory_step_backward(
-                        Ms[j], Ms[j + 1], c.keys[j], BETA[t], DECAY[t], G.e[j], G.delta[j], c.q[j], c.rf[j], dM,
-                        c.dz_read[j], out_dk=G.dk_out[j - 1] if j > 0 else dk_next, out_dq=G.dq_out[j],
-                        out_dbeta=G.dbeta[j], out_ddecay=G.ddecay[j], out_dgate=c.dgate[j],
-                        out_dM=dMring[1] if dM is dMring[0] else dMring[0], out_dv=G.dv[j], gate_fac=G.gate_fac[j],
-                        out_dgates=G.dgates[j])
-                    dq = G.dKQ[j]
-                else:
-                    dq, _, dM = mem.memory_read_backward(Ms[j + 1], c.q[j], c.rf[j], c.dz_read[j], dM,
-                                                         out_dgate=c.dgate[j],
-                                                         out_dM=dMring[1] if dM is dMring[0] else dMring[0])
-                    dq = dq.unsqueeze(1)
+                    dq, dM = form.read(i, j, c, Ms, dM)
                 ew.l2n_relu_backward(c.nq[j], c.nq_mask[j], dq, out=c.dheads[j])
             dx = ew.mm(c.dY[j], WT[i], dX)
             if i == 0 and spec.memory and not kn_flows:  # the next key's gradient reaches the weights only
@@ -802,8 +372,7 @@ def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, span:
         if cut:
             dg.zero_()
             if spec.memory:
-                if not spec.chunked:  # the chunk form cuts dL/dM where its chunk starts (run_backward)
-                    dM = torch.zeros_like(dM)
+                dM = form.cut(dM)
                 kn_flows = False
         elif spec.memory:
             kn_flows = True
@@ -848,15 +417,16 @@ def _weight_grads(spec: Spec, S, span: Span, C: list[ChunkLayer], G: ChunkShared
         _gemm(dW2o, c.Z_full, c.dU_full, cd, work)
     _gemm(grads.fg_W, G.XP, G.dYfg_full, cd, work)
     grads.fg_b.add_(G.dYfg_full.sum((0, 1), dtype=grads.fg_b.dtype))
-    if spec.memory:  # the chunk form's dBD holds dL/dgamma, the step form's dL/ddecay
-        dgamma = G.dBD_full[:, 1] if spec.chunked else G.dBD_full[:, 1] * S.DECAY[sl]
+    if spec.memory:  # dBD holds dL/dgamma, or dL/ddecay (memory_form: GATE_GRAD_IS_GAMMA)
+        dgamma = G.dBD_full[:, 1] if memory_form(spec).GATE_GRAD_IS_GAMMA else G.dBD_full[:, 1] * S.DECAY[sl]
         grads.A_log.add_((dgamma * S.GAMMA[sl]).sum((0, 1)))
 
 
 def run_backward(spec: Spec, S, weights: Weights, out: OutputGrads):
     """The reverse sweep, chunk by chunk from the end: per chunk, its buffers and derivative
-    factors (`_chunk_buffers`), M rebuilt (`_rebuild`), the steps backwards (`_sweep`), and its
-    weight gradients as GEMMs over its rows (`_weight_grads`).
+    factors (`_chunk_buffers`), the memory form's chunk (`Backward.chunk`: M rebuilt, or the
+    chunk's algebra), the steps backwards (`_sweep`), and its weight gradients as GEMMs over its
+    rows (`_weight_grads`).
 
     out: the gradients w.r.t. the outputs (`OutputGrads`). Returns (du (T, B, d), dg0, dg_prev0,
     dM0, dA_log, [per layer (dW, db, dW2o)], dfg_W, dfg_b).
@@ -864,7 +434,7 @@ def run_backward(spec: Spec, S, weights: Weights, out: OutputGrads):
     T, B, d = S.P.shape
     dP, dg, dg_prev, dM = out
     H, dk, nl, sd = spec.H, spec.dk, len(weights.layers), S.P.dtype
-    layers, fg_W, fg_b, A_log = _cast(spec, weights)
+    layers, fg_W, fg_b, A_log = cast(spec, weights)
     cols = [columns(spec, i == 0) for i in range(nl)]
     ew = spec.backend.step
     du = S.P.new_empty((T, B, d))
@@ -878,28 +448,21 @@ def run_backward(spec: Spec, S, weights: Weights, out: OutputGrads):
     works = [_workspace(spec, layers, min(spec.chunk, T), B, S.P) for _ in range(2 if lanes.concurrent and n_chunks > 1
                                                                                   else 1)]
     gemm_work = _weight_grad_workspace(spec, layers, fg_W, sd)
-    A = mem = BETA = DECAY = dMring = W_kT = dA_log = dk_next = None
+    A = form = W_kT = dA_log = dk_next = None
     if spec.memory:
-        mem = spec.backend.memory
         col0 = cols[0]
         A = -torch.exp(A_log.to(sd))
-        BETA, DECAY = _steps(S.BETA), _steps(S.DECAY)
         no_dM = dM is None  # the window's last M sends no gradient back (a training window's)
         dM = S.P.new_zeros((B, H, dk, spec.dv)) if no_dM else dM
-        dMring = _steps(dM.new_empty((2,) + dM.shape))  # dL/dM, written into these in turn
-        # The step form's memory after each step of a chunk, rebuilt into one buffer that every chunk reuses.
-        Mbuf = None if spec.chunked else dM.new_empty((min(spec.chunk, T),) + dM.shape)
         dk_next = S.P.new_zeros((B, H, dk))  # dL/d(normalised key) of the step after the chunk
         W_k, b_k = layers[0].W[:, col0["k"]], layers[0].b[col0["k"]]
         W_kT = W_k.T
         dA_log = torch.zeros_like(A)
-        if spec.chunked:  # dL/d(each read) of a chunk's steps, and phi = <dL/dM, M> (kernels/memory_chunk)
-            read_grads = dM.new_empty((nl, min(spec.chunk, T), B, H, spec.dv))
-            phi = S.P.new_zeros((B, H)) if no_dM else torch.linalg.vecdot(dM.flatten(2), S.M_end.flatten(2))
+        form = memory_form(spec).Backward(spec, S, dM, T, no_dM)  # dL/dM's way back, in the memory's form
     # The transposed weights of the sweep's GEMMs, in the layout they are read fastest.
-    sw = Sweep(ew, mem, [ew.pack(L.W.T, T, B) for L in layers], [ew.pack(L.W2o.T, T, B) for L in layers],
-               ew.pack(fg_W.T, T, B), _steps(du), (_steps(dP) if dP is not None else None), BETA, DECAY, dMring, W_kT,
-               dg_prev, S.P.new_empty((B, d), dtype=_io_dtype(spec, sd)))
+    sw = Sweep(ew, form, [ew.pack(L.W.T, T, B) for L in layers], [ew.pack(L.W2o.T, T, B) for L in layers],
+               ew.pack(fg_W.T, T, B), _steps(du), (_steps(dP) if dP is not None else None), W_kT, dg_prev,
+               S.P.new_empty((B, d), dtype=io_dtype(spec, sd)))
     carry = Carry(dg, dM, True)
     wgrads = WeightGrads(grads, dfg_W, dfg_b, dA_log)
 
@@ -910,7 +473,7 @@ def run_backward(spec: Spec, S, weights: Weights, out: OutputGrads):
             # From two steps back: the gate of step c0 - 2 forms the input of step c0 - 1, whose
             # projection holds the key of step c0.
             span = Span(ci, c0, c1)
-            sl, lo = span.rows, max(c0 - 2, 0)
+            lo = max(c0 - 2, 0)
             XP, RP, fg, X0, R0 = _grounded_rows(S, lo, c1, fg_W, fg_b)
             first = 0 if lo == 0 else lo + 1  # the step of X0[0]
             k_first = None
@@ -919,21 +482,13 @@ def run_backward(spec: Spec, S, weights: Weights, out: OutputGrads):
             rows = ChunkRows(X0[c0 - first :], R0[c0 - first :], XP[c0 - lo :], RP[c0 - lo :], fg[c0 - lo :], k_first)
             C, G = _chunk_buffers(spec, S, span, layers, A, rows, works[k % len(works)])
             Ms = None
-            if spec.chunked:
-                Ms = _chunk_algebra(spec, S, span, C, G, carry.dM, read_grads, phi)
-            elif spec.memory:
-                Ms = _rebuild(spec, S, span, C, G, Mbuf, sw)
             if spec.memory:
+                Ms = form.chunk(span, C, G, carry.dM)
                 G.dKQ_full[-1, 0] = dk_next
                 dk_next = torch.empty_like(dk_next)
             carry = _sweep(spec, sw, C, G, Ms, span, carry, dk_next)
-            if spec.chunked:  # dL/dM leaves the chunk once, at its start (none across a truncated-BPTT cut)
-                terms = algebra.finish(Ms.keys, Ms.r, Ms.co, S.BETA[sl], Ms.queries, read_grads[:, : c1 - c0])
-                dM = Ms.ops.carry_back(carry.dM, terms, out=dMring[ci % 2])  # never carry.dM's buffer
-                if spec.bptt and c0 % spec.bptt == 0 and c0 > 0:
-                    dM.zero_()
-                    phi.zero_()
-                carry = carry._replace(dM=dM)
+            if spec.memory:
+                carry = carry._replace(dM=form.end_chunk(span, Ms, carry.dM))
             # The weight gradients read the chunk's rows and nothing the sweep goes on to write: on the
             # side stream, after the sweep. The main stream waits for the chunk before's before it
             # rewrites that chunk's workspace or frees its buffers (kept alive in `pending` until then).

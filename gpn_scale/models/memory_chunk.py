@@ -1,0 +1,154 @@
+"""The memory's chunk form in the fused core: M read once per step from the chunk's start, written
+once per chunk (kernels/memory_chunk).
+
+Forward: within a chunk of L steps every step reads M_c, the memory at the chunk's start, and
+corrects the read with the chunk's keys and deltas kept so far (`chunk.step` for layer 0, which
+also forms the write's error, `chunk.read` for the later layers); the chunk's last step writes
+M once. With `memory_reads: compute` the per-step products read a copy of M_c in the compute
+dtype, made once per chunk. Every step's reads, errors and deltas are kept (T rows).
+
+Backward: per chunk, the L x L algebra of its keys is formed once from the forward's deltas,
+errors and reads (`algebra.from_forward`), with dL/dM at the chunk's end reduced to the products
+the sweep reads; each step's backward then needs no M but M_c, and dL/dM leaves the chunk once,
+at its start (`carry_back`), cut at truncated-BPTT boundaries (which are chunk boundaries in this
+form: core_state.bounds).
+
+The core (core.py) drives a form through the same few calls as memory_step.py's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from gpn_scale.models.core_state import ChunkLayer, ChunkShared, Span, Spec, read_outputs, step_views
+from kernels.memory_chunk import algebra
+
+KEEPS_READS = True  # the forward keeps every step's reads, write errors and deltas: the backward takes them as they were
+GATE_GRAD_IS_GAMMA = True  # the write's backward gives dL/dgamma
+
+
+def gate_rows(T: int, chunks: dict, save: bool) -> int:
+    """Rows of the write's gates the forward keeps: every step's when saved, else a chunk's (its
+    steps read the chunk's decays)."""
+    return T if save else max(c1 - c0 for c0, c1 in chunks.items())
+
+
+class Forward:
+    """One window's forward: the chunk's keys and deltas kept as it goes, M written at each chunk's
+    last step into the next of two work buffers (its own when saved)."""
+
+    def __init__(self, spec: Spec, S, M: torch.Tensor, save: bool, chunks: dict):
+        self.spec, self.S, self.save, self.M = spec, S, save, M
+        self.ring = step_views(M.new_empty((2,) + M.shape))
+        self.ends = {c1 - 1 for c1 in chunks.values()}
+        self.E, self.BETA = step_views(S.E), step_views(S.BETA)
+        self.ops, L = spec.backend.chunk, max(c1 - c0 for c0, c1 in chunks.items())
+        B = M.shape[0]
+        self.keys = M.new_empty((L, B, spec.H, spec.dk))
+        self.work_deltas = None if save else M.new_empty((L, B, spec.H, spec.dv))  # saved: the chunk's rows of S.DELTA
+        self.ci = -1
+
+    def begin_chunk(self, t: int, c1: int) -> None:
+        S, M = self.S, self.M
+        self.c0, self.M_c, self.ci = t, M, self.ci + 1
+        if self.save:
+            S.M.append(M)
+        self.decays = S.DECAY[t:c1] if self.save else S.DECAY[: c1 - t]
+        self.deltas = S.DELTA[t:c1] if self.save else self.work_deltas
+        self.M_read = M.to(self.spec.compute_dtype) if self.spec.low_reads else None  # once per chunk
+
+    def gate_slot(self, t: int, s: int) -> int:
+        """The row of step t's write gates: its saved slot, or its row in the chunk."""
+        return s if self.save else t - self.c0
+
+    def write(self, t: int, w: int, s: int, v, k) -> None:
+        """Step t's write (its delta kept; M written at the chunk's last step only, into a buffer
+        other than M_c) and layer 0's read."""
+        out_M = None
+        if t in self.ends:
+            out_M = self.M.new_empty(self.M.shape) if self.save else self.ring[self.ci % 2]
+        self.ops.step(self.M_c, self.keys, self.deltas, self.decays, t - self.c0, k, v.v[w], self.BETA[self.gate_slot(t, s)],
+                      v.q[w], v.gate[w], out_e=self.E[s], out_o=v.o[s], out_y=v.z_read[w], out_M=out_M, M_read=self.M_read)
+        self.M = self.M if out_M is None else out_M
+
+    def read(self, t: int, w: int, s: int, v) -> None:
+        """A later layer's read at step t."""
+        self.ops.read(self.M_c, self.keys, self.deltas, self.decays, t - self.c0, v.q[w], v.gate[w], out_o=v.o[s],
+                      out_y=v.z_read[w], M_read=self.M_read)
+
+    def finish(self) -> torch.Tensor:
+        if self.save:
+            self.S.M_end = self.M
+        return self.M
+
+
+class ChunkSweep(NamedTuple):
+    """One chunk of the reverse sweep: M_c (in the compute dtype with `low_reads`), the chunk's keys
+    (L, B, H, dk) and queries (layers, L, B, H, dk), its forward values and L x L algebra
+    (`algebra.Rebuilt`), and dL/dM's products at the chunk's end (`Coefficients`)."""
+
+    M_c: torch.Tensor
+    keys: torch.Tensor
+    queries: torch.Tensor
+    r: algebra.Rebuilt
+    co: algebra.Coefficients
+
+
+class Backward:
+    """The reverse sweep's memory: per chunk its algebra, dL/dM carried from chunk to chunk. It
+    fills the read gradients (layers, >= L, B, H, dv) and phi = <dL/dM, M> (B, H) as it goes."""
+
+    def __init__(self, spec: Spec, S, dM: torch.Tensor, T: int, no_dM: bool):
+        self.spec, self.S, self.ops = spec, S, spec.backend.chunk
+        self.BETA = step_views(S.BETA)
+        self.ring = step_views(dM.new_empty((2,) + dM.shape))  # dL/dM at chunk starts, written into these in turn
+        B = S.P.shape[1]
+        self.read_grads = dM.new_empty((len(S.X), min(spec.chunk, T), B, spec.H, spec.dv))
+        self.phi = S.P.new_zeros((B, spec.H)) if no_dM else torch.linalg.vecdot(dM.flatten(2), S.M_end.flatten(2))
+
+    def chunk(self, span: Span, C: list[ChunkLayer], G: ChunkShared, dM) -> ChunkSweep:
+        """The once-per-chunk work before the sweep: the L x L algebra of the chunk's keys (its
+        deltas, errors and reads are the forward's), the read outputs and factors, and the products
+        of dM (dL/dM at the chunk's end) the sweep reads."""
+        spec, S, sl = self.spec, self.S, span.rows
+        keys = torch.stack(C[0].keys)
+        queries = torch.stack([c.q_full for c in C])
+        beta = S.BETA[sl]
+        r = algebra.from_forward(keys, beta, S.DECAY[sl], S.DELTA[sl], G.E_full, [c.O_full for c in C])
+        G.delta = step_views(r.delta)
+        read_outputs(spec, C, C)
+        co = algebra.coefficients(*self.ops.dm_products(dM, keys, r.delta), keys, r, beta, queries)
+        M_c = S.M[span.index].to(spec.compute_dtype) if spec.low_reads else S.M[span.index]  # what the step's products read
+        return ChunkSweep(M_c, keys, queries, r, co)
+
+    def write(self, j: int, t: int, c: ChunkLayer, G: ChunkShared, Ms: ChunkSweep, dM, out_dk):
+        """Back through step t's write and layer 0's read (row j of the chunk); dL/dM is not carried
+        step by step. Returns (dL/d(normalised [next key | query]), dM unchanged)."""
+        self.ops.step_backward(
+            Ms.M_c, Ms.keys, Ms.r.delta, Ms.r, Ms.co, j, self.BETA[t], G.e[j], c.v[j], Ms.queries, c.o[j], c.rf[j],
+            c.dz_read[j], self.read_grads, self.phi, out_dk=out_dk, out_dq=G.dq_out[j], out_dbeta=G.dbeta[j],
+            out_dgamma=G.ddecay[j], out_dgate=c.dgate[j], out_dv=G.dv[j], gate_fac=G.gate_fac[j], out_dgates=G.dgates[j])
+        return G.dKQ[j], dM
+
+    def read(self, i: int, j: int, c: ChunkLayer, Ms: ChunkSweep, dM):
+        """Back through layer i's read at row j. Returns (dL/d(normalised query) (B, 1, H, dk), dM)."""
+        dq, _ = self.ops.read_backward(Ms.M_c, Ms.keys, Ms.r.delta, Ms.r, j, c.o[j], c.rf[j], c.dz_read[j],
+                                       self.read_grads[i], self.phi, out_dgate=c.dgate[j])
+        return dq.unsqueeze(1), dM
+
+    def cut(self, dM):
+        """At a truncated-BPTT cut dL/dM stops where its chunk starts (`end_chunk`)."""
+        return dM
+
+    def end_chunk(self, span: Span, Ms: ChunkSweep, dM):
+        """dL/dM as the chunk before receives it: leaving the chunk at its start, in one step (none
+        across a truncated-BPTT cut); never into the buffer dM is in."""
+        spec, c0, c1 = self.spec, span.c0, span.c1
+        terms = algebra.finish(Ms.keys, Ms.r, Ms.co, self.S.BETA[span.rows], Ms.queries, self.read_grads[:, : c1 - c0])
+        dM = self.ops.carry_back(dM, terms, out=self.ring[span.index % 2])
+        if spec.bptt and c0 % spec.bptt == 0 and c0 > 0:
+            dM.zero_()
+            self.phi.zero_()
+        return dM
