@@ -590,10 +590,11 @@ def _backward_flat(spec, S, *inputs):
     return run_backward(spec, S, Weights(_layers(flat), fg_W, fg_b, A_log), OutputGrads(dP, dg, dg_prev, dM))
 
 
-def fused_recurrence(model, u: torch.Tensor, state, graphs: bool = True):
+def fused_recurrence(model, u: torch.Tensor, state, graphs: bool = True, fused=None):
     """The fused core for a `GPN`: u (B, T, d) input projections, state a `GPNState`; `graphs`:
     False runs the loops eagerly whatever the backend says (callers that run several forwards
-    before their backwards, which a graph's next replay would overwrite).
+    before their backwards, which a graph's next replay would overwrite); `fused`: the model's
+    `fuse_weights`, made once by a caller that runs the core on several pieces of a window.
 
     Returns (predictions (B, T, d), (g, g_prev, M)).
     """
@@ -610,7 +611,7 @@ def fused_recurrence(model, u: torch.Tensor, state, graphs: bool = True):
     A_log = model.write_A_log if cfg.memory else None
     u = u.transpose(0, 1)
     with torch.autocast(device, enabled=False):
-        layers, fg_W, fg_b = fuse_weights(model)
+        layers, fg_W, fg_b = fuse_weights(model) if fused is None else fused
         if torch.is_grad_enabled():
             flat = [x for L in layers for x in L]
             P, g, g_prev, M = FusedCore.apply(spec, graphs, u, g, g_prev, M, A_log, fg_W, fg_b, *flat)

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from gpn_scale.models.core import fused_recurrence
+from gpn_scale.models.core import fuse_weights, fused_recurrence
 from gpn_scale.models.ops import at_least_f32, l2_normalize, lecun_normal_, linear_cross_entropy, rms_norm, rms_norm_rows
 from gpn_scale.models.resets import check as resets_check, pieces, where_rows
 from gpn_scale.models.spec import ModelSpec, matrices_decay
@@ -338,12 +338,12 @@ class GPN(nn.Module):
             g_prev, g = g, _gate(c, self.fg_norm_w, self.fg_gate_k, self.fg_gate_b) * c + u[:, i].to(g.dtype)
         return torch.stack(predictions, 1), GPNState(g, g_prev, M)
 
-    def _recurrence(self, u, state: GPNState, core: str, hooks: StepHooks | None,
-                    graphs: bool = True) -> tuple[torch.Tensor, GPNState]:
+    def _recurrence(self, u, state: GPNState, core: str, hooks: StepHooks | None, graphs: bool = True,
+                    fused=None) -> tuple[torch.Tensor, GPNState]:
         if hooks is not None:  # hooks must see every step exactly once: no fused core, no recomputation
             return self._run_steps(u, state, 0, hooks)
         if core == "fused":
-            predictions, state = fused_recurrence(self, u, state, graphs)
+            predictions, state = fused_recurrence(self, u, state, graphs, fused)
             return predictions, GPNState(*state)
         seg = self.config.checkpoint_every
         if not seg or not torch.is_grad_enabled():
@@ -360,8 +360,12 @@ class GPN(nn.Module):
         # Each piece's backward reads what its forward saved; a captured graph keeps that in its own
         # memory, which the next piece of the same length would overwrite: several pieces run eagerly.
         graphs = len(cut) == 1
+        fused = None
+        if core == "fused" and hooks is None and len(cut) > 1:  # the fused weights made once, not per piece
+            with torch.autocast(u.device.type, enabled=False):
+                fused = fuse_weights(self)
         for piece in cut:
-            out, state = self._recurrence(u[:, piece.start : piece.stop], state, core, hooks, graphs)
+            out, state = self._recurrence(u[:, piece.start : piece.stop], state, core, hooks, graphs, fused)
             outs.append(out)
             if piece.cut:
                 state = state.detach()
