@@ -171,3 +171,26 @@ def test_pieces_of_one_length_train_under_graphs(monkeypatch):
     for _ in range(3):  # eager, capture, replay: each would meet the repeated lengths
         got = grads(model)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_the_resets_bench_times_both_steps_and_counts_the_pieces():
+    import os
+    import re
+    import subprocess
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT))
+    from bench.resets import document_ends
+
+    ends = document_ends(3, 200, 10.0)
+    assert ends.shape == (3, 200) and 30 < int(ends.sum()) < 90  # about 200 / 11 per row
+    assert torch.equal(ends, document_ends(3, 200, 10.0))  # seeded
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "resets.py"), "--config", "gpn_m_tiny", "--batch", "2",
+                           "--seq-len", "24", "--doc-len", "6", "--rounds", "1"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = re.search(r"(\d+) documents' ends at (\d+) distinct positions: (\d+) pieces", proc.stdout)
+    assert m and int(m[2]) >= 2 and int(m[3]) in (int(m[2]), int(m[2]) + 1), proc.stdout
+    assert re.search(r"reset / whole: \d+\.\d\dx the time", proc.stdout), proc.stdout
