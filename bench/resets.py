@@ -75,9 +75,9 @@ def main() -> None:
             began = time.perf_counter()
             step(resets)
             best[name] = min(best[name], time.perf_counter() - began)
-    n = len(pieces(tokens == 0))
+    n = len(pieces(tokens == 0, getattr(model.config, "bptt", 0)))
     print(f"{args.config}: batch {args.batch} x {args.seq_len} tokens, {int(ends.sum())} documents' ends at "
-          f"{int(ends.any(0).sum())} distinct positions: {n} pieces ({args.device})")
+          f"{int(ends.any(0).sum())} distinct positions: {n} pieces, bptt cuts included ({args.device})")
     for name, s in best.items():
         print(f"  {name:>18}: {s * 1e3:8.1f} ms per step, {args.batch * args.seq_len / s:10,.0f} tok/s")
     print(f"  reset / whole: {best['reset at each EOS'] / best['whole windows']:.2f}x the time")

@@ -194,3 +194,27 @@ def test_the_resets_bench_times_both_steps_and_counts_the_pieces():
     m = re.search(r"(\d+) documents' ends at (\d+) distinct positions: (\d+) pieces", proc.stdout)
     assert m and int(m[2]) >= 2 and int(m[3]) in (int(m[2]), int(m[2]) + 1), proc.stdout
     assert re.search(r"reset / whole: \d+\.\d\dx the time", proc.stdout), proc.stdout
+
+
+def test_a_window_without_eos_runs_whole_and_returns_its_state_attached(monkeypatch):
+    """With bptt, a window holding no EOS is still one run of the loop (graphs included), and no
+    window's returned state is cut at its end, as without resets (the caller detaches it)."""
+    from kernels.graph import CPU_GRAPHS_ENV
+
+    monkeypatch.setenv(CPU_GRAPHS_ENV, "1")
+    cfg = dataclasses.replace(config("gpn_m_1l_step"), bptt=4, cuda_graphs=True)
+    model = make(cfg)
+    x = window(cfg.vocab_size)[:, :12]  # T = 12, a multiple of bptt
+    x[x == EOS] = EOS + 1
+    calls = []
+    monkeypatch.setattr(model, "_recurrence", lambda *a, **k: calls.append(a[0].shape[1]) or type(model)._recurrence(model, *a, **k))
+    plain_out = model(x, core="fused")
+    reset_out = model(x, resets=x == EOS, core="fused")
+    assert calls == [12, 12]  # one call each, over the whole window
+    assert torch.equal(plain_out.token_losses, reset_out.token_losses)
+    assert reset_out.state.s.grad_fn is not None and reset_out.state.M.grad_fn is not None
+    x[0, 5] = EOS
+    calls.clear()
+    out = model(x, resets=x == EOS, core="fused")
+    assert calls == [4, 2, 2, 4]  # cut after the EOS and at 4 and 8
+    assert out.state.s.grad_fn is not None and out.state.M.grad_fn is not None

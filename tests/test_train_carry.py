@@ -24,8 +24,8 @@ EOS = 3
 # bits in either order, so the world sizes agree bit for bit (gradient clipping off: its global norm
 # is summed per partition, in an order that follows the world size).
 BATCH = ("train.carry_state=true", "train.reset_on_eos=true", "train.grad_accum=null", "train.global_batch=4", "train.micro_batch=2",
-         "train.save_every=2", "train.keep_last=4", "train.grad_clip=0", "zero.stage=2", "data.val=null",
-         f"train.total_steps={TOTAL}")
+         "train.save_every=2", "train.keep_last=4", "train.grad_clip=0", "zero.stage=2", "eval.every=0",
+         "eval.batches=100", f"train.total_steps={TOTAL}")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,8 @@ def data(tmp_path_factory):
     """OUT/streams/train with documents ending mid-window in every stream, and at each window's end in
     the even ones (the run resets the state there: train.reset_on_eos)."""
     root = tmp_path_factory.mktemp("prep") / "streams"
-    write_streams(root / "train", STREAMS, WINDOWS, SEQ, 512, eos=EOS)
+    for split in ("train", "val"):  # val: the same windows, scored by the run from the empty state
+        write_streams(root / split, STREAMS, WINDOWS, SEQ, 512, eos=EOS)
     return root
 
 
@@ -52,6 +53,24 @@ def branch(reference: Path, run: Path, step: int) -> None:
     for name in ("metrics.jsonl", "samples.jsonl"):
         rows = (run / name).read_text().splitlines()
         (run / name).write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= step))
+
+
+def test_validation_resets_the_state_at_eos_as_training_does(data, reference):
+    """data.val (the streams' windows, each from the empty state) is scored with the resets: the
+    run's val_loss is the final model's mean loss over every window read with them."""
+    from gpn_scale.data.streams import reading
+    from gpn_scale.storage.checkpoints import load_model
+
+    val = [json.loads(l) for l in (reference / "metrics.jsonl").read_text().splitlines() if "val_loss" in l]
+    assert [r["step"] for r in val] == [TOTAL] and val[0]["val_tokens"] == STREAMS * WINDOWS * SEQ
+    model = load_model(reference / "checkpoints" / f"step_{TOTAL:08d}")
+    with reading(local=str(data / "val"), shuffle=False, batch_size=1) as ds:
+        x = torch.stack([torch.from_numpy(ds[i]["tokens"].astype("int64")) for i in range(len(ds))])
+    with torch.no_grad():
+        reset = model(x, resets=x == EOS).token_losses.double().mean().item()
+        carried = model(x).token_losses.double().mean().item()
+    assert val[0]["val_loss"] == pytest.approx(reset, rel=1e-5)
+    assert abs(carried - reset) > 100 * abs(val[0]["val_loss"] - reset)  # read without the resets, it is another loss
 
 
 def test_checkpoints_hold_each_slot_block_and_the_stream_position(reference):

@@ -51,8 +51,9 @@ def stream_tokens(split_dir: Path, layout, context: int, limit: int | None) -> t
 def eos_id(streams) -> int:
     """The EOS id of the prep that wrote the held-out streams (its stats.json)."""
     if streams.stats is None or streams.stats.get("eos_id") is None:
+        where = "no stats.json beside it" if streams.stats is None else "a stats.json without eos_id beside it"
         raise UserError(f"--reset-on-eos: needs the EOS id from the prep's stats.json, and {streams.split_dir} has "
-                        "none beside it (pass the prep output's directory as --data)")
+                        f"{where} (pass the prep output's directory as --data)")
     return int(streams.stats["eos_id"])
 
 

@@ -106,8 +106,6 @@ def columns(spec: Spec, first: bool) -> dict[str, slice]:
     return out
 
 
-
-
 def io_dtype(spec: Spec, sd: torch.dtype) -> torch.dtype:
     """The dtype of the per-step buffers the step's GEMMs read and write: the compute dtype when
     the step's kernels widen them on load and round into them on store, else the state's (sd)."""
@@ -280,13 +278,10 @@ class ChunkShared:
     delta: tuple | None = None
 
 
-
-
 def step_views(x, *shape):
     """Per-step views of a time-major (T, B, ...) tensor, made in one call: indexing inside the
     loop would cost a dispatched op per step and use."""
     return (x.view(*x.shape[:2], *shape) if shape else x).unbind(0)
-
 
 
 class ChunkRows(NamedTuple):
@@ -337,7 +332,6 @@ class Carry(NamedTuple):
     dg: torch.Tensor
     dM: torch.Tensor | None
     kn_flows: bool
-
 
 
 def read_outputs(spec: Spec, outputs: list, C: list) -> None:

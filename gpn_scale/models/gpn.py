@@ -355,6 +355,8 @@ class GPN(nn.Module):
         return torch.cat(outs, 1), GPNState(*state)
 
     def _resetting_recurrence(self, u, state: GPNState, core: str, hooks, resets: torch.Tensor):
+        if not resets.any():  # nothing to reset: the whole window in one run of the loop, graphs included
+            return self._recurrence(u, state, core, hooks)
         empty, outs = self.initial_state(u.shape[0], u.device), []
         cut = pieces(resets, self.config.bptt)
         # Each piece's backward reads what its forward saved; a captured graph keeps that in its own

@@ -36,14 +36,15 @@ def pieces(resets: torch.Tensor, bptt: int = 0) -> list[Piece]:
     `bptt` (where the loop detaches the state on its own: inside a piece it would count from the
     piece's start)."""
     T = resets.shape[1]
-    anywhere = resets.any(0)
-    stops = {t + 1 for t in torch.nonzero(anywhere).flatten().tolist()} | {T}
+    anywhere = resets.any(0).tolist()  # one read of the device, not one per piece
+    stops = {t + 1 for t, yes in enumerate(anywhere) if yes} | {T}
     if bptt:
         stops |= set(range(bptt, T, bptt))
     out, start = [], 0
     for stop in sorted(stops):
-        rows = resets[:, stop - 1]
-        out.append(Piece(start, stop, rows if bool(anywhere[stop - 1]) else None, bool(bptt) and stop % bptt == 0))
+        # the window's end is no cut: the state it returns is the caller's to detach, as without resets
+        out.append(Piece(start, stop, resets[:, stop - 1] if anywhere[stop - 1] else None,
+                         bool(bptt) and stop < T and stop % bptt == 0))
         start = stop
     return out
 

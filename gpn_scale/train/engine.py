@@ -278,8 +278,7 @@ class Trainer:
         for micro in range(self.grad_accum):
             batch = next(self.data)
             tokens = batch["tokens"].to(self.device, non_blocking=True)
-            # the state after each EOS is the empty one (models/resets.py)
-            resets = {"resets": tokens == self.data_info.eos_id} if self.cfg.train.reset_on_eos else {}
+            resets = self._resets(tokens)
             with self._autocast():
                 if self.carried is None:
                     loss = self.engine(tokens, **resets).loss
@@ -308,6 +307,10 @@ class Trainer:
                            tokens_per_s=tokens_per_s, step_time_s=step_time, peak_mem_bytes=peak_mem,
                            elapsed_s=self.clock.elapsed(), eta_s=self.clock.eta(self.step), mfu=mfu)
 
+    def _resets(self, tokens: torch.Tensor) -> dict:
+        """The forward's `resets` keyword: the state after each EOS is the empty one (models/resets.py)."""
+        return {"resets": tokens == self.data_info.eos_id} if self.cfg.train.reset_on_eos else {}
+
     @torch.no_grad()
     def evaluate(self) -> dict:
         if not self.cfg.data.val:
@@ -317,8 +320,9 @@ class Trainer:
         for i, batch in enumerate(self._val_loader()):
             if i >= self.cfg.eval.batches:
                 break
-            with self._autocast():
-                out = self.engine(batch["tokens"].to(self.device))
+            tokens = batch["tokens"].to(self.device)
+            with self._autocast():  # read as the run trains: the state reset at EOS with train.reset_on_eos
+                out = self.engine(tokens, **self._resets(tokens))
             total += torch.tensor([out.token_losses.double().sum().item(), out.token_losses.numel()],
                                   dtype=torch.float64, device=self.device)
         self.model.train()
