@@ -360,10 +360,10 @@ class GPN(nn.Module):
         empty, outs = self.initial_state(u.shape[0], u.device), []
         cut = pieces(resets, self.config.bptt)
         # Each piece's backward reads what its forward saved; a captured graph keeps that in its own
-        # memory, which the next piece of the same length would overwrite: several pieces run eagerly.
-        graphs = len(cut) == 1
-        fused = None
-        if core == "fused" and hooks is None and len(cut) > 1:  # the fused weights made once, not per piece
+        # memory, which the next piece of the same length would overwrite: several pieces run eagerly,
+        # from fused weights made once, not per piece.
+        graphs, fused = len(cut) == 1, None
+        if core == "fused" and hooks is None and not graphs:
             with torch.autocast(u.device.type, enabled=False):
                 fused = fuse_weights(self)
         for piece in cut:

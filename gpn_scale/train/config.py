@@ -189,14 +189,11 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
     from gpn_scale.models import MODEL_FAMILIES
 
     family = cfg.model.get("family")
-    if cfg.train.carry_state and not MODEL_FAMILIES[family].carries_state:
-        raise UserError(f"{OVERRIDE if 'carry_state' in overrides.get('train', {}) else where}: train.carry_state: "
-                        f"the {family} family carries no state from one window to the next (its context is its "
-                        f"window); use gpn, gpn_m or gdn, or set train.carry_state=false")
-    if cfg.train.reset_on_eos and not MODEL_FAMILIES[family].carries_state:
-        raise UserError(f"{OVERRIDE if 'reset_on_eos' in overrides.get('train', {}) else where}: train.reset_on_eos: "
-                        f"the {family} family has no recurrent state to reset (its attention spans the window); use "
-                        f"gpn, gpn_m or gdn, or set train.reset_on_eos=false")
+    for key, why in (("carry_state", "carries no state from one window to the next (its context is its window)"),
+                     ("reset_on_eos", "has no recurrent state to reset (its attention spans the window)")):
+        if getattr(cfg.train, key) and not MODEL_FAMILIES[family].carries_state:
+            raise UserError(f"{OVERRIDE if key in overrides.get('train', {}) else where}: train.{key}: the {family} family "
+                            f"{why}; use gpn, gpn_m or gdn, or set train.{key}=false")
     for key, value in (("run.dir", cfg.run.dir), ("data.train", cfg.data.train)):
         if not value:
             raise UserError(f"{where}: {key}: missing")
