@@ -110,9 +110,12 @@ def peak_memory(cfg, batch: int, seq_len: int, params: int) -> dict:
     f32, tokens = 4, batch * seq_len
     m = H * dk * dv * f32 * batch
     per_token = (2 * d + (L - 1) * (d + 1) + 3 * H) * f32  # u, P; later layers' inputs and rms; the write's gates
+    kept_m = m  # M at a chunk's start, as the forward keeps it
     if cfg.memory_form == "chunk":
         per_token += (L + 2) * H * dv * f32  # each step's reads, the write's error and delta
-        chunk_m = 4 * m  # M_c, its copy in the reads' dtype, dL/dM in two buffers
+        chunk_m = 3 * m  # the window's last M, dL/dM in two buffers
+        if cfg.memory_reads == "compute":
+            kept_m = m // 2  # only the bf16 copy its steps read
     else:
         chunk_m = (C + 2) * m  # the chunk's rebuilt M's, dL/dM in two buffers
     n_rows = 2 * H * dk + 2 * H * dv + 2 * H + 2 * cfg.d_ffn + d  # layer 0's fused projection
@@ -120,7 +123,7 @@ def peak_memory(cfg, batch: int, seq_len: int, params: int) -> dict:
     # weight gradients of one chunk run on a side stream beside the next chunk's sweep)
     chunk_rows = 2 * C * batch * (2 * n_rows + 2 * (cfg.d_ffn + H * dv) + 4 * d) * f32
     logits = 2 * cfg.ce_chunk * cfg.vocab_size * f32
-    parts = dict(saved=tokens * per_token, m_per_chunk=math.ceil(seq_len / C) * m, backward_chunk=chunk_m + chunk_rows,
+    parts = dict(saved=tokens * per_token, m_per_chunk=math.ceil(seq_len / C) * kept_m, backward_chunk=chunk_m + chunk_rows,
                  logits=logits, weights_and_optimizer=params * 16)
     return dict(parts, total=sum(parts.values()))
 

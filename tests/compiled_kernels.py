@@ -43,6 +43,7 @@ ARITH = {
     "_read_fwd": {"M", "O"},
     "_gated_rms_fwd": {"O"},  # y may be the next GEMM's bf16
     "_gated_rms_bwd": {"DO"},  # dgate may be the next GEMM's bf16
+    "_read_factors": {"O", "R", "O_HAT", "SILU_GATE", "TO_GATE"},  # the gate may be the projection's bf16, y the next GEMM's
     "_read_bwd": {"M", "DM_OUT", "PART"},
     "_step_bwd": {"M_PREV", "DM_PREV", "DV_OUT", "PART"},
     "_head_sums": {"PART", "DQ", "DK_OUT", "DBETA", "DDECAY"},
@@ -91,7 +92,8 @@ INDICES = {"TGT"}  # pointers to integer indices (the cross-entropy's targets)
 CONSTEXPRS = {"BK": 128, "BV": 16, "BN": 1024, "BF": 1024, "BH": 16, "BHEADS": 32, "HEADS": True, "GATES": True,
               "HAS_HAT": True, "HAS_EXTRA": True, "HAS_LOW": True, "HAS_LOW_FAC": True, "L2EPS": 1e-12,
               "STEP": True,  # `_head_sums` for the step's backward: its code holds the read's as a part
-              "BC": 32, "CLOSE": True, "BL": 2, "BR": 32, "APART": True}  # the chunk form at chunks of 32, its last step (which writes M)
+              "BC": 32, "CLOSE": True, "BL": 2, "BR": 32, "APART": True,  # the chunk form at chunks of 32, its last step (which writes M)
+              "COPY": True, "WRITE_Y": True}
 TARGET = GPUTarget("cuda", 90, 32)
 knobs.nvidia.dump_ptxas_log = True  # ptxas -v's report, printed to stdout
 knobs.compilation.always_compile = True  # a kernel from Triton's cache runs no ptxas

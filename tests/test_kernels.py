@@ -352,6 +352,30 @@ def test_gate_factors_match_twin(shape, dtype, monkeypatch):
         assert ((z.double() - silu_h2).abs() <= silu_h2.abs() * 2 ** -8 + 1e-30).all()
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [K.ROW_BLOCK, 32])
+def test_read_factors_match_twin(block, dtype, monkeypatch):
+    """The chunk's read factors from its raw reads and the gate read in place from the recomputed
+    projection's rows (in its GEMM's dtype), with the read outputs into a column slice of the
+    second GEMM's input rows (in its dtype): against the twin's, which widens the gate first; a
+    block of 32 runs each row over several blocks, the last partial. Without out_y nothing but the
+    factors is written."""
+    monkeypatch.setattr(K, "ROW_BLOCK", block)
+    rows, n = 7, 3 * 33
+    o = rand(rows, n, seed=60) * 2
+    Y = rand(rows, n + 5, seed=61).mul(3).to(dtype)
+    got_z, want_z = buf(True, rows, n + 4, dtype=dtype), buf(False, rows, n + 4, dtype=dtype)
+    got = K.read_factors(o, Y[:, 2 : n + 2], out_y=got_z[:, 3 : n + 3])
+    want = T.read_factors(o, Y[:, 2 : n + 2], out_y=want_z[:, 3 : n + 3])
+    for name, a, b in zip(got._fields, got, want):
+        check(a, b, torch.float32, name)
+    check(got_z[:, 3 : n + 3], want_z[:, 3 : n + 3], dtype, "y")
+    assert got_z[:, :3].isnan().all() and got_z[:, n + 3 :].isnan().all()  # nothing written outside the slice
+    alone = K.read_factors(o, Y[:, 2 : n + 2])
+    assert all(torch.equal(a, b) for a, b in zip(alone, got))
+
+
 @pytest.mark.parametrize("shape", EW_SHAPES[1:], ids=lambda s: "x".join(map(str, s[:6])))
 @impls
 def test_narrow_outputs_are_rounded_to_nearest_even(impl, shape):

@@ -111,6 +111,7 @@ EXPECTED = {
     "_step_fwd": set(), "_write": set(), "_read_fwd": set(), "_read_bwd": set(), "_step_bwd": set(), "_head_sums": set(),
     "_gate_grads": set(), "_l2n_relu_bwd": set(),
     "_gated_rms_fwd": SIGMOID | NORM,  # silu(gate) o / rms(o)
+    "_read_factors": SIGMOID | NORM,  # the same, and o / rms(o), silu'(gate)'s products
     "_gated_rms_bwd": {"div.full.f32"},  # / N, / rms
     "_residual_rms_bwd": {"div.full.f32"},
     "_gate_factors": SIGMOID,  # the SwiGLU's and the predict gate's sigmoid

@@ -156,7 +156,8 @@ def test_chunk_kernels_match_twin(shape, n, layers, dtype, monkeypatch):
 
 def test_products_of_M_c_in_bf16_match_twin(monkeypatch):
     """memory_reads: compute: the per-step products read a bf16 copy of M_c (forward `M_read`, the
-    backward's M_c argument), the arithmetic and the chunk's end M in float32."""
+    backward's M_c argument), the arithmetic and the chunk's end M in float32; the chunk's last
+    step also writes the next chunk's copy (`out_M_read`), bit for bit the float32 end M cast."""
     monkeypatch.setattr(memory_triton, "TILE", 64)
     n, B, H, dk, dv = 5, 2, 3, 7, 33
     x = chunk_inputs(n, 2, B, H, dk, dv, torch.float32, seed=4)
@@ -164,11 +165,14 @@ def test_products_of_M_c_in_bf16_match_twin(monkeypatch):
     outputs = {}
     for name, impl in (("triton", K), ("twin", T)):
         Kb, Db, end = nan(n, B, H, dk, dtype=torch.float32), nan(n, B, H, dv, dtype=torch.float32), torch.full_like(x["M"], float("nan"))
+        end_low = torch.full_like(low, float("nan"))
         got = []
         for j in range(n):
+            last = j == n - 1
             got += impl.step(x["M"], Kb, Db, x["decays"], j, x["keys"][j], x["values"][j], x["beta"][j], x["queries"][0][j],
-                             x["gates"][0][j], out_M=end if j == n - 1 else None, M_read=low)
+                             x["gates"][0][j], out_M=end if last else None, M_read=low, out_M_read=end_low if last else None)
             got += impl.read(x["M"], Kb, Db, x["decays"], j, x["queries"][1][j], x["gates"][1][j], M_read=low)
+        assert torch.equal(end_low, end.to(torch.bfloat16)), name
         outputs[name] = (got, end)
     for i, (a, b) in enumerate(zip(*(outputs[n][0] for n in ("triton", "twin")))):
         assert_close(a, b, TOL[torch.float32], f"forward output {i}")

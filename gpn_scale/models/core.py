@@ -132,7 +132,7 @@ def _buffers(spec: Spec, layers, T, B, like, gate_rows):
         S.E = kept(H, dv)  # the write's error
         S.DELTA = new(H, dv) if keeps else None  # beta e
         S.BETA, S.GAMMA, S.DECAY = (like.new_empty((gate_rows, B, H)) for _ in range(3))  # the write's gates
-        S.M = []  # M before every chunk
+        S.M = []  # M before every chunk (the chunk form with memory_reads: compute keeps its reads' copy)
     return S
 
 
@@ -274,12 +274,13 @@ def _chunk_buffers(spec: Spec, S, span: Span, layers, A, rows: ChunkRows, work):
                  dpg=_steps(dY[..., col["pg"]]), dz_ffn=_steps(dZ[..., None, :Fd]), dz_read=_steps(dZ[..., Fd:]))
         if spec.memory:
             nh = S.NQ[i].shape[2]
-            # The heads and the read's gate feed torch's elementwise ops: widened to the state's dtype.
+            # The heads feed torch's elementwise ops: widened to the state's dtype. The read's factors
+            # widen the gate on load; the step form's rebuild, which replays the reads, takes it widened.
             nq, norms = l2n_relu(Y[..., col["heads"]].to(sd).view(L, B, nh, H, dk))
-            gate = Y[..., col["gate"]].to(sd)
+            gate = Y[..., col["gate"]]
             O = S.O[i][sl] if form.KEEPS_READS else empty(L, B, H * spec.dv)  # kept, or from the rebuild
             c.update(nq=_steps(nq), q_full=nq[:, :, -1], q=_steps(nq[:, :, -1]), nq_mask=_steps((nq > 0) / norms), gate_full=gate,
-                     gate=_steps(gate), O_full=O, o=_steps(O), z_read=_steps(Z[..., Fd:]),
+                     gate=None if form.KEEPS_READS else _steps(gate.to(sd)), O_full=O, o=_steps(O), z_read=_steps(Z[..., Fd:]),
                      dgate=_steps(dY[..., col["gate"]]), dheads=_steps(dY[..., col["heads"]], nh, H, dk))
             if i == 0:
                 c.update(keys=[k_first] + list(_steps(nq[:-1, :, 0])), v=_steps(Y[..., col["v"]], H, spec.dv))

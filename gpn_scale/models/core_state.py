@@ -13,12 +13,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from kernels import Backend
-from kernels.common import rms
 from kernels.memory import ReadFactors
-from kernels.memory.reference import read_factors
 
 
 class LayerWeights(NamedTuple):
@@ -338,8 +335,10 @@ def read_outputs(spec: Spec, outputs: list, C: list) -> None:
     """The chunk's read outputs y = silu(gate) o / rms(o) into the second GEMM's input rows of the
     layers `outputs` (whose reads were not made by a memory function that writes them), then the
     read factors of every layer (`ChunkLayer.rf`)."""
-    for c in outputs:
-        torch.mul(F.silu(c.gate_full), c.O_full / rms(c.O_full), out=c.Z_full[..., spec.F :])
+    factors = spec.backend.memory.read_factors
     for c in C:
-        c.rf = [ReadFactors(*f) for f in zip(*map(step_views, read_factors(c.O_full, c.gate_full)))]
+        y = c.Z_full[..., spec.F :] if any(c is o for o in outputs) else None
+        L, B, n = c.O_full.shape
+        f = factors(c.O_full.view(L * B, n), c.gate_full.reshape(L * B, n), out_y=None if y is None else y.view(L * B, n))
+        c.rf = [ReadFactors(*v) for v in zip(*(step_views(x.view(L, B, -1)) for x in f))]
 

@@ -5,7 +5,8 @@ Forward: within a chunk of L steps every step reads M_c, the memory at the chunk
 corrects the read with the chunk's keys and deltas kept so far (`chunk.step` for layer 0, which
 also forms the write's error, `chunk.read` for the later layers); the chunk's last step writes
 M once. With `memory_reads: compute` the per-step products read a copy of M_c in the compute
-dtype, made once per chunk. Every step's reads, errors and deltas are kept (T rows).
+dtype, made once per chunk. Every step's reads, errors and deltas are kept (T rows), and M at every chunk's start (with
+`memory_reads: compute` only its copy, which is all the backward reads of it).
 
 Backward: per chunk, the L x L algebra of its keys is formed once from the forward's deltas,
 errors and reads (`algebra.from_forward`), with dL/dM at the chunk's end reduced to the products
@@ -49,15 +50,22 @@ class Forward:
         self.keys = M.new_empty((L, B, spec.H, spec.dk))
         self.work_deltas = None if save else M.new_empty((L, B, spec.H, spec.dv))  # saved: the chunk's rows of S.DELTA
         self.ci = -1
+        # With low reads each chunk's last step also writes the next chunk's copy of M (a buffer of its
+        # own when saved, else one of two in turn); the window's first chunk casts its M_c.
+        self.read_ring = step_views(M.new_empty((2,) + M.shape, dtype=spec.compute_dtype)) if spec.low_reads and not save else None
+        self.last_end, self.next_read = max(self.ends), None
 
     def begin_chunk(self, t: int, c1: int) -> None:
         S, M = self.S, self.M
         self.c0, self.M_c, self.ci = t, M, self.ci + 1
-        if self.save:
-            S.M.append(M)
+        if self.spec.low_reads:
+            self.M_read = M.to(self.spec.compute_dtype) if self.next_read is None else self.next_read
+        else:
+            self.M_read = None
+        if self.save:  # what the backward's products read: with low reads the copy alone, half M's bytes
+            S.M.append(M if self.M_read is None else self.M_read)
         self.decays = S.DECAY[t:c1] if self.save else S.DECAY[: c1 - t]
         self.deltas = S.DELTA[t:c1] if self.save else self.work_deltas
-        self.M_read = M.to(self.spec.compute_dtype) if self.spec.low_reads else None  # once per chunk
 
     def gate_slot(self, t: int, s: int) -> int:
         """The row of step t's write gates: its saved slot, or its row in the chunk."""
@@ -66,12 +74,16 @@ class Forward:
     def write(self, t: int, w: int, s: int, v, k) -> None:
         """Step t's write (its delta kept; M written at the chunk's last step only, into a buffer
         other than M_c) and layer 0's read."""
-        out_M = None
-        if t in self.ends:
-            out_M = self.M.new_empty(self.M.shape) if self.save else self.ring[self.ci % 2]
+        out_M = out_read = None
+        if t in self.ends:  # a saved M_c is the backward's: a fresh buffer, else one of the ring's in turn
+            out_M = self.M.new_empty(self.M.shape) if self.save and not self.spec.low_reads else self.ring[self.ci % 2]
+            if self.spec.low_reads and t != self.last_end:
+                out_read = self.M_read.new_empty(self.M.shape) if self.save else self.read_ring[self.ci % 2]
         self.ops.step(self.M_c, self.keys, self.deltas, self.decays, t - self.c0, k, v.v[w], self.BETA[self.gate_slot(t, s)],
-                      v.q[w], v.gate[w], out_e=self.E[s], out_o=v.o[s], out_y=v.z_read[w], out_M=out_M, M_read=self.M_read)
+                      v.q[w], v.gate[w], out_e=self.E[s], out_o=v.o[s], out_y=v.z_read[w], out_M=out_M, M_read=self.M_read,
+                      out_M_read=out_read)
         self.M = self.M if out_M is None else out_M
+        self.next_read = out_read
 
     def read(self, t: int, w: int, s: int, v) -> None:
         """A later layer's read at step t."""
@@ -120,8 +132,7 @@ class Backward:
         G.delta = step_views(r.delta)
         read_outputs(spec, C, C)
         co = algebra.coefficients(*self.ops.dm_products(dM, keys, r.delta), keys, r, beta, queries)
-        M_c = S.M[span.index].to(spec.compute_dtype) if spec.low_reads else S.M[span.index]  # what the step's products read
-        return ChunkSweep(M_c, keys, queries, r, co)
+        return ChunkSweep(S.M[span.index], keys, queries, r, co)  # M_c as the step's products read it (`low_reads`: a copy)
 
     def write(self, j: int, t: int, c: ChunkLayer, G: ChunkShared, Ms: ChunkSweep, dM, out_dk):
         """Back through step t's write and layer 0's read (row j of the chunk); dL/dM is not carried

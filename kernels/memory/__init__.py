@@ -34,3 +34,4 @@ class MemoryOps:
     decay_and_write: Callable
     memory_read_backward: Callable
     memory_step_backward: Callable
+    read_factors: Callable  # once per chunk of the reverse sweep: the reads' factors (and outputs) for its rows

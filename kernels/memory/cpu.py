@@ -61,4 +61,4 @@ def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors,
     return dM_prev, dk, dv, dbeta, ddecay, dq, dgate
 
 
-OPS = MemoryOps(memory_step, memory_read, decay_and_write, memory_read_backward, memory_step_backward)
+OPS = MemoryOps(memory_step, memory_read, decay_and_write, memory_read_backward, memory_step_backward, twin.read_factors)

@@ -54,9 +54,15 @@ def memory_step(M, k, v, beta, decay, q, gate, *, out_e=None, out_o=None, out_y=
     return M, e, o, y
 
 
-def read_factors(o, gate) -> ReadFactors:
+def read_factors(o, gate, *, out_y=None) -> ReadFactors:
+    """The reads' `ReadFactors` over rows of raw reads o (R, H*dv) and gates (R, H*dv), the gate
+    in any dtype (widened to o's); with `out_y`, the read outputs y = silu(gate) o / rms(o) too,
+    rounded into its dtype. Once per chunk of the reverse sweep, for all its steps at once."""
+    gate = gate.to(o.dtype)
     r = rms(o)
     o_hat = o / r
+    if out_y is not None:
+        torch.mul(F.silu(gate), o_hat, out=out_y)
     sg = torch.sigmoid(gate)
     return ReadFactors(r, o_hat, gate * sg, o_hat * sg * (1 + gate * (1 - sg)))
 
@@ -108,4 +114,4 @@ def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors,
     return dM, dk, dv, dbeta, ddecay, dq, dgate
 
 
-OPS = MemoryOps(memory_step, memory_read, decay_and_write, memory_read_backward, memory_step_backward)
+OPS = MemoryOps(memory_step, memory_read, decay_and_write, memory_read_backward, memory_step_backward, read_factors)

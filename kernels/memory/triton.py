@@ -153,6 +153,35 @@ def _gated_rms_bwd(DY, R, O_HAT, SILU_GATE, TO_GATE, DO, DGATE, sdy, sr, soh, ss
 
 
 @triton.jit
+def _read_factors(O, GATE, R, O_HAT, SILU_GATE, TO_GATE, Y, so, sg, soh, ssg, stg, sy, N, eps, WRITE_Y: tl.constexpr,
+                  BN: tl.constexpr):
+    """The read's factors for block p of row b in program (b, p): o_hat = o / rms(o), silu(gate),
+    o_hat silu'(gate) and (WRITE_Y) y = silu(gate) o_hat, rounded on store; rms(o) by block 0.
+    The row's squares are summed by every program, as `_gated_rms_fwd` does. Computed in o's dtype;
+    the gate may be the projection's bf16, widened on load."""
+    b, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    dt = O.dtype.element_ty
+    ss = tl.zeros([BN], dtype=dt)
+    for c0 in range(0, N, BN):
+        c = c0 + tl.arange(0, BN)
+        o = tl.load(O + b * so + c, mask=c < N, other=0.0).to(dt)
+        ss += o * o
+    r = tl.sqrt(tl.sum(ss, 0) / N + eps)
+    tl.store(R + b, r, mask=p == 0)
+    c = p * BN + tl.arange(0, BN)
+    mask = c < N
+    o_hat = tl.load(O + b * so + c, mask=mask, other=0.0).to(dt) / r
+    g = tl.load(GATE + b * sg + c, mask=mask, other=0.0).to(dt)
+    s = _sigmoid(g)
+    silu = g * s
+    tl.store(O_HAT + b * soh + c, o_hat, mask=mask)
+    tl.store(SILU_GATE + b * ssg + c, silu, mask=mask)
+    tl.store(TO_GATE + b * stg + c, o_hat * s * (1.0 + g * (1.0 - s)), mask=mask)
+    if WRITE_Y:
+        tl.store(Y + b * sy + c, _rounded(silu * o_hat, Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _read_bwd(M, Q, DO, DM, DM_OUT, PART, sq, sdo, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
     """dM_out = dM + q do^T for one block of columns; this block's share of dq = M do goes to PART."""
     bh = tl.program_id(0).to(tl.int64)
@@ -332,6 +361,23 @@ def _read_grad(f: ReadFactors, dy, out_dgate, out_do=None):
     return layout.finish(do_w, do), layout.finish(dg_w, dgate)
 
 
+def read_factors(o, gate, *, out_y=None) -> ReadFactors:
+    """The reads' `ReadFactors` over rows o (R, H*dv) and gates (R, H*dv, any dtype), and with
+    `out_y` the read outputs, in one pass: once per chunk of the reverse sweep."""
+    R, n = o.shape[0], o.numel() // o.shape[0]
+    o, so = layout.rows(o, n)
+    gate, sg = layout.rows(gate, n)
+    r = layout.empty(o, (R, 1))
+    o_hat, silu_gate, to_gate = (layout.empty(o, (R, n)) for _ in range(3))
+    y_w, y, sy = (o_hat, None, 0) if out_y is None else layout.out(out_y, n, out_y, out_y.shape)
+    bn = layout.split(n, ROW_BLOCK)
+    _read_factors[(R, triton.cdiv(n, bn))](o, gate, r, o_hat, silu_gate, to_gate, y_w, so, sg, n, n, n, sy, n, RMS_EPS,
+                                           WRITE_Y=out_y is not None, BN=bn, num_warps=layout.warps(bn))
+    if out_y is not None:
+        layout.finish(y_w, y)
+    return ReadFactors(r, o_hat, silu_gate, to_gate)
+
+
 def memory_read_backward(M, q, f: ReadFactors, dy, dM, *, out_dq=None, out_dgate=None, out_dM=None):
     """Gradients of `memory_read` given dy. Returns (dq, dgate, dM + the read's share of dL/dM),
     the last in `out_dM` when given (contiguous, a buffer other than dM)."""
@@ -394,4 +440,4 @@ def memory_step_backward(M_prev, M, k, beta, decay, e, delta, q, f: ReadFactors,
     return dM_prev, dk, dv, dbeta, ddecay, dq, dgate
 
 
-OPS = MemoryOps(memory_step, memory_read, decay_and_write, memory_read_backward, memory_step_backward)
+OPS = MemoryOps(memory_step, memory_read, decay_and_write, memory_read_backward, memory_step_backward, read_factors)

@@ -68,10 +68,12 @@ def _finish(x, out):
     return x if out is None else out.copy_(x.view(out.shape))
 
 
-def step(M_c, K, D, decays, j: int, k, v, beta, q, gate, *, out_e=None, out_o=None, out_y=None, out_M=None, M_read=None):
+def step(M_c, K, D, decays, j: int, k, v, beta, q, gate, *, out_e=None, out_o=None, out_y=None, out_M=None, M_read=None,
+         out_M_read=None):
     """Step j of the chunk: e = v - M_{j-1}^T k, delta = beta e, o = M_j^T q and the read's output.
     Writes k into K[j] and delta into D[j]. With `out_M` (the chunk's last step) also writes
-    M_j, the chunk's end, there. The products read `M_read` when given (M_c in a narrower dtype;
+    M_j, the chunk's end, there, and with `out_M_read` M_j rounded into it (the next chunk's
+    copy in its reads' dtype). The products read `M_read` when given (M_c in a narrower dtype;
     M_j is formed from M_c itself). Returns (e, o, y)."""
     B, H, n_k, n_v = M_c.shape
     M_read = M_c if M_read is None else M_read
@@ -86,6 +88,8 @@ def step(M_c, K, D, decays, j: int, k, v, beta, q, gate, *, out_e=None, out_o=No
     o = col[0].unsqueeze(-1) * mq + _combine(col[1:] * _rows_dot(K[: j + 1], q.view(B, H, n_k)), D[: j + 1])
     if out_M is not None:
         out_M.copy_(col[0].view(B, H, 1, 1) * M_c + torch.einsum("nbhk,nbhv->bhkv", col[1:].unsqueeze(-1) * K[: j + 1], D[: j + 1]))
+        if out_M_read is not None:
+            out_M_read.copy_(out_M)
     return _finish(e, out_e), _finish(o.view(B, H * n_v), out_o), _read_out(o, gate, out_y)
 
 

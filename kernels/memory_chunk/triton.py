@@ -64,14 +64,15 @@ def _rows(X, ci, bh, BH, d, idx, rmask, imask):
 
 
 @triton.jit
-def _chunk_step_fwd(MC, MC_END, KC, DC, DEC, K, V, Q, BETA, E, O, K_OUT, D_OUT, M_OUT, j, sdt, sk, sv, sq, sbeta, se, so, H,
-                    DK, DV, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, CLOSE: tl.constexpr,
-                    APART: tl.constexpr):
+def _chunk_step_fwd(MC, MC_END, KC, DC, DEC, K, V, Q, BETA, E, O, K_OUT, D_OUT, M_OUT, M_OUT_READ, j, sdt, sk, sv, sq, sbeta,
+                    se, so, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, CLOSE: tl.constexpr,
+                    APART: tl.constexpr, COPY: tl.constexpr):
     """Step j for one block of columns, from the chunk's rows before it (KC, DC: rows 0..j-1;
     DEC: the decays of rows 0..j): e = v - M_{j-1}^T k, delta = beta e (into D_OUT, and k into
     K_OUT: row j of the chunk buffers), o = M_j^T q; with CLOSE also M_j, the chunk's end, into
-    M_OUT. The products read MC (M_c, or with APART its copy in a narrower dtype); M_j is formed
-    from MC_END, M_c itself (APART), in the outputs' dtype."""
+    M_OUT, and with COPY M_j rounded into M_OUT_READ (the next chunk's copy in the reads' dtype, as a
+    cast would make it). The products read MC (M_c, or with APART its copy in a narrower dtype);
+    M_j is formed from MC_END, M_c itself (APART), in the outputs' dtype."""
     bh = tl.program_id(0).to(tl.int64)
     BH = tl.num_programs(0)
     b, h = bh // H, bh % H
@@ -110,6 +111,9 @@ def _chunk_step_fwd(MC, MC_END, KC, DC, DEC, K, V, Q, BETA, E, O, K_OUT, D_OUT, 
             d_i = tl.load(DC + (i * BH + bh) * DV + cols, mask=cmask, other=0.0).to(dt)
             acc += g_i * k_i[:, None] * d_i[None, :]
         tl.store(M_OUT + bh * DK * DV + tile, acc, mask=rmask[:, None] & cmask[None, :])
+        if COPY:
+            tl.store(M_OUT_READ + bh * DK * DV + tile, _rounded(acc, M_OUT_READ.dtype.element_ty),
+                     mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -344,9 +348,11 @@ def _rows_block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def step(M_c, K, D, decays, j: int, k, v, beta, q, gate, *, out_e=None, out_o=None, out_y=None, out_M=None, M_read=None):
-    """Step j of the chunk: returns (e, o, y); k into K[j], beta e into D[j]; with `out_M`, M_j.
-    The products read `M_read` when given (M_c in the compute dtype)."""
+def step(M_c, K, D, decays, j: int, k, v, beta, q, gate, *, out_e=None, out_o=None, out_y=None, out_M=None, M_read=None,
+         out_M_read=None):
+    """Step j of the chunk: returns (e, o, y); k into K[j], beta e into D[j]; with `out_M`, M_j,
+    and with `out_M_read` too, M_j rounded into it. The products read `M_read` when given (M_c in
+    the compute dtype)."""
     M_c = _check_m(M_c)
     B, H, n_k, n_v = M_c.shape
     apart = M_read is not None
@@ -362,10 +368,12 @@ def step(M_c, K, D, decays, j: int, k, v, beta, q, gate, *, out_e=None, out_o=No
     close = out_M is not None
     M_out = _check_m(out_M) if close else M_c[:0]  # never touched without CLOSE
     M_end = M_c if close and apart else M_c[:0]  # read only to form M at the chunk's end, apart from M_read
+    copy = close and out_M_read is not None
+    M_out_read = _check_m(out_M_read) if copy else M_c[:0]
     _chunk_step_fwd[(B * H, triton.cdiv(n_v, bv))](
-        M_read, M_end, K[:j], D[:j], decays[: j + 1], k, v, q, beta, e_w, o_w, K[j], D[j], M_out, j, _decay_rows(decays), sk, sv,
-        sq, sbeta, se, so, H, n_k, n_v, BK=bk, BV=bv, BC=_rows_block(K.shape[0]), CLOSE=close, APART=apart,
-        num_warps=layout.warps(bk * bv))
+        M_read, M_end, K[:j], D[:j], decays[: j + 1], k, v, q, beta, e_w, o_w, K[j], D[j], M_out, M_out_read, j,
+        _decay_rows(decays), sk, sv, sq, sbeta, se, so, H, n_k, n_v, BK=bk, BV=bv, BC=_rows_block(K.shape[0]), CLOSE=close,
+        APART=apart, COPY=copy, num_warps=layout.warps(bk * bv))
     layout.finish(e_w, e)
     layout.finish(o_w, o)
     return e, o, _gated_rms(o, gate, out_y)
