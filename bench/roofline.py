@@ -119,9 +119,12 @@ def peak_memory(cfg, batch: int, seq_len: int, params: int) -> dict:
     else:
         chunk_m = (C + 2) * m  # the chunk's rebuilt M's, dL/dM in two buffers
     n_rows = 2 * H * dk + 2 * H * dv + 2 * H + 2 * cfg.d_ffn + d  # layer 0's fused projection
-    # projections, second-GEMM rows, their gradients: two workspaces, used in turn on a GPU (the
-    # weight gradients of one chunk run on a side stream beside the next chunk's sweep)
-    chunk_rows = 2 * C * batch * (2 * n_rows + 2 * (cfg.d_ffn + H * dv) + 4 * d) * f32
+    keep = cfg.core_projections == "keep"
+    if keep:  # every step's projections, in the GEMMs' bf16
+        per_token += 2 * (n_rows + (L - 1) * (H * dk + H * dv + 2 * cfg.d_ffn + d))
+    # projections (unless kept), second-GEMM rows, their gradients: two workspaces, used in turn on
+    # a GPU (the weight gradients of one chunk run on a side stream beside the next chunk's sweep)
+    chunk_rows = 2 * C * batch * ((1 if keep else 2) * n_rows + 2 * (cfg.d_ffn + H * dv) + 4 * d) * f32
     logits = 2 * cfg.ce_chunk * cfg.vocab_size * f32
     parts = dict(saved=tokens * per_token, m_per_chunk=math.ceil(seq_len / C) * kept_m, backward_chunk=chunk_m + chunk_rows,
                  logits=logits, weights_and_optimizer=params * 16)

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 CASES = {"gpn_2l": dict(family="gpn", n_layers=2), "gpn_m_1l_step": dict(n_layers=1, memory_form="step"),
          "gpn_m_2l_chunk": dict(n_layers=2, memory_form="chunk"), "gpn_m_1l_chunk_bptt": dict(n_layers=1, memory_form="chunk",
-                                                                                          bptt=5)}
+                                                                                          bptt=5),
+         "gpn_m_2l_step_kept": dict(n_layers=2, memory_form="step", core_projections="keep")}
 
 
 def on(model, lanes, graphs=None):

@@ -107,7 +107,10 @@ CHUNK_FORM = [dict(core_chunk=1), dict(core_chunk=7), dict(core_chunk=32), dict(
 
 @pytest.mark.parametrize("case,changes", [(case, dict(memory_form="step", **c)) for case in ("gpn_2l", "gpn_m_1l", "gpn_m_2l_bias")
                                           for c in CHUNKING]
-                         + [(case, dict(memory_form="chunk", **c)) for case in ("gpn_m_1l", "gpn_m_2l_bias") for c in CHUNK_FORM],
+                         + [(case, dict(memory_form="chunk", **c)) for case in ("gpn_m_1l", "gpn_m_2l_bias") for c in CHUNK_FORM]
+                         + [("gpn_2l", dict(core_chunk=7, core_projections="keep"))]
+                         + [("gpn_m_2l_bias", dict(memory_form=f, core_chunk=7, bptt=5, core_projections="keep"))
+                            for f in ("step", "chunk")],
                          ids=str)
 def test_fused_matches_naive_exactly_in_float64(case, changes):
     """In float64 the two cores agree to rounding: the math is the same, chunking and truncation included."""
@@ -211,6 +214,41 @@ def test_chunk_reads_in_the_compute_dtype_keep_only_the_copy_of_each_chunks_M():
     assert torch.equal(S.M[0], model.initial_state(2, tokens.device).M.to(torch.bfloat16))
     for m, start in zip(S.M[1:], starts):
         assert start.dtype == torch.float32 and torch.equal(m, start.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("form", ["step", "chunk"])
+def test_kept_projections_are_saved_per_step_and_not_recomputed(form, monkeypatch):
+    """core_projections: keep: the forward keeps every step's fused projection (each layer's, in the
+    GEMMs' dtype) and the backward reads them, running no projection GEMM of its own (only the
+    fuse gate's, per chunk); the loss and gradients those of recomputing them, to float32's
+    rounding of GEMMs of other shapes."""
+    from gpn_scale.models import core
+
+    calls, real = [], core._mm
+
+    def counted(x, w, *args, **kwargs):
+        calls.append(tuple(w.shape))
+        return real(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(core, "_mm", counted)
+    model = make(**CASES["gpn_m_2l"], memory_form=form, core_chunk=5)
+    tokens = torch.randint(0, ODD.vocab_size, (2, 13))
+    results = {}
+    for projections in ("recompute", "keep"):
+        model.config = dataclasses.replace(model.config, core_projections=projections)
+        calls.clear()
+        out = model(tokens)
+        S = _fused_node(out.loss).S
+        out, grads = loss_and_grads(model, tokens, "fused")
+        results[projections] = (out, grads, len(calls), S)
+    (out_r, g_r, n_r, S_r), (out_k, g_k, n_k, S_k) = results["recompute"], results["keep"]
+    cfg, chunks = model.config, 3
+    hk, hv, rest = cfg.n_heads * cfg.d_key, cfg.n_heads * cfg.d_val, 2 * cfg.d_ffn + cfg.d_state
+    widths = [2 * hk + 2 * hv + 2 * cfg.n_heads + rest] + [hk + hv + rest] * (cfg.n_layers - 1)  # [k] q gate [v beta a] ffn pg
+    assert [tuple(y.shape) for y in S_k.Y] == [(13, 2, n) for n in widths] and all(y.shape[0] == 2 for y in S_r.Y)
+    assert n_r == chunks * (cfg.n_layers + 1) and n_k == chunks  # per chunk: the layers' projections and the fuse gate, or the gate
+    assert rel_err(out_k.loss, out_r.loss) < 1e-6
+    assert_same_grads(g_k, g_r, 1e-4)
 
 class NewTensors(TorchDispatchMode):
     """Records the shape of every tensor an op returns in storage that none of its inputs (nor

@@ -67,9 +67,9 @@ def assert_same(graphed, eager, out_g, out_e):
         torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("form", ["step", "chunk"])
-def test_consecutive_calls_replay_and_match_eager(form):
-    graphed, eager = pair(memory_form=form)
+@pytest.mark.parametrize("form,projections", [("step", "recompute"), ("chunk", "recompute"), ("chunk", "keep")])
+def test_consecutive_calls_replay_and_match_eager(form, projections):
+    graphed, eager = pair(memory_form=form, core_projections=projections)
     for call in range(6):
         graphed.zero_grad(), eager.zero_grad()
         toks = tokens(3, 9, call)

@@ -375,6 +375,9 @@ def test_peak_memory_is_the_documented_formula():
     assert step["saved"] == B * T * 4 * (2 * 32 + 33 + 9) and step["backward_chunk"] - pm["backward_chunk"] == (8 + 2 - 3) * m
     low = roofline.peak_memory(dataclasses.replace(cfg, memory_reads="compute"), B, T, params)
     assert low["m_per_chunk"] == 3 * m // 2 and low["backward_chunk"] == pm["backward_chunk"]  # M_c kept as its bf16 copy
+    keep = roofline.peak_memory(dataclasses.replace(cfg, core_projections="keep"), B, T, params)
+    assert keep["saved"] - pm["saved"] == B * T * 2 * (n + (3 * 4 + 3 * 8 + 2 * 48 + 32))  # both layers' projections, bf16
+    assert pm["backward_chunk"] - keep["backward_chunk"] == 2 * 8 * B * n * 4  # no workspace to recompute them into
 
 
 def test_the_weight_gradients_run_on_the_side_stream_after_the_sweep(tiny_chunk_runs):

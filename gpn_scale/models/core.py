@@ -105,16 +105,18 @@ def _buffers(spec: Spec, layers, T, B, like, gate_rows):
     ring = lambda *shape: like.new_empty((2, B) + shape)  # noqa: E731
     io = io_dtype(spec, like.dtype)
     gemm_ring = lambda *shape: like.new_empty((2, B) + shape, dtype=io)  # noqa: E731  (only GEMMs read or write it)
+    gemm_kept = lambda *shape: like.new_empty((T, B) + shape, dtype=io)  # noqa: E731
     S = Saved(
         # Normalised layer inputs and their rms. Layer 0's is the grounded state's, which the
         # backward forms again from u, P and the fuse gates: it lives in the work ring, read by
         # the projection GEMM only. Later layers' are saved in the state's dtype for the backward.
         X=[gemm_ring(d)] + [new(d) for _ in layers[1:]],
         R=[ring(1)] + [new(1) for _ in layers[1:]],
-        # Everything else is recomputed per chunk in the backward: the projections with one GEMM,
-        # keys and queries from them, the fuse gates' inputs from the predictions, the write's
-        # errors and the reads while M is rebuilt. The loop keeps only the current step's.
-        Y=[gemm_ring(L.W.shape[1]) for L in layers],  # fused projection outputs
+        # Everything else is recomputed per chunk in the backward: the projections with one GEMM
+        # (unless kept: core_projections), keys and queries from them, the fuse gates' inputs from
+        # the predictions, the write's errors and the reads while M is rebuilt. The loop keeps only
+        # the current step's.
+        Y=[(gemm_kept if spec.keep_projections else gemm_ring)(L.W.shape[1]) for L in layers],  # fused projection outputs
         Z=[gemm_ring(L.W2o.shape[0]) for L in layers],  # second GEMM inputs [silu(h1) * h2 | read output]
         XP=gemm_ring(d), RP=ring(1),  # normalised predictions (the fuse-gate GEMM's input), their rms
         FG=gemm_ring(d),  # the fuse-gate GEMM's output
@@ -192,26 +194,27 @@ def run_forward(spec: Spec, u, state, weights: Weights, save: bool):
     ew.rms_hat(g, V[0].x[0], V[0].r[0])
     for t in range(T):
         s, w = (t if save else t % 2), t % 2  # saved and work-ring slots
+        y = s if spec.keep_projections else w  # the projection's slot
         if spec.memory:
             if t in chunks:
                 form.begin_chunk(t, chunks[t])
             gs = form.gate_slot(t, s)  # the row of the write's gates
         c = g
         for i, (L, v) in enumerate(zip(packed, V)):
-            ew.mm(v.x[w if i == 0 else s], L.W, v.y[w], L.b)
+            ew.mm(v.x[w if i == 0 else s], L.W, v.y[y], L.b)
             if not spec.memory:
-                ew.post_projection(v.h1[w], v.h2[w], v.z_ffn[w])
+                ew.post_projection(v.h1[y], v.h2[y], v.z_ffn[w])
             elif i == 0:
-                ew.post_projection(v.h1[w], v.h2[w], v.z_ffn[w], v.heads[w], v.nq[w], v.nn[w], v.beta[w],
-                                   v.a[w], A, BETA[gs], GAMMA[gs], DECAY[gs])
-                form.write(t, w, s, v, k)
+                ew.post_projection(v.h1[y], v.h2[y], v.z_ffn[w], v.heads[y], v.nq[w], v.nn[w], v.beta[y],
+                                   v.a[y], A, BETA[gs], GAMMA[gs], DECAY[gs])
+                form.write(t, w, s, y, v, k)
                 k = v0.next_key[w]
             else:
-                ew.post_projection(v.h1[w], v.h2[w], v.z_ffn[w], v.heads[w], v.nq[w], v.nn[w])
-                form.read(t, w, s, v)
+                ew.post_projection(v.h1[y], v.h2[y], v.z_ffn[w], v.heads[y], v.nq[w], v.nn[w])
+                form.read(t, w, s, y, v)
             last = i == nl - 1
             x_next, r_next = (XP[w], RP[w]) if last else (V[i + 1].x[s], V[i + 1].r[s])
-            c = ew.residual_rms(ew.mm(v.z[w], L.W2o, Y2[w]), v.pg[w], c, Ps[t] if last else None, x_next, r_next)
+            c = ew.residual_rms(ew.mm(v.z[w], L.W2o, Y2[w]), v.pg[y], c, Ps[t] if last else None, x_next, r_next)
         ew.mm(XP[w], fg_Wp, FG[w], fg_b)
         x_next, r_next = (V[0].x[1 - w], V[0].r[1 - w]) if t < T - 1 else (None, None)
         # The gates go to Y2's row, which residual_rms has read: over FG itself, the Triton
@@ -232,9 +235,10 @@ def _workspace(spec: Spec, layers, L, B, like):
     new = lambda *shape, dtype=like.dtype: like.new_empty((L, B) + shape, dtype=dtype)  # noqa: E731
     io = io_dtype(spec, like.dtype)  # the sweep's GEMM outputs and inputs (the weight gradients' too)
     # Z is read by one GEMM only (W2o's weight gradient): written rounded, it is not cast there.
-    # Y is the recomputed projection as its GEMM writes it: `gate_factors` and the memory kernels
-    # widen it on load, torch's ops take widened copies of the blocks they read.
-    return [Workspace(Y=new(W.W.shape[1], dtype=io), dY=new(W.W.shape[1], dtype=io), Z=new(W.W2o.shape[0], dtype=io),
+    # Y is the recomputed projection as its GEMM writes it (none with core_projections: keep, the
+    # forward's are read): `gate_factors` and the memory kernels widen it on load, torch's ops take
+    # widened copies of the blocks they read.
+    return [Workspace(Y=None if spec.keep_projections else new(W.W.shape[1], dtype=io), dY=new(W.W.shape[1], dtype=io), Z=new(W.W2o.shape[0], dtype=io),
                       dZ=new(W.W2o.shape[0], dtype=io), ffn_fac=new(2, spec.F)) for W in layers]
 
 
@@ -259,9 +263,13 @@ def _chunk_buffers(spec: Spec, S, span: Span, layers, A, rows: ChunkRows, work):
     C = []
     for i, (W, col, ws) in enumerate(zip(layers, cols, work)):
         x_hat, r = (X0, R0) if i == 0 else (S.X[i][sl], S.R[i][sl])
-        Y, Z, dY, dZ, ffn_fac = (x[:L] for x in (ws.Y, ws.Z, ws.dY, ws.dZ, ws.ffn_fac))  # every row is written
+        Z, dY, dZ, ffn_fac = (x[:L] for x in (ws.Z, ws.dY, ws.dZ, ws.ffn_fac))  # every row is written
+        if spec.keep_projections:  # the forward's own rows
+            Y = S.Y[i][sl]
+        else:  # as the forward's, one GEMM, in the GEMMs' dtype (io)
+            Y = ws.Y[:L]
+            _mm(x_hat.reshape(L * B, d), W.W, Y.view(L * B, -1), W.b)
         rows = Y.view(L * B, -1)
-        _mm(x_hat.reshape(L * B, d), W.W, rows, W.b)  # as the forward's, one GEMM, in the GEMMs' dtype (io)
         # (dL/dh1, dL/dh2) = dL/d(silu(h1) h2) * ffn_fac, dL/d(pg pre-activation) = dL/dc * pg_fac
         pg, pg_fac = empty(L, B, d), empty(L, B, d)
         ffn = rows[:, col["ffn"]]
@@ -606,7 +614,7 @@ def fused_recurrence(model, u: torch.Tensor, state, graphs: bool = True, fused=N
     backend = model.backend(device)
     chunked = cfg.memory and cfg.memory_form_on(device) == "chunk"
     spec = Spec(cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.memory, cfg.core_chunk, cfg.bptt, cd, backend,
-                chunked, chunked and cfg.memory_reads == "compute" and cd != g.dtype)
+                chunked, chunked and cfg.memory_reads == "compute" and cd != g.dtype, cfg.core_projections == "keep")
     graphs = None if backend.graphs is None or not graphs else core_graphs(model, _forward_flat, _backward_flat,
                                                                             backend.graphs)
     A_log = model.write_A_log if cfg.memory else None

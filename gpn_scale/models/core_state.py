@@ -69,6 +69,7 @@ class Spec(NamedTuple):
     backend: Backend  # the step's memory and elementwise implementation (kernels.backend)
     chunked: bool = False  # the memory's chunk form (kernels/memory_chunk) rather than its step form
     low_reads: bool = False  # the chunk form's per-step products read M_c in compute_dtype (memory_reads: compute)
+    keep_projections: bool = False  # the forward keeps every step's projection for the backward (core_projections: keep)
 
 
 def bounds(spec: Spec, T: int) -> list[tuple[int, int]]:
@@ -190,7 +191,7 @@ class LayerSteps(NamedTuple):
 class Workspace(NamedTuple):
     """One layer's widest chunk buffers, (L, B, ...): reused by every chunk of the sweep."""
 
-    Y: torch.Tensor  # projection outputs (.., N_i)
+    Y: torch.Tensor | None  # projection outputs (.., N_i); None when the forward kept its own
     dY: torch.Tensor  # their gradients
     Z: torch.Tensor  # second GEMM inputs (.., F [+ H*dv])
     dZ: torch.Tensor  # their gradients

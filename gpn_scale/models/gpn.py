@@ -33,6 +33,7 @@ FAMILIES = ("gpn", "gpn_m")
 CORES = ("fused", "naive")
 MEMORY_FORMS = ("auto", "step", "chunk")
 MEMORY_READS = ("state", "compute")
+PROJECTIONS = ("recompute", "keep")
 
 
 @dataclass
@@ -56,6 +57,9 @@ class GPNConfig:
     # chunk form under autocast: its per-step products read M_c in the state's dtype (float32), or in the compute
     # dtype (bf16; a copy made once per chunk: half the traffic of the step's largest read). M itself stays float32.
     memory_reads: str = "state"
+    # fused core's backward: each layer's fused projection "recompute"d per chunk (one GEMM, nothing kept), or
+    # "keep": the forward keeps every step's (its width per token, in the GEMM's dtype) and the backward reads it
+    core_projections: str = "recompute"
     checkpoint_every: int = 0  # naive core: recompute activations in time segments of this length (0: off)
     bptt: int = 0  # truncate backprop through time every this many steps (0: full window)
     ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once
@@ -63,7 +67,7 @@ class GPNConfig:
     cuda_graphs: bool = True  # fused core on CUDA: capture its time loops once per shape, then replay
     # May change when a run resumes: how the same math is executed (bptt is not: it cuts gradients).
     EXECUTION_KEYS: ClassVar[tuple[str, ...]] = ("core", "core_chunk", "memory_form", "checkpoint_every", "ce_chunk", "kernel",
-                                                 "cuda_graphs")
+                                                 "cuda_graphs", "core_projections")
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -76,6 +80,8 @@ class GPNConfig:
             raise ValueError(f"memory_form: expected one of {MEMORY_FORMS}, got {self.memory_form!r}")
         if self.memory_reads not in MEMORY_READS:
             raise ValueError(f"memory_reads: expected one of {MEMORY_READS}, got {self.memory_reads!r}")
+        if self.core_projections not in PROJECTIONS:
+            raise ValueError(f"core_projections: expected one of {PROJECTIONS}, got {self.core_projections!r}")
         positive = ["vocab_size", "d_state", "d_emb", "d_ffn", "n_layers", "ce_chunk", "core_chunk"]
         if self.memory:
             positive += ["n_heads", "d_key", "d_val"]

@@ -71,23 +71,23 @@ class Forward:
         """The row of step t's write gates: its saved slot, or its row in the chunk."""
         return s if self.save else t - self.c0
 
-    def write(self, t: int, w: int, s: int, v, k) -> None:
+    def write(self, t: int, w: int, s: int, y: int, v, k) -> None:
         """Step t's write (its delta kept; M written at the chunk's last step only, into a buffer
-        other than M_c) and layer 0's read."""
+        other than M_c) and layer 0's read; y: the projection's slot."""
         out_M = out_read = None
         if t in self.ends:  # a saved M_c is the backward's: a fresh buffer, else one of the ring's in turn
             out_M = self.M.new_empty(self.M.shape) if self.save and not self.spec.low_reads else self.ring[self.ci % 2]
             if self.spec.low_reads and t != self.last_end:
                 out_read = self.M_read.new_empty(self.M.shape) if self.save else self.read_ring[self.ci % 2]
-        self.ops.step(self.M_c, self.keys, self.deltas, self.decays, t - self.c0, k, v.v[w], self.BETA[self.gate_slot(t, s)],
-                      v.q[w], v.gate[w], out_e=self.E[s], out_o=v.o[s], out_y=v.z_read[w], out_M=out_M, M_read=self.M_read,
+        self.ops.step(self.M_c, self.keys, self.deltas, self.decays, t - self.c0, k, v.v[y], self.BETA[self.gate_slot(t, s)],
+                      v.q[w], v.gate[y], out_e=self.E[s], out_o=v.o[s], out_y=v.z_read[w], out_M=out_M, M_read=self.M_read,
                       out_M_read=out_read)
         self.M = self.M if out_M is None else out_M
         self.next_read = out_read
 
-    def read(self, t: int, w: int, s: int, v) -> None:
+    def read(self, t: int, w: int, s: int, y: int, v) -> None:
         """A later layer's read at step t."""
-        self.ops.read(self.M_c, self.keys, self.deltas, self.decays, t - self.c0, v.q[w], v.gate[w], out_o=v.o[s],
+        self.ops.read(self.M_c, self.keys, self.deltas, self.decays, t - self.c0, v.q[w], v.gate[y], out_o=v.o[s],
                       out_y=v.z_read[w], M_read=self.M_read)
 
     def finish(self) -> torch.Tensor:

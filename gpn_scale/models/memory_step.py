@@ -49,16 +49,17 @@ class Forward:
         """The row of step t's write gates (s: the step's saved slot)."""
         return s
 
-    def write(self, t: int, w: int, s: int, v, k) -> None:
-        """Step t's write, from key k and layer 0's projection (v: its `LayerSteps`), and layer 0's read."""
+    def write(self, t: int, w: int, s: int, y: int, v, k) -> None:
+        """Step t's write, from key k and layer 0's projection (v: its `LayerSteps`; y: the
+        projection's slot), and layer 0's read."""
         M, gs = self.M, self.gate_slot(t, s)
         out_M = M.new_empty(M.shape) if self.save and t in self.ends else self.ring[w]
-        self.M, *_ = self.mem.memory_step(M, k, v.v[w], self.BETA[gs], self.DECAY[gs], v.q[w], v.gate[w], out_e=self.E[w],
+        self.M, *_ = self.mem.memory_step(M, k, v.v[y], self.BETA[gs], self.DECAY[gs], v.q[w], v.gate[y], out_e=self.E[w],
                                           out_o=v.o[w], out_y=v.z_read[w], out_M=out_M)
 
-    def read(self, t: int, w: int, s: int, v) -> None:
+    def read(self, t: int, w: int, s: int, y: int, v) -> None:
         """A later layer's read at step t."""
-        self.mem.memory_read(self.M, v.q[w], v.gate[w], out_o=v.o[w], out_y=v.z_read[w])
+        self.mem.memory_read(self.M, v.q[w], v.gate[y], out_o=v.o[w], out_y=v.z_read[w])
 
     def finish(self) -> torch.Tensor:
         return self.M
