@@ -342,6 +342,12 @@ def test_gate_factors_match_twin(shape, dtype, monkeypatch):
         return args, {}, [fac, z[:, 1 : nf + 1], pg, pg_fac]
 
     run_both("triton", "gate_factors", make, dtype)
+
+    def gate_alone(poison):  # the fuse gate's: no FFN
+        args, _, outs = make(poison)
+        return (None, None, *args[2:5], None, None, *args[7:]), {}, outs[2:]
+
+    run_both("triton", "gate_factors", gate_alone, dtype)
     args = make(True)[0]
     wide = buf(True, rows, nf + d + 2, dtype=dtype)
     fac, z = args[5], wide[:, 1 : nf + 1]

@@ -62,9 +62,10 @@ def launches(per_step) -> dict[tuple[str, str], float]:
 
 
 # Triton kernels launched once per window (the cross-entropy, per chunk of rows) or once per
-# chunk of the reverse sweep (the SwiGLU's and predict gate's factors, the reads' factors), outside
-# the loop: no launch per step, their per-token bytes stay in the step's rows.
-ONCE_PER_WINDOW = {"forward": {"_ce_lse"}, "backward": {"_ce_grad", "_gate_factors", "_read_factors"}}
+# chunk of the reverse sweep (the SwiGLU's, predict gate's and fuse gate's factors, the reads' factors,
+# layer 0's inputs formed again), outside the loop: no launch per step, their per-token bytes stay in
+# the step's rows.
+ONCE_PER_WINDOW = {"forward": {"_ce_lse"}, "backward": {"_ce_grad", "_gate_factors", "_read_factors", "_residual_rms"}}
 
 
 def check_hand_count(per_step):

@@ -45,7 +45,7 @@ from gpn_scale.models.core_state import (Carry, ChunkLayer, ChunkRows, ChunkShar
                                          io_dtype)
 from gpn_scale.models.core_state import step_views as _steps  # short: the loop's lines are full of them
 from kernels.graph import core_graphs, signature
-from kernels.step.reference import l2n_relu, rms_hat
+from kernels.step.reference import l2n_relu
 from kernels.step.reference import mm as _mm  # the chunk's GEMMs, of many rows: BLAS
 
 
@@ -171,6 +171,7 @@ def run_forward(spec: Spec, u, state, weights: Weights, save: bool):
     V = [_layer_views(spec, S, i, cols[i]) for i in range(nl)]
     XP, RP, FG = _steps(S.XP), _steps(S.RP), _steps(S.FG)
     P = S.P = g.new_empty((T, B, d))
+    u = u.contiguous()  # time-major in memory: the backward reads a chunk's rows of it as one block
     Ps, us = _steps(P), _steps(u.to(g.dtype))
     ew = spec.backend.step
     if spec.memory:
@@ -254,7 +255,7 @@ def _chunk_buffers(spec: Spec, S, span: Span, layers, A, rows: ChunkRows, work):
     chunk's layer-0 inputs, normalised predictions and fuse gates (`ChunkRows`). work: the
     per-layer buffers of `_workspace`, of which the chunk uses its first L rows.
     """
-    X0, R0, XP, RP, fg, k_first = rows
+    X0, R0, XP, RP, fg, fg_fac, k_first = rows
     sl, cols = span.rows, [columns(spec, i == 0) for i in range(len(layers))]
     L, B, d = XP.shape
     H, dk, Fd, sd, ew = spec.H, spec.dk, spec.F, XP.dtype, spec.backend.step
@@ -294,7 +295,7 @@ def _chunk_buffers(spec: Spec, S, span: Span, layers, A, rows: ChunkRows, work):
                 c.update(keys=[k_first] + list(_steps(nq[:-1, :, 0])), v=_steps(Y[..., col["v"]], H, spec.dv))
         C.append(ChunkLayer(**c))
     dYfg = XP.new_empty((L, B, d), dtype=io)
-    G = dict(dYfg_full=dYfg, dYfg=_steps(dYfg), fg=_steps(fg), fg_fac=_steps((XP * RP).mul_(fg).mul_(1 - fg)),
+    G = dict(dYfg_full=dYfg, dYfg=_steps(dYfg), fg=_steps(fg), fg_fac=_steps(fg_fac),
              XP=XP, xp=_steps(XP), rp=_steps(RP))
     if spec.memory:
         col0, dY0 = cols[0], C[0].dY_full
@@ -314,21 +315,29 @@ def _chunk_buffers(spec: Spec, S, span: Span, layers, A, rows: ChunkRows, work):
     return C, ChunkShared(**G)
 
 
-def _grounded_rows(S, lo: int, hi: int, fg_W, fg_b):
+def _grounded_rows(spec: Spec, S, lo: int, hi: int, fg_W, fg_b):
     """The forward's per-step vectors around the grounded state, formed again from the
-    predictions P and the inputs u, time-major: for steps lo..hi-1 the normalised predictions,
-    their rms and the fuse gates fg = sigmoid(xp W_fg + b) (one GEMM); layer 0's normalised
-    input and its rms, from g_t = u_{t-1} + fg_{t-1} P_{t-1}, for steps lo+1..hi-1 (0..hi-1
-    when lo is 0: step 0's is the incoming state's). Returns (XP, RP, fg, X0, R0), whole: the
-    caller cuts the chunk's `ChunkRows` from them."""
-    XP, RP = rms_hat(S.P[lo:hi])
-    L, B, d = XP.shape
-    fg = torch.sigmoid(_mm(XP.reshape(L * B, d), fg_W, bias=fg_b)).view(L, B, d)
-    g = torch.addcmul(S.u[lo : hi - 1].to(XP.dtype), fg[:-1], S.P[lo : hi - 1])
+    predictions P and the inputs u, time-major, with the step's groups over all the rows at once:
+    for steps lo..hi-1 the normalised predictions, their rms, the fuse gates fg = sigmoid(xp W_fg
+    + b) (one GEMM, into the GEMMs' dtype as the forward's) and their derivative factor xp rp fg
+    (1 - fg) (`gate_factors`, the predict gate's form); layer 0's normalised input and its rms,
+    from g_t = u_{t-1} + fg_{t-1} P_{t-1} (`residual_rms`, the same form), for steps lo+1..hi-1
+    (0..hi-1 when lo is 0: step 0's is the incoming state's). Returns (XP, RP, fg, fg_fac, X0, R0),
+    whole: the caller cuts the chunk's `ChunkRows` from them."""
+    ew = spec.backend.step
+    P = S.P[lo:hi]
+    L, B, d = P.shape
+    XP, RP = ew.rms_hat(P.reshape(L * B, d))
+    pre = _mm(XP, fg_W, out=XP.new_empty((L * B, d), dtype=io_dtype(spec, XP.dtype)), bias=fg_b)
+    fg, fg_fac = XP.new_empty((L * B, d)), XP.new_empty((L * B, d))
+    ew.gate_factors(None, None, pre, XP, RP, None, None, fg, fg_fac)
+    head, n = (B if lo == 0 else 0), (L - 1) * B
+    X0, R0 = XP.new_empty((head + n, d)), XP.new_empty((head + n, 1))
     if lo == 0:
-        g = torch.cat([S.g0[None], g])
-    X0, R0 = rms_hat(g)
-    return XP, RP, fg, X0, R0
+        ew.rms_hat(S.g0, X0[:B], R0[:B])
+    if n:
+        ew.residual_rms(S.u[lo : hi - 1].reshape(n, d), pre[:n], P[:-1].reshape(n, d), out_hat=X0[head:], out_rms=R0[head:])
+    return tuple(x.view(-1, B, x.shape[-1]) for x in (XP, RP, fg, fg_fac, X0, R0))
 
 
 def _sweep(spec: Spec, sw: Sweep, C: list[ChunkLayer], G: ChunkShared, Ms, span: Span, carry: Carry, dk_next) -> Carry:
@@ -483,12 +492,13 @@ def run_backward(spec: Spec, S, weights: Weights, out: OutputGrads):
             # projection holds the key of step c0.
             span = Span(ci, c0, c1)
             lo = max(c0 - 2, 0)
-            XP, RP, fg, X0, R0 = _grounded_rows(S, lo, c1, fg_W, fg_b)
+            XP, RP, fg, fg_fac, X0, R0 = _grounded_rows(spec, S, lo, c1, fg_W, fg_b)
             first = 0 if lo == 0 else lo + 1  # the step of X0[0]
             k_first = None
             if spec.memory:
                 k_first = S.k0 if c0 == 0 else l2n_relu(ew.mm(X0[c0 - 1 - first], W_k, bias=b_k).view(B, H, dk))[0]
-            rows = ChunkRows(X0[c0 - first :], R0[c0 - first :], XP[c0 - lo :], RP[c0 - lo :], fg[c0 - lo :], k_first)
+            rows = ChunkRows(X0[c0 - first :], R0[c0 - first :], XP[c0 - lo :], RP[c0 - lo :], fg[c0 - lo :], fg_fac[c0 - lo :],
+                             k_first)
             C, G = _chunk_buffers(spec, S, span, layers, A, rows, works[k % len(works)])
             Ms = None
             if spec.memory:

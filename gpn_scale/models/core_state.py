@@ -285,14 +285,15 @@ def step_views(x, *shape):
 class ChunkRows(NamedTuple):
     """The forward's per-step vectors around the grounded state, formed again for one chunk's steps
     (`_grounded_rows`), (L, B, ...) each: layer 0's normalised input and its rms, the normalised
-    predictions and their rms, the fuse gates; and GPN+M's key of the chunk's first step, which
-    the step before projected (None without memory)."""
+    predictions and their rms, the fuse gates and their derivative factor; and GPN+M's key of the
+    chunk's first step, which the step before projected (None without memory)."""
 
     X0: torch.Tensor
     R0: torch.Tensor
     XP: torch.Tensor
     RP: torch.Tensor
     fg: torch.Tensor
+    fg_fac: torch.Tensor
     k_first: torch.Tensor | None
 
 

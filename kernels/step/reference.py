@@ -130,11 +130,14 @@ def gate_factors(h1, h2, pg, x_hat, r, out_fac, out_ffn, out_pg, out_pg_fac):
     projection's blocks, in any dtype (widened to out_fac's); x_hat (R, d), r (R, 1): the
     layer's normalised input and its rms. Writes out_fac (R, 2, F) = (silu'(h1) h2, silu(h1)),
     out_ffn (R, F) = silu(h1) h2 (the second GEMM's input, in its dtype), out_pg = sigmoid(pg)
-    and out_pg_fac = x_hat r out_pg (1 - out_pg)."""
-    dt = out_fac.dtype
-    h1, h2 = h1.to(dt), h2.to(dt)
+    and out_pg_fac = x_hat r out_pg (1 - out_pg). With h1 None (and h2, out_fac, out_ffn) the gate's
+    alone: the fuse gate's, whose derivative has the same form."""
+    dt = out_pg.dtype
     pg = torch.sigmoid(pg.to(dt), out=out_pg)
     torch.mul(x_hat, r, out=out_pg_fac).mul_(pg).mul_(1 - pg)
+    if h1 is None:
+        return
+    h1, h2 = h1.to(dt), h2.to(dt)
     s1 = torch.sigmoid(h1)
     silu = torch.mul(h1, s1, out=out_fac[:, 1])
     torch.mul(torch.addcmul(s1 + silu, silu, s1, value=-1.0), h2, out=out_fac[:, 0])  # silu'(h1) h2

@@ -352,23 +352,29 @@ def gate_grads(dz_ffn, ffn_fac, out_dffn, dc, pg_fac, out_dpg):
 
 def gate_factors(h1, h2, pg, x_hat, r, out_fac, out_ffn, out_pg, out_pg_fac):
     """(silu'(h1) h2, silu(h1)) into out_fac (R, 2, F), silu(h1) h2 into out_ffn, sigmoid(pg) into
-    out_pg and x_hat r sigmoid(pg) (1 - sigmoid(pg)) into out_pg_fac; the rows of a chunk."""
-    R, nf = h1.shape
-    n = pg.shape[1]
-    h1, s_h1 = layout.rows(h1, nf)
-    h2, s_h2 = layout.rows(h2, nf)
+    out_pg and x_hat r sigmoid(pg) (1 - sigmoid(pg)) into out_pg_fac; the rows of a chunk. With h1
+    None, the gate's alone (the fuse gate's)."""
+    R, n = pg.shape
     pg, s_pg = layout.rows(pg, n)
     x_hat, s_xh = layout.rows(x_hat, n)
     r, s_r = layout.rows(r, 1)
-    fac_w, s_fb, s_f2 = _pair(out_fac, out=True)
-    ffn_w, ffn, s_ffn = layout.out(out_ffn, nf, out_ffn, out_ffn.shape)
+    written = []
+    if h1 is None:  # NF = 0: the FFN's arguments are placeholders the kernel never touches
+        nf, h1, h2, fac_w, ffn_w, s_h1, s_h2, s_fb, s_f2, s_ffn = 0, pg, pg, out_pg, out_pg, 0, 0, 0, 0, 0
+    else:
+        nf = h1.shape[1]
+        h1, s_h1 = layout.rows(h1, nf)
+        h2, s_h2 = layout.rows(h2, nf)
+        fac_w, s_fb, s_f2 = _pair(out_fac, out=True)
+        ffn_w, ffn, s_ffn = layout.out(out_ffn, nf, out_ffn, out_ffn.shape)
+        written = [(fac_w, out_fac), (ffn_w, ffn)]
     pgo_w, pgo, s_pgo = layout.out(out_pg, n, out_pg, out_pg.shape)
     pgf_w, pgf, s_pgf = layout.out(out_pg_fac, n, out_pg_fac, out_pg_fac.shape)
     bf = layout.split(max(nf, n), BLOCK)
     _gate_factors[(R, triton.cdiv(max(nf, n), bf))](h1, h2, fac_w, ffn_w, s_h1, s_h2, s_fb, s_f2, s_ffn, nf, pg, x_hat, r, pgo_w,
                                                     pgf_w, s_pg, s_xh, s_r, s_pgo, s_pgf, n, BF=bf, num_warps=layout.warps(bf))
-    for written, buf in ((fac_w, out_fac), (ffn_w, ffn), (pgo_w, pgo), (pgf_w, pgf)):
-        layout.finish(written, buf)
+    for w, buf in written + [(pgo_w, pgo), (pgf_w, pgf)]:
+        layout.finish(w, buf)
 
 
 def _pair(x, out=False):
