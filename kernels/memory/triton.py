@@ -109,18 +109,24 @@ def _read_fwd(M, Q, O, sq, so, H, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
+def _row_rms(ROW, N, eps, dt: tl.constexpr, BN: tl.constexpr):
+    """rms of a row's N values (sqrt(mean of squares + eps)), summed in blocks of BN, in dt."""
+    ss = tl.zeros([BN], dtype=dt)
+    for c0 in range(0, N, BN):
+        c = c0 + tl.arange(0, BN)
+        o = tl.load(ROW + c, mask=c < N, other=0.0).to(dt)
+        ss += o * o
+    return tl.sqrt(tl.sum(ss, 0) / N + eps)
+
+
+@triton.jit
 def _gated_rms_fwd(O, GATE, Y, so, sg, sy, N, eps, BN: tl.constexpr):
     """y = silu(gate) o / rms(o) over one sequence's N = H dv read outputs, block p of them in
     program (b, p), which sums the row's squares itself (as kernels/step/triton.py's norms do).
     Computed in o's dtype, the state's; y may be the next GEMM's bf16, rounded on store."""
     b, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
     dt = O.dtype.element_ty
-    ss = tl.zeros([BN], dtype=dt)
-    for c0 in range(0, N, BN):
-        c = c0 + tl.arange(0, BN)
-        o = tl.load(O + b * so + c, mask=c < N, other=0.0).to(dt)
-        ss += o * o
-    r = tl.sqrt(tl.sum(ss, 0) / N + eps)
+    r = _row_rms(O + b * so, N, eps, dt, BN)
     c = p * BN + tl.arange(0, BN)
     mask = c < N
     o = tl.load(O + b * so + c, mask=mask, other=0.0).to(dt)
@@ -161,12 +167,7 @@ def _read_factors(O, GATE, R, O_HAT, SILU_GATE, TO_GATE, Y, so, sg, soh, ssg, st
     the gate may be the projection's bf16, widened on load."""
     b, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
     dt = O.dtype.element_ty
-    ss = tl.zeros([BN], dtype=dt)
-    for c0 in range(0, N, BN):
-        c = c0 + tl.arange(0, BN)
-        o = tl.load(O + b * so + c, mask=c < N, other=0.0).to(dt)
-        ss += o * o
-    r = tl.sqrt(tl.sum(ss, 0) / N + eps)
+    r = _row_rms(O + b * so, N, eps, dt, BN)
     tl.store(R + b, r, mask=p == 0)
     c = p * BN + tl.arange(0, BN)
     mask = c < N
