@@ -239,8 +239,9 @@ def _workspace(spec: Spec, layers, L, B, like):
     # Y is the recomputed projection as its GEMM writes it (none with core_projections: keep, the
     # forward's are read): `gate_factors` and the memory kernels widen it on load, torch's ops take
     # widened copies of the blocks they read.
-    return [Workspace(Y=None if spec.keep_projections else new(W.W.shape[1], dtype=io), dY=new(W.W.shape[1], dtype=io), Z=new(W.W2o.shape[0], dtype=io),
-                      dZ=new(W.W2o.shape[0], dtype=io), ffn_fac=new(2, spec.F)) for W in layers]
+    return [Workspace(Y=None if spec.keep_projections else new(W.W.shape[1], dtype=io), dY=new(W.W.shape[1], dtype=io),
+                      Z=new(W.W2o.shape[0], dtype=io), dZ=new(W.W2o.shape[0], dtype=io), ffn_fac=new(2, spec.F))
+            for W in layers]
 
 
 def _chunk_buffers(spec: Spec, S, span: Span, layers, A, rows: ChunkRows, work):

@@ -5,8 +5,9 @@ Forward: within a chunk of L steps every step reads M_c, the memory at the chunk
 corrects the read with the chunk's keys and deltas kept so far (`chunk.step` for layer 0, which
 also forms the write's error, `chunk.read` for the later layers); the chunk's last step writes
 M once. With `memory_reads: compute` the per-step products read a copy of M_c in the compute
-dtype, made once per chunk. Every step's reads, errors and deltas are kept (T rows), and M at every chunk's start (with
-`memory_reads: compute` only its copy, which is all the backward reads of it).
+dtype, made once per chunk. Every step's reads, errors and deltas are kept (T rows), and M at
+every chunk's start (with `memory_reads: compute` only its copy, which is all the backward reads
+of it).
 
 Backward: per chunk, the L x L algebra of its keys is formed once from the forward's deltas,
 errors and reads (`algebra.from_forward`), with dL/dM at the chunk's end reduced to the products
@@ -52,7 +53,8 @@ class Forward:
         self.ci = -1
         # With low reads each chunk's last step also writes the next chunk's copy of M (a buffer of its
         # own when saved, else one of two in turn); the window's first chunk casts its M_c.
-        self.read_ring = step_views(M.new_empty((2,) + M.shape, dtype=spec.compute_dtype)) if spec.low_reads and not save else None
+        low_ring = spec.low_reads and not save
+        self.read_ring = step_views(M.new_empty((2,) + M.shape, dtype=spec.compute_dtype)) if low_ring else None
         self.last_end, self.next_read = max(self.ends), None
 
     def begin_chunk(self, t: int, c1: int) -> None:
