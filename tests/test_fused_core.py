@@ -204,13 +204,15 @@ def test_chunk_reads_in_the_compute_dtype_stay_within_bf16_of_float32_reads():
 def test_chunk_reads_in_the_compute_dtype_keep_only_the_copy_of_each_chunks_M():
     """With memory_reads: compute the forward keeps, per chunk, only the bf16 copy of M_c its steps
     read (half M's bytes), and it is M at the chunk's start rounded: the M a window ending there
-    returns, cast."""
+    returns, cast. The window's last M, which the backward reads too, is a buffer of its own (not
+    a slot of the two the forward writes in turn, which would keep both alive)."""
     model = make(**CASES["gpn_m_2l"], memory_form="chunk", core_chunk=5, memory_reads="compute")
     tokens = torch.randint(0, ODD.vocab_size, (2, 13))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         S = _fused_node(model(tokens).loss).S
         starts = [model(tokens[:, :c0]).state.M for c0 in (5, 10)]
     assert len(S.M) == 3 and all(m.dtype == torch.bfloat16 for m in S.M)
+    assert S.M_end.untyped_storage().nbytes() == S.M_end.nbytes
     assert torch.equal(S.M[0], model.initial_state(2, tokens.device).M.to(torch.bfloat16))
     for m, start in zip(S.M[1:], starts):
         assert start.dtype == torch.float32 and torch.equal(m, start.to(torch.bfloat16))

@@ -16,8 +16,9 @@ points 2-4):
 - Small saved state. Per step the forward saves the normalised layer inputs (and their rms)
   and the write's gates, M at the start of every `chunk` steps, and its output P. Everything
   else lives in two-slot work buffers (M too) and is recomputed per chunk in the backward: the
-  projections with one GEMM over the chunk's rows, keys and queries from them, the fuse gates'
-  inputs from P, the write's errors and the reads while M is rebuilt.
+  projections with one GEMM over the chunk's rows (unless `core_projections: keep` saves every
+  step's), keys and queries from them, the fuse gates' inputs from P, the write's errors and the
+  reads while M is rebuilt.
 - Reverse sweep for the input-gradient chain only, chunk by chunk from the end. Step by step,
   back through the fuse gate, the layers and the memory, carrying dL/dg, and dL/dM the way the
   memory's form does (memory_step.py: M rebuilt inside each chunk from its saved start, dL/dM
@@ -171,7 +172,7 @@ def run_forward(spec: Spec, u, state, weights: Weights, save: bool):
     V = [_layer_views(spec, S, i, cols[i]) for i in range(nl)]
     XP, RP, FG = _steps(S.XP), _steps(S.RP), _steps(S.FG)
     P = S.P = g.new_empty((T, B, d))
-    u = u.contiguous()  # time-major in memory: the backward reads a chunk's rows of it as one block
+    u = u.contiguous()  # time-major in memory (as fused_recurrence gives it): a chunk's rows are one block
     Ps, us = _steps(P), _steps(u.to(g.dtype))
     ew = spec.backend.step
     if spec.memory:
@@ -629,7 +630,9 @@ def fused_recurrence(model, u: torch.Tensor, state, graphs: bool = True, fused=N
     graphs = None if backend.graphs is None or not graphs else core_graphs(model, _forward_flat, _backward_flat,
                                                                             backend.graphs)
     A_log = model.write_A_log if cfg.memory else None
-    u = u.transpose(0, 1)
+    # Time-major in memory: the backward reads a chunk's rows of u as one block, and a graph's static
+    # copy of it is then the one copy (run_forward's `contiguous` finds nothing to do)
+    u = u.transpose(0, 1).contiguous()
     with torch.autocast(device, enabled=False):
         layers, fg_W, fg_b = fuse_weights(model) if fused is None else fused
         if torch.is_grad_enabled():

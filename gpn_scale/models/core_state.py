@@ -124,14 +124,15 @@ class Saved:
 
     X, R: per layer, the normalised input (T, B, d) and its rms (T, B, 1); layer 0's in the ring
       (the backward forms it again from u, P and the fuse gates).
-    Y, Z: per layer, the fused projection's output (2, B, N_i) and the second GEMM's input
+    Y, Z: per layer, the fused projection's output (2, B, N_i; T rows with core_projections: keep,
+      in the GEMMs' dtype) and the second GEMM's input
       (2, B, F [+ H*dv]) = [silu(h1) h2 | read output]. XP, RP, FG: the normalised prediction
       (2, B, d), its rms (2, B, 1), the fuse gate (2, B, d).
     P: the predictions (T, B, d); u: the input projections (T, B, d); g0: the incoming state (B, d).
     GPN+M: NQ, NN: per layer, the normalised [next key | query] heads (2, B, 2 or 1, H, dk) and
       their norms (.., 1); O: per layer, the raw reads (2, B, H*dv); E: the write's error
       (2, B, H, dv); BETA, GAMMA, DECAY: the write's gates (T, B, H); M: M before every chunk
-      (B, H, dk, dv) each; x_prev, r_prev: the incoming previous state normalised (B, d) and its
+      (B, H, dk, dv) each (the chunk form with memory_reads: compute keeps its bf16 copy only); x_prev, r_prev: the incoming previous state normalised (B, d) and its
       rms (B, 1); k0, k0n: the first step's key (B, H, dk) and its norm (B, H, 1). The chunk form
       keeps O and E for every step (T rows), and DELTA (T, B, H, dv), the write's beta e, and
       M_end, the window's last M (its phi = <dL/dM, M> starts the sweep).

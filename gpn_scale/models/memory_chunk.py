@@ -39,7 +39,8 @@ def gate_rows(T: int, chunks: dict, save: bool) -> int:
 
 class Forward:
     """One window's forward: the chunk's keys and deltas kept as it goes, M written at each chunk's
-    last step into the next of two work buffers (its own when saved)."""
+    last step into the next of two work buffers (its own when saved and the backward reads it: M_c
+    without low reads, the window's last M always)."""
 
     def __init__(self, spec: Spec, S, M: torch.Tensor, save: bool, chunks: dict):
         self.spec, self.S, self.save, self.M = spec, S, save, M
@@ -77,8 +78,9 @@ class Forward:
         """Step t's write (its delta kept; M written at the chunk's last step only, into a buffer
         other than M_c) and layer 0's read; y: the projection's slot."""
         out_M = out_read = None
-        if t in self.ends:  # a saved M_c is the backward's: a fresh buffer, else one of the ring's in turn
-            out_M = self.M.new_empty(self.M.shape) if self.save and not self.spec.low_reads else self.ring[self.ci % 2]
+        if t in self.ends:  # an M the backward reads is its own buffer, else one of the ring's in turn
+            kept = self.save and (not self.spec.low_reads or t == self.last_end)
+            out_M = self.M.new_empty(self.M.shape) if kept else self.ring[self.ci % 2]
             if self.spec.low_reads and t != self.last_end:
                 out_read = self.M_read.new_empty(self.M.shape) if self.save else self.read_ring[self.ci % 2]
         self.ops.step(self.M_c, self.keys, self.deltas, self.decays, t - self.c0, k, v.v[y], self.BETA[self.gate_slot(t, s)],
