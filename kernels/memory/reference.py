@@ -61,10 +61,11 @@ def read_factors(o, gate, *, out_y=None) -> ReadFactors:
     gate = gate.to(o.dtype)
     r = rms(o)
     o_hat = o / r
-    if out_y is not None:
-        torch.mul(F.silu(gate), o_hat, out=out_y)
     sg = torch.sigmoid(gate)
-    return ReadFactors(r, o_hat, gate * sg, o_hat * sg * (1 + gate * (1 - sg)))
+    silu_gate = gate * sg
+    if out_y is not None:
+        torch.mul(silu_gate, o_hat, out=out_y)
+    return ReadFactors(r, o_hat, silu_gate, o_hat * sg * (1 + gate * (1 - sg)))
 
 
 def read_output_backward(f: ReadFactors, dy):
