@@ -210,8 +210,8 @@ def scheduled_step(runs: dict, steps: tuple[int, int], batch: int, hw: Hardware)
 
 
 # Triton kernels the reverse sweep launches over a chunk's rows (`_residual_rms` there: layer 0's inputs formed again)
-ONCE_PER_CHUNK_KERNELS = {"_gate_factors", "_read_factors", "_residual_rms", "_chunk_carry_back", "_chunk_dm_products", "_ce_lse",
-                          "_ce_grad"}
+ONCE_PER_CHUNK_KERNELS = {"_gate_factors", "_read_factors", "_residual_rms", "_chunk_carry_back", "_chunk_dm_products",
+                          "_chunk_coefficients", "_chunk_finish", "_ce_lse", "_ce_grad"}
 MEMORY_STEP_KERNELS = ("_chunk_step", "_step_fwd", "_step_bwd", "_read_fwd", "_read_bwd", "_gated_rms", "_head_sums")
 
 

@@ -63,6 +63,8 @@ ARITH = {
     "_chunk_read_bwd": {"PHI", "DQ"},
     "_chunk_step_bwd": {"PHI", "DV_OUT", "DQ", "DK_OUT", "DBETA", "DGAMMA"},
     "_chunk_dm_products": {"DM", "U0", "V0"},
+    "_chunk_coefficients": {"GAM", "T_OUT", "KK_OUT", "BM_OUT", "U_OUT", "V_OUT", "C_OUT", "H_OUT"},
+    "_chunk_finish": {"SCALE", "ROWS", "W"},
     "_chunk_carry_back": {"DM", "OUT"},
 }
 # (state dtype, input dtype) of the two variants
@@ -94,7 +96,7 @@ CONSTEXPRS = {"BK": 128, "BV": 16, "BN": 1024, "BF": 1024, "BH": 16, "BHEADS": 3
               "HAS_HAT": True, "HAS_EXTRA": True, "HAS_LOW": True, "HAS_LOW_FAC": True, "L2EPS": 1e-12,
               "STEP": True,  # `_head_sums` for the step's backward: its code holds the read's as a part
               "BC": 32, "CLOSE": True, "BL": 2, "BR": 32, "APART": True,  # the chunk form at chunks of 32, its last step (which writes M)
-              "COPY": True, "WRITE_Y": True}
+              "COPY": True, "WRITE_Y": True, "BD": 16}
 TARGET = GPUTarget("cuda", 90, 32)
 knobs.nvidia.dump_ptxas_log = True  # ptxas -v's report, printed to stdout
 knobs.compilation.always_compile = True  # a kernel from Triton's cache runs no ptxas

@@ -122,7 +122,8 @@ EXPECTED = {
     "_ce_grad": {"ex2.approx.ftz.f32"},  # `_exp`
     # the memory's chunk form: products, sums and dots only
     "_chunk_step_fwd": set(), "_chunk_read_fwd": set(), "_chunk_step_bwd": set(), "_chunk_read_bwd": set(),
-    "_chunk_dm_products": set(), "_chunk_carry_back": set(),
+    "_chunk_dm_products": set(), "_chunk_coefficients": set(), "_chunk_finish": set(),
+    "_chunk_carry_back": set(),
 }
 
 

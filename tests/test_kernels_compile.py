@@ -12,7 +12,7 @@ KERNELS = sorted([
     "_ce_grad", "_ce_lse", "_gate_factors", "_gate_grads", "_gated_rms_bwd", "_gated_rms_fwd", "_ground", "_head_sums", "_l2n_relu_bwd", "_post_projection",
     "_read_bwd", "_read_factors", "_read_fwd", "_residual_rms", "_residual_rms_bwd", "_step_bwd", "_step_fwd", "_write",
     "_chunk_step_fwd", "_chunk_read_fwd", "_chunk_step_bwd", "_chunk_read_bwd", "_chunk_dm_products",
-    "_chunk_carry_back"])
+    "_chunk_coefficients", "_chunk_finish", "_chunk_carry_back"])
 
 # Registers per thread at 8 warps (sm_90 has 64K per SM, 255 at most per thread). The kernels
 # that move M are bound by its traffic: at 128 or fewer, two 256-thread programs share an

@@ -217,6 +217,49 @@ def test_the_passes_over_dM_match_twin(dtype, monkeypatch):
     torch.testing.assert_close(dM, dM_before, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("n,layers,dtype", [(5, 2, torch.float32), (5, 2, torch.float64), (17, 1, torch.float32),
+                                            (1, 2, torch.float32), (16, 1, torch.float64)])
+def test_the_chunk_algebra_matches_twin(n, layers, dtype, monkeypatch):
+    """Once per chunk before its sweep, and `finish` after it: the C x C algebra (decay products, T = L^-1, the keys' Gram
+    matrix) and the coefficients the sweep reads, in one kernel per (sequence, head), against
+    `algebra.from_forward` + `algebra.coefficients`: chunks inside one 16-row tile, across it (17
+    rows: a 32-row tile) and of one step; the keys in two column blocks, U0 and the deltas in three,
+    the last partial; one head's decays so small that running products underflow (products over
+    ranges do not)."""
+    monkeypatch.setattr(memory_triton, "TILE", 64)
+    monkeypatch.setattr(K, "ALGEBRA_COLUMNS", 16)
+    B, H, dk, dv = 2, 3, 19, 33
+    x = widened(chunk_inputs(n, layers, B, H, dk, dv, dtype, seed=n), torch.float64 if dtype == torch.float64 else torch.float32)
+    x["decays"][:, 1, 2] = 1e-30  # G(-1, b) underflows past two steps; G(b - 1, b) does not
+    g = torch.Generator().manual_seed(11)
+    dM_end = torch.randn(x["M"].shape, generator=g, dtype=x["M"].dtype).to(DEVICE)
+    deltas, e = (torch.randn(n, B, H, dv, generator=g, dtype=x["M"].dtype).to(DEVICE) for _ in range(2))
+    queries = torch.stack(x["queries"])
+    args = (dM_end, x["keys"], x["beta"], x["decays"], deltas, e, [q * 2 for q in x["queries"]], queries)
+    inputs = [a.clone() if torch.is_tensor(a) else a for a in args]
+    (r_got, co_got), (r_want, co_want) = K.algebra(*args), T.algebra(*args)
+    for name in ("gam", "T", "KK"):
+        assert_close(getattr(r_got, name), getattr(r_want, name), TOL[dtype], name)
+    assert r_got.delta is deltas and r_got.e is e and r_got.reads is args[6]
+    for name in co_want._fields:
+        a, b = getattr(co_got, name), getattr(co_want, name)
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert_close(a, b, TOL[dtype], name)
+    assert not r_got.gam.isnan().any()  # the underflowing head included
+    for a, b in zip(args, inputs):
+        if torch.is_tensor(a):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)  # inputs unchanged
+
+    # after the sweep: what dL/dM_c is made of, from read gradients in a buffer longer than the chunk
+    read_grads = torch.randn(layers, n + 2, B, H, dv, generator=g, dtype=x["M"].dtype).to(DEVICE)[:, :n]
+    got, want = K.finish(x["keys"], r_want, co_want, x["beta"], queries, read_grads), algebra.finish(
+        x["keys"], r_want, co_want, x["beta"], queries, read_grads)
+    for name in want._fields:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert_close(a, b, TOL[dtype], name)
+
+
 def test_launchers_refuse_chunk_buffers_they_cannot_address():
     x = chunk_inputs(3, 1, 2, 2, 3, 4, torch.float32)
     M = x["M"]

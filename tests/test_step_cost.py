@@ -204,8 +204,13 @@ def test_chunk_form_reads_M_once_per_step_and_writes_it_once_per_chunk(tiny_chun
     assert not {name for _, name in triton} & {"_step_fwd", "_step_bwd", "_head_sums", "_read_fwd", "_read_bwd"}
     for key in (("forward", "_chunk_step_fwd"), ("backward", "_chunk_step_bwd")):
         assert triton[key].count == 1, key
-    for key in (("backward", "_chunk_dm_products"), ("backward", "_chunk_carry_back")):
+    for name in ("_chunk_dm_products", "_chunk_coefficients", "_chunk_finish", "_chunk_carry_back"):
+        key = ("backward", name)
         assert triton[key].count == pytest.approx(1 / C), key
+    # the chunk's C x C algebra and its carry's terms are the kernels': no decay products, triangular
+    # solve or batched products in torch
+    torch_algebra = {"linalg_solve_triangular", "cumprod", "eye", "bmm", "baddbmm_"}
+    assert not {k.name for k in per_step if k.phase == "backward"} & torch_algebra
     fwd, bwd = triton[("forward", "_chunk_step_fwd")], triton[("backward", "_chunk_step_bwd")]
     # M_c read once; beyond it only the chunk's rows (keys, queries, deltas, read gradients), a
     # step's own vectors and rows of its C x C matrices

@@ -10,10 +10,10 @@ every chunk's start (with `memory_reads: compute` only its copy, which is all th
 of it).
 
 Backward: per chunk, the L x L algebra of its keys is formed once from the forward's deltas,
-errors and reads (`algebra.from_forward`), with dL/dM at the chunk's end reduced to the products
-the sweep reads; each step's backward then needs no M but M_c, and dL/dM leaves the chunk once,
-at its start (`carry_back`), cut at truncated-BPTT boundaries (which are chunk boundaries in this
-form: core_state.bounds).
+errors and reads, with dL/dM at the chunk's end reduced to the products the sweep reads
+(`chunk.algebra`); each step's backward then needs no M but M_c, and dL/dM leaves the chunk
+once, at its start (`chunk.finish`, `chunk.carry_back`), cut at truncated-BPTT boundaries
+(which are chunk boundaries in this form: core_state.bounds).
 
 The core (core.py) drives a form through the same few calls as memory_step.py's.
 """
@@ -132,10 +132,9 @@ class Backward:
         keys = torch.stack(C[0].keys)
         queries = torch.stack([c.q_full for c in C])
         beta = S.BETA[sl]
-        r = algebra.from_forward(keys, beta, S.DECAY[sl], S.DELTA[sl], G.E_full, [c.O_full for c in C])
+        r, co = self.ops.algebra(dM, keys, beta, S.DECAY[sl], S.DELTA[sl], G.E_full, [c.O_full for c in C], queries)
         G.delta = step_views(r.delta)
         read_outputs(spec, C, C)
-        co = algebra.coefficients(*self.ops.dm_products(dM, keys, r.delta), keys, r, beta, queries)
         return ChunkSweep(S.M[span.index], keys, queries, r, co)  # M_c as the step's products read it (`low_reads`: a copy)
 
     def write(self, j: int, t: int, c: ChunkLayer, G: ChunkShared, Ms: ChunkSweep, dM, out_dk):
@@ -161,7 +160,7 @@ class Backward:
         """dL/dM as the chunk before receives it: leaving the chunk at its start, in one step (none
         across a truncated-BPTT cut); never into the buffer dM is in."""
         spec, c0, c1 = self.spec, span.c0, span.c1
-        terms = algebra.finish(Ms.keys, Ms.r, Ms.co, self.S.BETA[span.rows], Ms.queries, self.read_grads[:, : c1 - c0])
+        terms = self.ops.finish(Ms.keys, Ms.r, Ms.co, self.S.BETA[span.rows], Ms.queries, self.read_grads[:, : c1 - c0])
         dM = self.ops.carry_back(dM, terms, out=self.ring[span.index % 2])
         if spec.bptt and c0 % spec.bptt == 0 and c0 > 0:
             dM.zero_()

@@ -34,4 +34,6 @@ class ChunkOps:
     step_backward: Callable  # the write's and layer 0's read's gradients, one step back
     read_backward: Callable  # a later layer's read's gradients
     dm_products: Callable  # once per chunk, before its sweep: dM_end's products with its keys and deltas
+    algebra: Callable  # once per chunk, before its sweep: its C x C algebra and the coefficients (dm_products' included)
+    finish: Callable  # once per chunk, after its sweep: the rows and weights dL/dM_c is made of
     carry_back: Callable  # once per chunk, after its sweep: dL/dM_c from dM_end

@@ -29,6 +29,7 @@ from kernels.common import rms
 from kernels.memory import ReadFactors
 from kernels.memory.reference import read_output_backward
 from kernels.memory_chunk import ChunkOps
+from kernels.memory_chunk import algebra as chunk_algebra
 from kernels.memory_chunk.algebra import CarryBack, Coefficients, Rebuilt
 
 
@@ -173,10 +174,19 @@ def dm_products(dM_end, K, D):
     return torch.einsum("nbhk,bhkv->bhnv", K, dM_end), torch.einsum("nbhv,bhkv->bhnk", D, dM_end)
 
 
+def algebra(dM_end, K, beta, decays, D, e, reads, queries) -> tuple[Rebuilt, Coefficients]:
+    """The chunk's algebra before its sweep: its forward values with the C x C algebra of its keys,
+    betas and decays (`algebra.from_forward`: K, D (n, B, H, d), beta and decays (n, B, H), the
+    errors e and the raw reads passed through), and the weights the sweep reads of dM_end
+    (`algebra.coefficients`, from `dm_products`). Returns (Rebuilt, Coefficients)."""
+    r = chunk_algebra.from_forward(K, beta, decays, D, e, reads)
+    return r, chunk_algebra.coefficients(*dm_products(dM_end, K, D), K, r, beta, queries)
+
+
 def carry_back(dM_end, c: CarryBack, *, out=None):
     """dL/dM_c = scale dM_end + sum_r rows_r^T weights_r, into `out` (a buffer other than dM_end)."""
     x = c.scale[..., None, None] * dM_end + torch.einsum("bhrk,bhrv->bhkv", c.rows, c.weights)
     return x if out is None else out.copy_(x)
 
 
-OPS = ChunkOps(step, read, step_backward, read_backward, dm_products, carry_back)
+OPS = ChunkOps(step, read, step_backward, read_backward, dm_products, algebra, chunk_algebra.finish, carry_back)

@@ -309,6 +309,126 @@ def _chunk_dm_products(DM, KC, DC, U0, V0, N, DK, DV, BK: tl.constexpr, BV: tl.c
 
 
 @triton.jit
+def _chunk_coefficients(KC, DC, BETA, DEC, Q, U0, V0, GAM, T_OUT, KK_OUT, BM_OUT, U_OUT, V_OUT, C_OUT, H_OUT, N, NL, DK, DV,
+                        BD: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr):
+    """Per (sequence, head), the chunk's C x C algebra and the weights its sweep reads of dM_end, as
+    `algebra.from_forward` and `algebra.coefficients` make them, from its keys (KC), deltas (DC),
+    betas, decays, queries (Q: NL layers of time-major rows) and dM_end's products U0, V0
+    (`_chunk_dm_products`, (B, H, N, d)). Writes G(a, b) (GAM, (B, H, N + 1, N)), the UT form's
+    T = L^-1, the keys' Gram matrix, Bm, U, V and per layer c and h. The decay products are
+    cumulative products over each range (never ratios), T comes by forward substitution, one row
+    after the other; the products over the keys' and values' widths take BD and BV columns at a
+    time (a whole key row beside the C x C matrices would not fit in registers)."""
+    bh = tl.program_id(0).to(tl.int64)
+    BH = tl.num_programs(0)
+    dt = T_OUT.dtype.element_ty
+    ci = tl.arange(0, BC)
+    r, c = ci[:, None], ci[None, :]
+    inrows = ci < N
+    nn = (r < N) & (c < N)
+    d = tl.load(DEC + ci * BH + bh, mask=inrows, other=1.0).to(dt)
+    d_prev = tl.load(DEC + tl.maximum(ci - 1, 0) * BH + bh, mask=(ci >= 1) & (ci <= N), other=1.0).to(dt)  # d_{b-1}
+    beta = tl.load(BETA + ci * BH + bh, mask=inrows, other=0.0).to(dt)
+    one = tl.full([BC, BC], 1.0, dt)
+    g = tl.where(c >= r, tl.cumprod(tl.where(c > r, d[None, :], one), 1), 0.0)  # G(i, b) = d_{i+1} ... d_b
+    w = tl.trans(tl.cumprod(tl.where(c > r + 1, d_prev[None, :], one), 1))  # w[j, i] = G(i, j - 1)
+    kk = tl.zeros([BC, BC], dtype=dt)
+    for k0 in range(0, DK, BD):
+        ks = k0 + tl.arange(0, BD)
+        kc = _rows(KC, ci, bh, BH, DK, ks, inrows, ks < DK).to(dt)
+        kk += tl.dot(kc, tl.trans(kc), input_precision="ieee")
+    bm = tl.where(r > c, beta[:, None] * w, 0.0)  # Bm[m, j] = beta_m G(j, m - 1), m > j
+    lsb = bm * kk  # L - I: beta_j G(i, j - 1) k_j . k_i below the diagonal
+    eye = tl.where(r == c, one, 0.0)
+    t, lsb_t = eye, tl.trans(lsb)
+    for i in range(1, N):  # row i of L^-1 from the rows above it
+        col = tl.sum(tl.where(c == i, lsb_t, 0.0), 1)  # L[i, m], along m
+        row = tl.sum(tl.where(r == i, eye, 0.0), 0) - tl.sum(col[:, None] * t, 0)
+        t = tl.where(r == i, row[None, :], t)
+    x = tl.trans(tl.dot(t, lsb, input_precision="ieee"))  # X[j, i] = sum_m T[i, m] Bm[m, j] k_m . k_j
+    g_end = tl.sum(tl.where(c == N - 1, g, 0.0), 1)  # G(i, n - 1)
+    mx = (eye - x) * g_end[None, :]
+    ud = tl.zeros([BC, BC], dtype=dt)
+    for v0 in range(0, DV, BV):
+        cols = v0 + tl.arange(0, BV)
+        cmask = inrows[:, None] & (cols < DV)[None, :]
+        tile = bh * N * DV + r * DV + cols[None, :]
+        u0 = tl.load(U0 + tile, mask=cmask, other=0.0).to(dt)
+        tl.store(U_OUT + tile, tl.dot(mx, u0, input_precision="ieee"), mask=cmask)
+        ud += tl.dot(u0, tl.trans(_rows(DC, ci, bh, BH, DV, cols, inrows, cols < DV).to(dt)), input_precision="ieee")
+    bz_t = tl.trans(bm * tl.dot(tl.trans(t), g_end[:, None] * ud, input_precision="ieee"))  # (Bm o Z)^T
+    for k0 in range(0, DK, BD):
+        ks = k0 + tl.arange(0, BD)
+        kmask = inrows[:, None] & (ks < DK)[None, :]
+        tile = bh * N * DK + r * DK + ks[None, :]
+        kc = _rows(KC, ci, bh, BH, DK, ks, inrows, ks < DK).to(dt)
+        v_0 = tl.load(V0 + tile, mask=kmask, other=0.0).to(dt)
+        tl.store(V_OUT + tile, g_end[:, None] * v_0 - tl.dot(bz_t, kc, input_precision="ieee"), mask=kmask)
+    t_t = tl.trans(t)
+    for layer in range(0, NL):
+        kq = tl.zeros([BC, BC], dtype=dt)
+        for k0 in range(0, DK, BD):
+            ks = k0 + tl.arange(0, BD)
+            kc = _rows(KC, ci, bh, BH, DK, ks, inrows, ks < DK).to(dt)
+            q = _rows(Q + layer * N * BH * DK, ci, bh, BH, DK, ks, inrows, ks < DK).to(dt)
+            kq += tl.dot(kc, tl.trans(q), input_precision="ieee")
+        gkq = g * kq  # G(i, s) k_i . q_s
+        sq = (layer * BH + bh) * N * N + r * N + c
+        tl.store(C_OUT + sq, gkq - tl.dot(x, gkq, input_precision="ieee"), mask=nn)
+        tl.store(H_OUT + sq, tl.dot(t_t, gkq, input_precision="ieee"), mask=nn)
+    sq = bh * N * N + r * N + c
+    tl.store(T_OUT + sq, t, mask=nn)
+    tl.store(KK_OUT + sq, kk, mask=nn)
+    tl.store(BM_OUT + sq, bm, mask=nn)
+    tl.store(GAM + bh * (N + 1) * N + ci, tl.cumprod(d, 0), mask=inrows)  # G(-1, b)
+    tl.store(GAM + bh * (N + 1) * N + (r + 1) * N + c, g, mask=nn)
+
+
+@triton.jit
+def _chunk_finish(KC, Q, RG, GAM, T, U0, HH, BETA, SCALE, ROWS, W, N, NL, srg, DK, DV, BD: tl.constexpr, BV: tl.constexpr,
+                  BC: tl.constexpr):
+    """Per (sequence, head), what dL/dM_c is made of after the chunk's sweep, as `algebra.finish`
+    makes it: the scale G(-1, n-1), the rows (the queries of every layer, then the keys) and their
+    weights (G(-1, s) do_s for the reads; -beta_m G(-1, m-1) (T^T diag(G(., n-1)) U0 + sum_layers h
+    do)_m for the keys), from the chunk's decay products (GAM), T, U0, h (HH) and the read
+    gradients (RG: NL layers of time-major rows, srg apart)."""
+    bh = tl.program_id(0).to(tl.int64)
+    BH = tl.num_programs(0)
+    dt = W.dtype.element_ty
+    ci = tl.arange(0, BC)
+    r, c = ci[:, None], ci[None, :]
+    inrows = ci < N
+    nn = (r < N) & (c < N)
+    NR = (NL + 1) * N
+    gam = GAM + bh * (N + 1) * N
+    g0 = tl.load(gam + ci, mask=inrows, other=0.0).to(dt)  # G(-1, s)
+    g_prev = tl.load(gam + tl.maximum(ci - 1, 0), mask=inrows & (ci >= 1), other=1.0).to(dt)  # G(-1, m - 1)
+    g_end = tl.load(gam + (ci + 1) * N + N - 1, mask=inrows, other=0.0).to(dt)  # G(i, n - 1)
+    key_w = -tl.load(BETA + ci * BH + bh, mask=inrows, other=0.0).to(dt) * g_prev
+    w_rows = W + (bh * NR + r) * DV  # row m of layer l's block at w_rows + l N DV
+    for v0 in range(0, DV, BV):
+        cols = v0 + tl.arange(0, BV)
+        mask = inrows[:, None] & (cols < DV)[None, :]
+        tg = tl.trans(tl.load(T + bh * N * N + r * N + c, mask=nn, other=0.0).to(dt)) * g_end[None, :]  # T^T diag(G(., n-1))
+        acc = tl.dot(tg, tl.load(U0 + bh * N * DV + r * DV + cols[None, :], mask=mask, other=0.0).to(dt), input_precision="ieee")
+        for layer in range(0, NL):
+            do = tl.load(RG + layer * srg + (r * BH + bh) * DV + cols[None, :], mask=mask, other=0.0).to(dt)
+            h = tl.load(HH + (layer * BH + bh) * N * N + r * N + c, mask=nn, other=0.0).to(dt)
+            acc += tl.dot(h, do, input_precision="ieee")
+            tl.store(w_rows + layer * N * DV + cols[None, :], g0[:, None] * do, mask=mask)
+        tl.store(w_rows + NL * N * DV + cols[None, :], key_w[:, None] * acc, mask=mask)
+    for k0 in range(0, DK, BD):
+        ks = k0 + tl.arange(0, BD)
+        mask = inrows[:, None] & (ks < DK)[None, :]
+        for layer in range(0, NL):
+            q = _rows(Q + layer * N * BH * DK, ci, bh, BH, DK, ks, inrows, ks < DK)
+            tl.store(ROWS + (bh * NR + layer * N + r) * DK + ks[None, :], q.to(dt), mask=mask)
+        k = _rows(KC, ci, bh, BH, DK, ks, inrows, ks < DK)
+        tl.store(ROWS + (bh * NR + NL * N + r) * DK + ks[None, :], k.to(dt), mask=mask)
+    tl.store(SCALE + bh, tl.sum(tl.where(ci == N - 1, g0, 0.0), 0))
+
+
+@triton.jit
 def _chunk_carry_back(DM, SCALE, ROWS, W, OUT, NR, DK, DV, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
     """One block of columns of dL/dM_c = scale dM_end + rows^T weights, per (sequence, head)."""
     bh = tl.program_id(0).to(tl.int64)
@@ -463,6 +583,47 @@ def dm_products(dM_end, K, D):
     return U0, V0
 
 
+# Columns of the keys, U0 and the deltas the chunk's algebra takes at a time: its C x C matrices and
+# float32 dots fill the registers (at C 32 and 8 warps, 177 per thread with 16 columns, spills with 32).
+ALGEBRA_COLUMNS = 16
+
+
+def algebra(dM_end, K, beta, decays, D, e, reads, queries):
+    """The chunk's algebra before its sweep (the twin's contract): dM_end's products
+    (`_chunk_dm_products`), then its C x C algebra and coefficients in one program per (sequence,
+    head). Returns (Rebuilt, Coefficients)."""
+    K, D = _chunk_buffer(K, "K"), _chunk_buffer(D, "D")
+    queries, beta, decays = _chunk_buffer(queries, "queries"), _chunk_buffer(beta, "beta"), _chunk_buffer(decays, "decays")
+    U0, V0 = dm_products(dM_end, K, D)
+    n, B, H, n_k = K.shape
+    n_v, layers = D.shape[-1], queries.shape[0]
+    gam = layout.empty(K, (B, H, n + 1, n))
+    T, KK, Bm = (layout.empty(K, (B, H, n, n)) for _ in range(3))
+    U, V = layout.empty(K, (B, H, n, n_v)), layout.empty(K, (B, H, n, n_k))
+    c, h = layout.empty(K, (layers, B, H, n, n)), layout.empty(K, (layers, B, H, n, n))
+    bd, bv = (min(ALGEBRA_COLUMNS, max(16, triton.next_power_of_2(w))) for w in (n_k, n_v))  # tl.dot: 16 at least
+    _chunk_coefficients[(B * H,)](K, D, beta, decays, queries, U0, V0, gam, T, KK, Bm, U, V, c, h, n, layers, n_k, n_v,
+                                  BD=bd, BV=bv, BC=_rows_block(n), num_warps=max(4, _rows_block(n) // 4))
+    return Rebuilt(D, e, reads, gam, T, KK), Coefficients(U, V, c, h, Bm, U0)
+
+
+def finish(K, r: Rebuilt, co: Coefficients, beta, queries, read_grads) -> CarryBack:
+    """What dL/dM_c is made of (the twin's contract, `algebra.finish`), in one program per
+    (sequence, head). read_grads: (layers, n, B, H, dv), each layer's rows contiguous."""
+    K, queries, beta = _chunk_buffer(K, "K"), _chunk_buffer(queries, "queries"), _chunk_buffer(beta, "beta")
+    if not read_grads[0].is_contiguous():
+        raise ValueError("chunk kernels: read gradients must be time-major chunk buffers (rows, B, H, dv) per layer")
+    gam, T, U0, h = (x.contiguous() for x in (r.gam, r.T, co.U0, co.h))  # as `algebra` makes them: no copy
+    n, B, H, n_k = K.shape
+    n_v, layers = U0.shape[-1], queries.shape[0]
+    scale = layout.empty(K, (B, H))
+    rows, weights = layout.empty(K, (B, H, (layers + 1) * n, n_k)), layout.empty(K, (B, H, (layers + 1) * n, n_v))
+    bd, bv = (min(ALGEBRA_COLUMNS, max(16, triton.next_power_of_2(w))) for w in (n_k, n_v))
+    _chunk_finish[(B * H,)](K, queries, read_grads, gam, T, U0, h, beta, scale, rows, weights, n, layers, read_grads.stride(0),
+                            n_k, n_v, BD=bd, BV=bv, BC=_rows_block(n), num_warps=max(4, _rows_block(n) // 4))
+    return CarryBack(scale, rows, weights)
+
+
 CARRY_ROWS = 32  # rows of the carry-back's sum taken at a time
 
 
@@ -478,4 +639,4 @@ def carry_back(dM_end, c: CarryBack, *, out=None):
     return out
 
 
-OPS = ChunkOps(step, read, step_backward, read_backward, dm_products, carry_back)
+OPS = ChunkOps(step, read, step_backward, read_backward, dm_products, algebra, finish, carry_back)
