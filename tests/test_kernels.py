@@ -15,6 +15,7 @@ import torch
 from triton_kernels import DEVICE, interpreter  # noqa: F401  (the fixture: autouse)
 from triton_kernels import elementwise as E
 from triton_kernels import elementwise_cpu as EC
+from triton_kernels import memory_chunk as KC
 from triton_kernels import memory_step as K
 from twins import assert_close, count_calls, memory_inputs
 
@@ -477,19 +478,12 @@ class _nan_filled_empties:
 ODD = GPNConfig(vocab_size=29, d_state=14, d_emb=6, d_ffn=9, n_heads=3, d_key=5, d_val=4, core_chunk=3)
 
 
-@pytest.mark.parametrize("mode", ["float64", "float32", "bf16"])
-@pytest.mark.parametrize("case", [dict(family="gpn", n_layers=1), dict(n_layers=1), dict(n_layers=2, bptt=4)],
-                         ids=["gpn_1l", "gpn_m_1l", "gpn_m_2l_bptt"])
-def test_model_with_triton_kernels_matches_torch(case, mode, monkeypatch):
-    """Loss, carried state, and the gradients of every parameter and of the incoming state."""
-    calls = []
-    count_calls(monkeypatch, K, ("memory_step", "memory_read", "decay_and_write", "memory_step_backward", "memory_read_backward"),
-                calls)
-    count_calls(monkeypatch, E, ("post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads",
-                                 "gate_factors", "l2n_relu_backward", "ce_lse", "ce_grad"), calls)
+def _triton_against_torch(cfg: GPNConfig, mode: str):
+    """The model of cfg with kernel = torch and kernel = triton, from one carried state: loss,
+    carried state, and the gradients of every parameter and of the incoming state, compared."""
     dtype = torch.float64 if mode == "float64" else torch.float32
     torch.manual_seed(0)
-    model = GPN(dataclasses.replace(ODD, **case)).to(DEVICE, dtype)
+    model = GPN(cfg).to(DEVICE, dtype)
     with torch.no_grad():  # move the zero-initialised gates and out-projections: every path live
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -516,6 +510,20 @@ def test_model_with_triton_kernels_matches_torch(case, mode, monkeypatch):
     assert ga.keys() == gb.keys() and "state.s" in gb and ("state.M" in gb) == model.config.memory
     for name in gb:
         check(ga[name], gb[name], dtype, name, tol)
+    return model, tokens
+
+
+@pytest.mark.parametrize("mode", ["float64", "float32", "bf16"])
+@pytest.mark.parametrize("case", [dict(family="gpn", n_layers=1), dict(n_layers=1), dict(n_layers=2, bptt=4)],
+                         ids=["gpn_1l", "gpn_m_1l", "gpn_m_2l_bptt"])
+def test_model_with_triton_kernels_matches_torch(case, mode, monkeypatch):
+    """Loss, carried state, and the gradients of every parameter and of the incoming state."""
+    calls = []
+    count_calls(monkeypatch, K, ("memory_step", "memory_read", "decay_and_write", "memory_step_backward", "memory_read_backward"),
+                calls)
+    count_calls(monkeypatch, E, ("post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads",
+                                 "gate_factors", "l2n_relu_backward", "ce_lse", "ce_grad"), calls)
+    model, tokens = _triton_against_torch(dataclasses.replace(ODD, **case), mode)
     assert {"post_projection", "residual_rms", "ground", "residual_rms_backward", "gate_grads", "gate_factors", "ce_lse",
             "ce_grad"} <= set(calls)
     if model.config.memory:  # the kernels ran, in the forward and the reverse sweep
@@ -523,6 +531,19 @@ def test_model_with_triton_kernels_matches_torch(case, mode, monkeypatch):
         assert calls.count("memory_step") > tokens.shape[1]  # the forward's steps and the rebuild's
         assert ("memory_read" in calls) == ("memory_read_backward" in calls) == (model.config.n_layers > 1)
 
+
+
+@pytest.mark.parametrize("mode", ["float64", "float32", "bf16"])
+def test_chunk_form_with_triton_kernels_matches_torch(mode, monkeypatch):
+    """The memory's chunk form (`memory_form: chunk`, M_c's reads in the compute dtype under bf16)
+    through the whole model: chunks of 3 over 7 steps (the last one short), two layers, a
+    truncated-BPTT cut; every chunk kernel ran, the once-per-chunk algebra included."""
+    calls = []
+    count_calls(monkeypatch, KC, ("step", "read", "step_backward", "read_backward", "algebra", "finish", "carry_back"), calls)
+    reads = "compute" if mode == "bf16" else "state"
+    _triton_against_torch(dataclasses.replace(ODD, n_layers=2, bptt=6, memory_form="chunk", memory_reads=reads), mode)
+    assert set(calls) == {"step", "read", "step_backward", "read_backward", "algebra", "finish", "carry_back"}
+    assert calls.count("algebra") == calls.count("finish") == 3  # chunks 0-2, 3-5, 6
 
 def test_kernel_is_validated(monkeypatch):
     with pytest.raises(ValueError, match="kernel: expected one of"):

@@ -217,27 +217,40 @@ def test_the_passes_over_dM_match_twin(dtype, monkeypatch):
     torch.testing.assert_close(dM, dM_before, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("n,layers,dtype", [(5, 2, torch.float32), (5, 2, torch.float64), (17, 1, torch.float32),
-                                            (1, 2, torch.float32), (16, 1, torch.float64)])
-def test_the_chunk_algebra_matches_twin(n, layers, dtype, monkeypatch):
-    """Once per chunk before its sweep, and `finish` after it: the C x C algebra (decay products, T = L^-1, the keys' Gram
-    matrix) and the coefficients the sweep reads, in one kernel per (sequence, head), against
-    `algebra.from_forward` + `algebra.coefficients`: chunks inside one 16-row tile, across it (17
-    rows: a 32-row tile) and of one step; the keys in two column blocks, U0 and the deltas in three,
-    the last partial; one head's decays so small that running products underflow (products over
-    ranges do not)."""
+@pytest.mark.parametrize("n,layers,dtype,hard", [(5, 2, torch.float32, False), (5, 2, torch.float64, False),
+                                                 (17, 1, torch.float32, False), (1, 2, torch.float32, False),
+                                                 (16, 1, torch.float64, False), (32, 2, torch.float32, False),
+                                                 (32, 1, torch.float64, True), (33, 1, torch.float32, False)])
+def test_the_chunk_algebra_matches_twin(n, layers, dtype, hard, monkeypatch):
+    """Once per chunk before its sweep, and `finish` after it: the C x C algebra (decay products,
+    T = L^-1, the keys' Gram matrix) and the coefficients the sweep reads, in one kernel per
+    (sequence, head), against `algebra.from_forward` + `algebra.coefficients` and `algebra.finish`:
+    chunks inside one 16-row tile, across it (17 rows: a 32-row tile), of 32 rows (the longest the
+    kernels take), of 33 (the twin's algebra, run by the launchers) and of one step; the keys in two
+    column blocks, U0 and the deltas in three, the last partial; one head's decays so small that
+    running products underflow (products over ranges do not); `hard`: betas near 1, no decay and
+    nearly parallel keys, the sums of T's rows cancelling."""
     monkeypatch.setattr(memory_triton, "TILE", 64)
     monkeypatch.setattr(K, "ALGEBRA_COLUMNS", 16)
     B, H, dk, dv = 2, 3, 19, 33
-    x = widened(chunk_inputs(n, layers, B, H, dk, dv, dtype, seed=n), torch.float64 if dtype == torch.float64 else torch.float32)
-    x["decays"][:, 1, 2] = 1e-30  # G(-1, b) underflows past two steps; G(b - 1, b) does not
+    state = torch.float64 if dtype == torch.float64 else torch.float32
+    x = widened(chunk_inputs(n, layers, B, H, dk, dv, dtype, seed=n), state)
     g = torch.Generator().manual_seed(11)
-    dM_end = torch.randn(x["M"].shape, generator=g, dtype=x["M"].dtype).to(DEVICE)
-    deltas, e = (torch.randn(n, B, H, dv, generator=g, dtype=x["M"].dtype).to(DEVICE) for _ in range(2))
+    if hard:
+        x["beta"].fill_(0.99)
+        x["decays"].fill_(1.0)
+        base = torch.rand(dk, generator=g, dtype=state).to(DEVICE)
+        keys = base + 0.05 * torch.rand(n, B, H, dk, generator=g, dtype=state).to(DEVICE)
+        x["keys"] = keys / keys.norm(dim=-1, keepdim=True)
+    x["decays"][:, 1, 2] = 1e-30  # G(-1, b) underflows past two steps; G(b - 1, b) does not
+    dM_end = torch.randn(x["M"].shape, generator=g, dtype=state).to(DEVICE)
+    deltas, e = (torch.randn(n, B, H, dv, generator=g, dtype=state).to(DEVICE) for _ in range(2))
     queries = torch.stack(x["queries"])
     args = (dM_end, x["keys"], x["beta"], x["decays"], deltas, e, [q * 2 for q in x["queries"]], queries)
     inputs = [a.clone() if torch.is_tensor(a) else a for a in args]
     (r_got, co_got), (r_want, co_want) = K.algebra(*args), T.algebra(*args)
+    if hard:  # nearly parallel keys: L's entries below the diagonal near beta, T's alternating
+        assert r_want.KK.min() > 0.95
     for name in ("gam", "T", "KK"):
         assert_close(getattr(r_got, name), getattr(r_want, name), TOL[dtype], name)
     assert r_got.delta is deltas and r_got.e is e and r_got.reads is args[6]
@@ -245,20 +258,37 @@ def test_the_chunk_algebra_matches_twin(n, layers, dtype, monkeypatch):
         a, b = getattr(co_got, name), getattr(co_want, name)
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert_close(a, b, TOL[dtype], name)
-    assert not r_got.gam.isnan().any()  # the underflowing head included
+    # the underflowing head on its own scale: G(b - 1, b) = d_b and G(b, b) = 1 exactly, G(-1, b) 0
+    # past b = 2 in float32 (1e-90)
+    steps = torch.arange(n)
+    torch.testing.assert_close(r_got.gam[1, 2, steps, steps], x["decays"][:, 1, 2], rtol=0, atol=0)
+    assert (r_got.gam[1, 2, steps + 1, steps] == 1).all() and not r_got.gam.isnan().any()
+    assert state == torch.float64 or (r_got.gam[1, 2, 0, 2:] == 0).all()
     for a, b in zip(args, inputs):
         if torch.is_tensor(a):
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # inputs unchanged
 
-    # after the sweep: what dL/dM_c is made of, from read gradients in a buffer longer than the chunk
-    read_grads = torch.randn(layers, n + 2, B, H, dv, generator=g, dtype=x["M"].dtype).to(DEVICE)[:, :n]
-    got, want = K.finish(x["keys"], r_want, co_want, x["beta"], queries, read_grads), algebra.finish(
-        x["keys"], r_want, co_want, x["beta"], queries, read_grads)
-    for name in want._fields:
-        a, b = getattr(got, name), getattr(want, name)
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert_close(a, b, TOL[dtype], name)
+    # after the sweep: what dL/dM_c is made of, from read gradients in a buffer longer than the chunk,
+    # from the twin's algebra and from the kernel's
+    read_grads = torch.randn(layers, n + 2, B, H, dv, generator=g, dtype=state).to(DEVICE)[:, :n]
+    want = algebra.finish(x["keys"], r_want, co_want, x["beta"], queries, read_grads)
+    for r, co in ((r_want, co_want), (r_got, co_got)):
+        got = K.finish(x["keys"], r, co, x["beta"], queries, read_grads)
+        for name in want._fields:
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.shape == b.shape and a.dtype == b.dtype, name
+            assert_close(a, b, TOL[dtype], name)
 
+
+def test_the_chunk_algebra_refuses_rows_it_cannot_address():
+    n, B, H, dk, dv = 3, 2, 2, 5, 4
+    x = chunk_inputs(n, 1, B, H, dk, dv, torch.float32)
+    dM, deltas = torch.randn(B, H, dk, dv), torch.randn(n, B, H, dv)
+    queries = torch.randn(1, n + 1, B, H, dk)  # a row more than the chunk's
+    with pytest.raises(ValueError, match="queries must be per layer 3 time-major rows"):
+        K.algebra(dM, x["keys"], x["beta"], x["decays"], deltas, deltas, [], queries)
+    with pytest.raises(ValueError, match="must share their"):
+        K.algebra(dM, x["keys"], x["beta"][:, :1].contiguous(), x["decays"], deltas, deltas, [], queries[:, :n])
 
 def test_launchers_refuse_chunk_buffers_they_cannot_address():
     x = chunk_inputs(3, 1, 2, 2, 3, 4, torch.float32)

@@ -19,6 +19,7 @@ if INTERPRET:
 import kernels.step.triton as elementwise  # noqa: E402
 import kernels.step.cpu as elementwise_cpu  # noqa: E402
 import kernels.memory.triton as memory_step  # noqa: E402
+import kernels.memory_chunk.triton as memory_chunk  # noqa: E402
 import kernels.numerics as numerics  # noqa: E402
 
 if INTERPRET:

@@ -14,9 +14,10 @@ vectors; dL/dM enters a chunk once, through a few chunk-wide products that are c
 before its sweep (`algebra.coefficients`), and leaves it once (`algebra.finish`). docs/core.md,
 "The memory's chunk form", derives it.
 
-This package holds the per-step functions as a contract (`ChunkOps`) with a torch twin
-(`reference`) and Triton kernels (`triton`); `algebra` holds the once-per-chunk work, plain
-torch (batched GEMMs and C x C triangular algebra) shared by every implementation.
+This package holds the per-step and once-per-chunk functions as a contract (`ChunkOps`) with a
+torch twin (`reference`) and Triton kernels (`triton`); `algebra` holds the once-per-chunk work in
+plain torch (batched GEMMs and C x C triangular algebra): the twin's, which the Triton kernels
+reproduce, and `rebuild` (a chunk's deltas, errors and reads formed again from M_c).
 """
 
 from __future__ import annotations

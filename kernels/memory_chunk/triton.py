@@ -19,9 +19,10 @@ first element is that of their first row, so that a launch's arguments are the m
 (bench/step_cost.py counts them); inside, rows are addressed from the view's first row. The
 forward forms the decay products G(a, b) = d_{a+1} ... d_b from the chunk's decays with a
 reversed cumulative product (a product over each range, never a ratio); the backward reads the
-chunk's matrix of them (`algebra.decay_products`). Arithmetic follows M_c's dtype; every other
-input is converted on load. The read's output norm and gate, forward and backward, are
-kernels/memory/triton.py's kernels.
+chunk's matrix of them, which `_chunk_coefficients` forms once per chunk with the rest of the
+chunk's C x C algebra (one program per (sequence, head); `_chunk_finish` after the sweep).
+Arithmetic follows M_c's dtype; every other input is converted on load. The read's output norm
+and gate, forward and backward, are kernels/memory/triton.py's kernels.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kernels import layout
 from kernels.memory import ReadFactors
 from kernels.memory.triton import _blocks, _check_m, _gated_rms, _read_grad
 from kernels.memory_chunk import ChunkOps
+from kernels.memory_chunk import algebra as chunk_algebra
 from kernels.memory_chunk.algebra import CarryBack, Coefficients, Rebuilt
 from kernels.numerics import _rounded
 
@@ -309,11 +311,11 @@ def _chunk_dm_products(DM, KC, DC, U0, V0, N, DK, DV, BK: tl.constexpr, BV: tl.c
 
 
 @triton.jit
-def _chunk_coefficients(KC, DC, BETA, DEC, Q, U0, V0, GAM, T_OUT, KK_OUT, BM_OUT, U_OUT, V_OUT, C_OUT, H_OUT, N, NL, DK, DV,
-                        BD: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr):
+def _chunk_coefficients(KC, DC, BETA, DEC, Q, U0, V0, GAM, T_OUT, KK_OUT, BM_OUT, U_OUT, V_OUT, C_OUT, H_OUT, N, NL, sq, DK,
+                        DV, BD: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr):
     """Per (sequence, head), the chunk's C x C algebra and the weights its sweep reads of dM_end, as
     `algebra.from_forward` and `algebra.coefficients` make them, from its keys (KC), deltas (DC),
-    betas, decays, queries (Q: NL layers of time-major rows) and dM_end's products U0, V0
+    betas, decays, queries (Q: NL layers of time-major rows, sq apart) and dM_end's products U0, V0
     (`_chunk_dm_products`, (B, H, N, d)). Writes G(a, b) (GAM, (B, H, N + 1, N)), the UT form's
     T = L^-1, the keys' Gram matrix, Bm, U, V and per layer c and h. The decay products are
     cumulative products over each range (never ratios), T comes by forward substitution, one row
@@ -370,28 +372,28 @@ def _chunk_coefficients(KC, DC, BETA, DEC, Q, U0, V0, GAM, T_OUT, KK_OUT, BM_OUT
         for k0 in range(0, DK, BD):
             ks = k0 + tl.arange(0, BD)
             kc = _rows(KC, ci, bh, BH, DK, ks, inrows, ks < DK).to(dt)
-            q = _rows(Q + layer * N * BH * DK, ci, bh, BH, DK, ks, inrows, ks < DK).to(dt)
+            q = _rows(Q + layer * sq, ci, bh, BH, DK, ks, inrows, ks < DK).to(dt)
             kq += tl.dot(kc, tl.trans(q), input_precision="ieee")
         gkq = g * kq  # G(i, s) k_i . q_s
-        sq = (layer * BH + bh) * N * N + r * N + c
-        tl.store(C_OUT + sq, gkq - tl.dot(x, gkq, input_precision="ieee"), mask=nn)
-        tl.store(H_OUT + sq, tl.dot(t_t, gkq, input_precision="ieee"), mask=nn)
-    sq = bh * N * N + r * N + c
-    tl.store(T_OUT + sq, t, mask=nn)
-    tl.store(KK_OUT + sq, kk, mask=nn)
-    tl.store(BM_OUT + sq, bm, mask=nn)
+        cn = (layer * BH + bh) * N * N + r * N + c
+        tl.store(C_OUT + cn, gkq - tl.dot(x, gkq, input_precision="ieee"), mask=nn)
+        tl.store(H_OUT + cn, tl.dot(t_t, gkq, input_precision="ieee"), mask=nn)
+    cn = bh * N * N + r * N + c
+    tl.store(T_OUT + cn, t, mask=nn)
+    tl.store(KK_OUT + cn, kk, mask=nn)
+    tl.store(BM_OUT + cn, bm, mask=nn)
     tl.store(GAM + bh * (N + 1) * N + ci, tl.cumprod(d, 0), mask=inrows)  # G(-1, b)
     tl.store(GAM + bh * (N + 1) * N + (r + 1) * N + c, g, mask=nn)
 
 
 @triton.jit
-def _chunk_finish(KC, Q, RG, GAM, T, U0, HH, BETA, SCALE, ROWS, W, N, NL, srg, DK, DV, BD: tl.constexpr, BV: tl.constexpr,
-                  BC: tl.constexpr):
+def _chunk_finish(KC, Q, RG, GAM, T, U0, HH, BETA, SCALE, ROWS, W, N, NL, sq, srg, DK, DV, BD: tl.constexpr,
+                  BV: tl.constexpr, BC: tl.constexpr):
     """Per (sequence, head), what dL/dM_c is made of after the chunk's sweep, as `algebra.finish`
     makes it: the scale G(-1, n-1), the rows (the queries of every layer, then the keys) and their
     weights (G(-1, s) do_s for the reads; -beta_m G(-1, m-1) (T^T diag(G(., n-1)) U0 + sum_layers h
     do)_m for the keys), from the chunk's decay products (GAM), T, U0, h (HH) and the read
-    gradients (RG: NL layers of time-major rows, srg apart)."""
+    gradients (RG: NL layers of time-major rows, srg apart; the queries Q sq apart)."""
     bh = tl.program_id(0).to(tl.int64)
     BH = tl.num_programs(0)
     dt = W.dtype.element_ty
@@ -421,7 +423,7 @@ def _chunk_finish(KC, Q, RG, GAM, T, U0, HH, BETA, SCALE, ROWS, W, N, NL, srg, D
         ks = k0 + tl.arange(0, BD)
         mask = inrows[:, None] & (ks < DK)[None, :]
         for layer in range(0, NL):
-            q = _rows(Q + layer * N * BH * DK, ci, bh, BH, DK, ks, inrows, ks < DK)
+            q = _rows(Q + layer * sq, ci, bh, BH, DK, ks, inrows, ks < DK)
             tl.store(ROWS + (bh * NR + layer * N + r) * DK + ks[None, :], q.to(dt), mask=mask)
         k = _rows(KC, ci, bh, BH, DK, ks, inrows, ks < DK)
         tl.store(ROWS + (bh * NR + NL * N + r) * DK + ks[None, :], k.to(dt), mask=mask)
@@ -586,43 +588,67 @@ def dm_products(dM_end, K, D):
 # Columns of the keys, U0 and the deltas the chunk's algebra takes at a time: its C x C matrices and
 # float32 dots fill the registers (at C 32 and 8 warps, 177 per thread with 16 columns, spills with 32).
 ALGEBRA_COLUMNS = 16
+# The longest chunk the algebra's kernels take: a 32 x 32 tile. Longer chunks spill (64) or cannot
+# launch (over 128: more threads than a block holds) and run the torch twin's algebra instead.
+ALGEBRA_ROWS = 32
+
+
+def _chunk_rows(x, n: int, name: str) -> torch.Tensor:
+    """A chunk buffer (a tensor or, as the twin takes them, a list of per-layer rows) of exactly n
+    rows per layer, each layer's rows contiguous."""
+    x = torch.stack(list(x)) if isinstance(x, (list, tuple)) else x
+    if x.shape[1] != n or not x[0].is_contiguous():
+        raise ValueError(f"chunk kernels: {name} must be per layer {n} time-major rows (rows, B, H, d), got {tuple(x.shape)}")
+    return x
+
+
+def _algebra_grid(n: int, n_k: int, n_v: int) -> dict:
+    bd, bv = (min(ALGEBRA_COLUMNS, max(16, triton.next_power_of_2(w))) for w in (n_k, n_v))  # tl.dot: 16 at least
+    return dict(BD=bd, BV=bv, BC=_rows_block(n), num_warps=4 if n <= 16 else 8)
 
 
 def algebra(dM_end, K, beta, decays, D, e, reads, queries):
     """The chunk's algebra before its sweep (the twin's contract): dM_end's products
     (`_chunk_dm_products`), then its C x C algebra and coefficients in one program per (sequence,
-    head). Returns (Rebuilt, Coefficients)."""
+    head). Returns (Rebuilt, Coefficients). Chunks over ALGEBRA_ROWS run the twin's algebra."""
+    n = K.shape[0]
+    if n > ALGEBRA_ROWS:
+        r = chunk_algebra.from_forward(K, beta, decays, D, e, reads)
+        return r, chunk_algebra.coefficients(*dm_products(dM_end, K, D), K, r, beta, queries)
     K, D = _chunk_buffer(K, "K"), _chunk_buffer(D, "D")
-    queries, beta, decays = _chunk_buffer(queries, "queries"), _chunk_buffer(beta, "beta"), _chunk_buffer(decays, "decays")
-    U0, V0 = dm_products(dM_end, K, D)
-    n, B, H, n_k = K.shape
+    queries, beta, decays = _chunk_rows(queries, n, "queries"), _chunk_buffer(beta, "beta"), _chunk_buffer(decays, "decays")
+    _, B, H, n_k = K.shape
     n_v, layers = D.shape[-1], queries.shape[0]
+    if D.shape[:3] != K.shape[:3] or beta.shape != K.shape[:3] or decays.shape != K.shape[:3]:
+        raise ValueError(f"chunk kernels: keys {tuple(K.shape)}, deltas {tuple(D.shape)}, betas {tuple(beta.shape)} and decays "
+                         f"{tuple(decays.shape)} must share their (rows, B, H)")
+    U0, V0 = dm_products(dM_end, K, D)
     gam = layout.empty(K, (B, H, n + 1, n))
     T, KK, Bm = (layout.empty(K, (B, H, n, n)) for _ in range(3))
     U, V = layout.empty(K, (B, H, n, n_v)), layout.empty(K, (B, H, n, n_k))
     c, h = layout.empty(K, (layers, B, H, n, n)), layout.empty(K, (layers, B, H, n, n))
-    bd, bv = (min(ALGEBRA_COLUMNS, max(16, triton.next_power_of_2(w))) for w in (n_k, n_v))  # tl.dot: 16 at least
-    _chunk_coefficients[(B * H,)](K, D, beta, decays, queries, U0, V0, gam, T, KK, Bm, U, V, c, h, n, layers, n_k, n_v,
-                                  BD=bd, BV=bv, BC=_rows_block(n), num_warps=max(4, _rows_block(n) // 4))
+    _chunk_coefficients[(B * H,)](K, D, beta, decays, queries, U0, V0, gam, T, KK, Bm, U, V, c, h, n, layers, queries.stride(0),
+                                  n_k, n_v, **_algebra_grid(n, n_k, n_v))
     return Rebuilt(D, e, reads, gam, T, KK), Coefficients(U, V, c, h, Bm, U0)
 
 
 def finish(K, r: Rebuilt, co: Coefficients, beta, queries, read_grads) -> CarryBack:
     """What dL/dM_c is made of (the twin's contract, `algebra.finish`), in one program per
-    (sequence, head). read_grads: (layers, n, B, H, dv), each layer's rows contiguous."""
-    K, queries, beta = _chunk_buffer(K, "K"), _chunk_buffer(queries, "queries"), _chunk_buffer(beta, "beta")
-    if not read_grads[0].is_contiguous():
-        raise ValueError("chunk kernels: read gradients must be time-major chunk buffers (rows, B, H, dv) per layer")
+    (sequence, head). read_grads: (layers, n, B, H, dv), each layer's rows contiguous. Chunks over
+    ALGEBRA_ROWS run the twin's."""
+    n = K.shape[0]
+    if n > ALGEBRA_ROWS:
+        return chunk_algebra.finish(K, r, co, beta, queries, read_grads)
+    K, beta = _chunk_buffer(K, "K"), _chunk_buffer(beta, "beta")
+    queries, read_grads = _chunk_rows(queries, n, "queries"), _chunk_rows(read_grads, n, "read gradients")
     gam, T, U0, h = (x.contiguous() for x in (r.gam, r.T, co.U0, co.h))  # as `algebra` makes them: no copy
-    n, B, H, n_k = K.shape
+    _, B, H, n_k = K.shape
     n_v, layers = U0.shape[-1], queries.shape[0]
     scale = layout.empty(K, (B, H))
     rows, weights = layout.empty(K, (B, H, (layers + 1) * n, n_k)), layout.empty(K, (B, H, (layers + 1) * n, n_v))
-    bd, bv = (min(ALGEBRA_COLUMNS, max(16, triton.next_power_of_2(w))) for w in (n_k, n_v))
-    _chunk_finish[(B * H,)](K, queries, read_grads, gam, T, U0, h, beta, scale, rows, weights, n, layers, read_grads.stride(0),
-                            n_k, n_v, BD=bd, BV=bv, BC=_rows_block(n), num_warps=max(4, _rows_block(n) // 4))
+    _chunk_finish[(B * H,)](K, queries, read_grads, gam, T, U0, h, beta, scale, rows, weights, n, layers, queries.stride(0),
+                            read_grads.stride(0), n_k, n_v, **_algebra_grid(n, n_k, n_v))
     return CarryBack(scale, rows, weights)
-
 
 CARRY_ROWS = 32  # rows of the carry-back's sum taken at a time
 
