@@ -311,6 +311,7 @@ def chunk_kernel_cases(cfg, batch, device, M, k, v, beta, decay, q, gate) -> dic
     co = algebra.coefficients(*KC.dm_products(dM, keys, r.delta), keys, r, betas, queries)
     K, D = keys.clone(), r.delta.clone()
     read_grads = torch.randn(1, n, B, H, dv, device=device, generator=g)
+    r_k, co_k = KC.algebra(dM, K, betas, decays, D, r.e, r.reads, queries)
     o = r.reads[0][j].reshape(B, -1)
     f, dy, phi = read_factors(o, gate), torch.randn_like(gate), torch.zeros(B, H, device=device)
     m_bytes, row = M.numel() * 4, B * H * 4
@@ -323,6 +324,11 @@ def chunk_kernel_cases(cfg, batch, device, M, k, v, beta, decay, q, gate) -> dic
                                                                       read_grads, phi),
                                             m_bytes + row * ((j + 1) * dv + (n - j) * (dv + dk) + n * dk + 12 * dv)),
         "chunk dM products": (lambda: KC.dm_products(dM, K, D), m_bytes + row * n * 2 * (dk + dv)),
+        # once per chunk: dM_end's products, then the C x C algebra (keys, deltas, queries, U0, V0 in;
+        # U, V and the C x C matrices out), and after the sweep the carry's rows and weights
+        "chunk algebra": (lambda: KC.algebra(dM, K, betas, decays, D, r.e, r.reads, queries),
+                          m_bytes + row * n * (4 * (dk + dv) + dk + 7 * n)),
+        "chunk finish": (lambda: KC.finish(K, r_k, co_k, betas, queries, read_grads), row * n * (4 * (dk + dv) + 3 * n)),
     }
 
 

@@ -37,7 +37,7 @@ def test_gpu_bench_runs_on_cpu(gpu_check_dry):
     assert rows["naive"]["seq_len"] == 4 and rows["naive"]["extrapolated_to_seq_len"] == 8
     assert "extrapolated to T 8" in stdout
     for name in ("memory_step (fwd)", "decay_and_write", "memory_step_backward", "chunk step 2 of 4 (fwd)",
-                 "chunk step 2 of 4 backward", "chunk dM products"):
+                 "chunk step 2 of 4 backward", "chunk dM products", "chunk algebra", "chunk finish"):
         assert result["memory_kernels"][name]["bytes_per_s"] > 0
     assert result["copy_bytes_per_s"] > 0 and all(g["tflops"] > 0 for g in result["gemms"].values())
     # what the schedule's overlap rule assumes, measured: a copy on a share of the SMs, M's traffic beside a GEMM
