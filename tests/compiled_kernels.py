@@ -89,7 +89,7 @@ import kernels.memory_chunk.triton as C
 ARITH = {k: set(v) for k, v in json.loads(sys.argv[1]).items()}
 VARIANTS = json.loads(sys.argv[2])
 HELPERS = {"_rms_out", "_residual", "_grounded", "_decays_to", "_row", "_rows", "_g_column",
-           "_row_rms"}  # called from kernels, compiled with them (as kernels/numerics.py's)
+           "_row_rms", "_square"}  # called from kernels, compiled with them (as kernels/numerics.py's)
 INTS = {"H", "DK", "DV", "N", "NF", "ND", "NHEADS", "NG", "NB", "NL", "NR"}  # runtime sizes; other lower-case names are strides
 INDICES = {"TGT"}  # pointers to integer indices (the cross-entropy's targets)
 CONSTEXPRS = {"BK": 128, "BV": 16, "BN": 1024, "BF": 1024, "BH": 16, "BHEADS": 32, "HEADS": True, "GATES": True,

@@ -311,6 +311,16 @@ def _chunk_dm_products(DM, KC, DC, U0, V0, N, DK, DV, BK: tl.constexpr, BV: tl.c
 
 
 @triton.jit
+def _square(N, BC: tl.constexpr):
+    """A once-per-chunk program's (sequence, head) bh (of BH) and its chunk's C x C tile: the rows
+    ci, as a column r and a row c, and the masks of the N rows and of the N x N block."""
+    bh = tl.program_id(0).to(tl.int64)
+    ci = tl.arange(0, BC)
+    r, c = ci[:, None], ci[None, :]
+    return bh, tl.num_programs(0), ci, r, c, ci < N, (r < N) & (c < N)
+
+
+@triton.jit
 def _chunk_coefficients(KC, DC, BETA, DEC, Q, U0, V0, GAM, T_OUT, KK_OUT, BM_OUT, U_OUT, V_OUT, C_OUT, H_OUT, N, NL, sq, DK,
                         DV, BD: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr):
     """Per (sequence, head), the chunk's C x C algebra and the weights its sweep reads of dM_end, as
@@ -321,13 +331,8 @@ def _chunk_coefficients(KC, DC, BETA, DEC, Q, U0, V0, GAM, T_OUT, KK_OUT, BM_OUT
     cumulative products over each range (never ratios), T comes by forward substitution, one row
     after the other; the products over the keys' and values' widths take BD and BV columns at a
     time (a whole key row beside the C x C matrices would not fit in registers)."""
-    bh = tl.program_id(0).to(tl.int64)
-    BH = tl.num_programs(0)
+    bh, BH, ci, r, c, inrows, nn = _square(N, BC)
     dt = T_OUT.dtype.element_ty
-    ci = tl.arange(0, BC)
-    r, c = ci[:, None], ci[None, :]
-    inrows = ci < N
-    nn = (r < N) & (c < N)
     d = tl.load(DEC + ci * BH + bh, mask=inrows, other=1.0).to(dt)
     d_prev = tl.load(DEC + tl.maximum(ci - 1, 0) * BH + bh, mask=(ci >= 1) & (ci <= N), other=1.0).to(dt)  # d_{b-1}
     beta = tl.load(BETA + ci * BH + bh, mask=inrows, other=0.0).to(dt)
@@ -394,13 +399,8 @@ def _chunk_finish(KC, Q, RG, GAM, T, U0, HH, BETA, SCALE, ROWS, W, N, NL, sq, sr
     weights (G(-1, s) do_s for the reads; -beta_m G(-1, m-1) (T^T diag(G(., n-1)) U0 + sum_layers h
     do)_m for the keys), from the chunk's decay products (GAM), T, U0, h (HH) and the read
     gradients (RG: NL layers of time-major rows, srg apart; the queries Q sq apart)."""
-    bh = tl.program_id(0).to(tl.int64)
-    BH = tl.num_programs(0)
+    bh, BH, ci, r, c, inrows, nn = _square(N, BC)
     dt = W.dtype.element_ty
-    ci = tl.arange(0, BC)
-    r, c = ci[:, None], ci[None, :]
-    inrows = ci < N
-    nn = (r < N) & (c < N)
     NR = (NL + 1) * N
     gam = GAM + bh * (N + 1) * N
     g0 = tl.load(gam + ci, mask=inrows, other=0.0).to(dt)  # G(-1, s)
