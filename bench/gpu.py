@@ -308,10 +308,9 @@ def chunk_kernel_cases(cfg, batch, device, M, k, v, beta, decay, q, gate) -> dic
     betas, decays = torch.rand(n, B, H, device=device, generator=g), torch.rand(n, B, H, device=device, generator=g)
     r = algebra.rebuild(M, keys, values, betas, decays, queries)
     dM = torch.randn_like(M)
-    co = algebra.coefficients(*KC.dm_products(dM, keys, r.delta), keys, r, betas, queries)
     K, D = keys.clone(), r.delta.clone()
     read_grads = torch.randn(1, n, B, H, dv, device=device, generator=g)
-    r_k, co_k = KC.algebra(dM, K, betas, decays, D, r.e, r.reads, queries)
+    r_k, co = KC.algebra(dM, K, betas, decays, D, r.e, r.reads, queries)
     o = r.reads[0][j].reshape(B, -1)
     f, dy, phi = read_factors(o, gate), torch.randn_like(gate), torch.zeros(B, H, device=device)
     m_bytes, row = M.numel() * 4, B * H * 4
@@ -328,7 +327,7 @@ def chunk_kernel_cases(cfg, batch, device, M, k, v, beta, decay, q, gate) -> dic
         # U, V and the C x C matrices out), and after the sweep the carry's rows and weights
         "chunk algebra": (lambda: KC.algebra(dM, K, betas, decays, D, r.e, r.reads, queries),
                           m_bytes + row * n * (4 * (dk + dv) + dk + 7 * n)),
-        "chunk finish": (lambda: KC.finish(K, r_k, co_k, betas, queries, read_grads), row * n * (4 * (dk + dv) + 3 * n)),
+        "chunk finish": (lambda: KC.finish(K, r_k, co, betas, queries, read_grads), row * n * (4 * (dk + dv) + 3 * n)),
     }
 
 

@@ -532,7 +532,6 @@ def test_model_with_triton_kernels_matches_torch(case, mode, monkeypatch):
         assert ("memory_read" in calls) == ("memory_read_backward" in calls) == (model.config.n_layers > 1)
 
 
-
 @pytest.mark.parametrize("mode", ["float64", "float32", "bf16"])
 def test_chunk_form_with_triton_kernels_matches_torch(mode, monkeypatch):
     """The memory's chunk form (`memory_form: chunk`, M_c's reads in the compute dtype under bf16)
@@ -544,6 +543,7 @@ def test_chunk_form_with_triton_kernels_matches_torch(mode, monkeypatch):
     _triton_against_torch(dataclasses.replace(ODD, n_layers=2, bptt=6, memory_form="chunk", memory_reads=reads), mode)
     assert set(calls) == {"step", "read", "step_backward", "read_backward", "algebra", "finish", "carry_back"}
     assert calls.count("algebra") == calls.count("finish") == 3  # chunks 0-2, 3-5, 6
+
 
 def test_kernel_is_validated(monkeypatch):
     with pytest.raises(ValueError, match="kernel: expected one of"):

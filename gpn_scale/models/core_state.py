@@ -132,10 +132,11 @@ class Saved:
     GPN+M: NQ, NN: per layer, the normalised [next key | query] heads (2, B, 2 or 1, H, dk) and
       their norms (.., 1); O: per layer, the raw reads (2, B, H*dv); E: the write's error
       (2, B, H, dv); BETA, GAMMA, DECAY: the write's gates (T, B, H); M: M before every chunk
-      (B, H, dk, dv) each (the chunk form with memory_reads: compute keeps its bf16 copy only); x_prev, r_prev: the incoming previous state normalised (B, d) and its
-      rms (B, 1); k0, k0n: the first step's key (B, H, dk) and its norm (B, H, 1). The chunk form
-      keeps O and E for every step (T rows), and DELTA (T, B, H, dv), the write's beta e, and
-      M_end, the window's last M (its phi = <dL/dM, M> starts the sweep).
+      (B, H, dk, dv) each (the chunk form with memory_reads: compute keeps its bf16 copy only);
+      x_prev, r_prev: the incoming previous state normalised (B, d) and its rms (B, 1); k0, k0n:
+      the first step's key (B, H, dk) and its norm (B, H, 1). The chunk form keeps O and E for
+      every step (T rows), and DELTA (T, B, H, dv), the write's beta e, and M_end, the window's
+      last M (its phi = <dL/dM, M> starts the sweep).
     """
 
     X: list

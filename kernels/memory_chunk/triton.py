@@ -411,7 +411,8 @@ def _chunk_finish(KC, Q, RG, GAM, T, U0, HH, BETA, SCALE, ROWS, W, N, NL, sq, sr
     for v0 in range(0, DV, BV):
         cols = v0 + tl.arange(0, BV)
         mask = inrows[:, None] & (cols < DV)[None, :]
-        tg = tl.trans(tl.load(T + bh * N * N + r * N + c, mask=nn, other=0.0).to(dt)) * g_end[None, :]  # T^T diag(G(., n-1))
+        # T^T diag(G(., n-1)), loaded again per block: held across the loop it spills (ptxas, 8 warps)
+        tg = tl.trans(tl.load(T + bh * N * N + r * N + c, mask=nn, other=0.0).to(dt)) * g_end[None, :]
         acc = tl.dot(tg, tl.load(U0 + bh * N * DV + r * DV + cols[None, :], mask=mask, other=0.0).to(dt), input_precision="ieee")
         for layer in range(0, NL):
             do = tl.load(RG + layer * srg + (r * BH + bh) * DV + cols[None, :], mask=mask, other=0.0).to(dt)
