@@ -123,8 +123,13 @@ def parse_overrides(items: list[str]) -> dict:
             raise UserError(f"override {item!r}: expected dotted.key=value")
         node = out
         *parents, leaf = key.split(".")
-        for p in parents:
+        for depth, p in enumerate(parents):
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise UserError(f"command-line override {item!r}: {'.'.join(parents[:depth + 1])} is set to a value "
+                                "by another override, not a mapping")
+        if isinstance(node.get(leaf), dict):
+            raise UserError(f"command-line override {item!r}: {key} is a mapping that other overrides set fields of")
         try:
             node[leaf] = yaml.safe_load(raw)
         except yaml.YAMLError as e:

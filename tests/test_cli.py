@@ -86,6 +86,21 @@ def test_a_wrongly_typed_override_is_blamed_not_the_yaml_file(argv, message, cap
     assert err == message + "\n", err
 
 
+@pytest.mark.parametrize("order", ["name first", "fields first"])
+def test_a_model_chosen_by_name_takes_field_overrides_in_either_order(order):
+    from gpn_scale.train.config import load_train_config
+
+    items = ["model=gpn_m_demo", "model.vocab_size=1024", "model.d_state=96"]
+    cfg = load_train_config(TINY, items if order == "name first" else items[::-1])
+    assert (cfg.model["d_state"], cfg.model["vocab_size"], cfg.model["d_emb"]) == (96, 1024, 96)  # d_emb: the demo's
+
+
+def test_an_override_below_a_scalar_override_is_one_line(capsys):
+    assert main(["train", str(TINY), "seed=1", "seed.x=2"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: command-line override 'seed.x=2': seed is set to a value by another override, not a mapping\n", err
+
+
 def test_a_mistyped_yaml_key_blames_the_file_with_the_nearest_key(tmp_path, capsys):
     config = yaml.safe_load(TINY.read_text())
     config["train"]["save_evrey"] = config["train"].pop("save_every")
