@@ -1,11 +1,20 @@
-"""A small real-English corpus that every Python installation carries: the documentation topics
-bundled with CPython (`pydoc_data.topics`, ~0.5 MB), written as FineWeb-Edu-schema parquet so the
-offline demo goes through exactly the path real data takes.
+"""Corpora that every Python installation carries, written as FineWeb-Edu-schema parquet so the
+offline runs go through exactly the path real data takes:
+
+- the documentation topics bundled with CPython (`pydoc_data.topics`, ~0.5 MB of English, ~128K
+  tokens): the demo's corpus;
+- the standard library's own source (`stdlib_documents`, every `.py` file outside the test suites,
+  ~11 MB, a few million tokens): large enough that a study of a million tokens per run never
+  reads a document twice. It is the running interpreter's library, so it is the same on every
+  machine with the same Python version (`stdlib_fingerprint` names it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
+import sys
+import sysconfig
 from pathlib import Path
 
 import pyarrow as pa
@@ -41,25 +50,68 @@ def documents() -> list[tuple[str, str]]:
 
 
 def write_embedded_corpus(out_dir: str | Path) -> list[Path]:
-    """Write the corpus as `N_FILES` parquet files, documents dealt round-robin; return their
-    sorted paths (the last is meant as the validation file)."""
+    """Write the documentation topics as `N_FILES` parquet files, documents dealt round-robin;
+    return their sorted paths (the last is meant as the validation file)."""
+    docs = [(f"https://docs.python.org/3/library/{topic}", f"pydoc_data/topics.py#{topic}", text)
+            for topic, text in documents()]
+    return write_documents(out_dir, docs, "pydoc-topics", N_FILES, dump="pydoc_data.topics")
+
+
+# Directories of the standard library that are test suites, bundled third-party code or a GUI
+# application rather than the library itself.
+STDLIB_EXCLUDED = {"test", "tests", "idle_test", "site-packages", "dist-packages", "idlelib", "turtledemo",
+                   "__pycache__", "lib2to3"}
+
+
+def stdlib_documents(root: str | Path | None = None) -> list[tuple[str, str, str]]:
+    """(url, file path, text) of every `.py` file of the standard library at `root` (default: the
+    running interpreter's) outside its test suites, sorted by relative path; files that are empty
+    or not UTF-8 are left out (none are, in CPython's own tree)."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    docs = []
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        rel = path.relative_to(root)
+        if STDLIB_EXCLUDED.intersection(rel.parts[:-1]):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            docs.append((f"python-stdlib://{rel.as_posix()}", f"Lib/{rel.as_posix()}", text))
+    return docs
+
+
+def stdlib_fingerprint(docs: list[tuple[str, str, str]]) -> str:
+    """The Python version and a hash of every document's path and text: two corpora with the same
+    fingerprint are the same bytes."""
+    h = hashlib.blake2b(digest_size=8)
+    for url, _, text in docs:
+        h.update(url.encode())
+        h.update(text.encode())
+    return f"python-{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}-{h.hexdigest()}"
+
+
+def write_documents(out_dir: str | Path, docs: list[tuple[str, str, str]], name: str, n_files: int,
+                    dump: str) -> list[Path]:
+    """Write (url, file path, text) documents as `n_files` parquet files named `name-KK.parquet`,
+    dealt round-robin, `dump` naming their source; return their sorted paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    docs = documents()
     paths = []
-    for k in range(N_FILES):
-        rows = [(i, topic, text) for i, (topic, text) in enumerate(docs) if i % N_FILES == k]
-        path = out / f"pydoc-topics-{k:02d}.parquet"
+    for k in range(n_files):
+        rows = [(i, url, file_path, text) for i, (url, file_path, text) in enumerate(docs) if i % n_files == k]
+        path = out / f"{name}-{k:02d}.parquet"
         table = pa.table({
-            "text": [t for _, _, t in rows],
-            "id": [f"<urn:pydoc-topics:{i:05d}>" for i, _, _ in rows],
-            "dump": ["pydoc_data.topics"] * len(rows),
-            "url": [f"https://docs.python.org/3/library/{topic}" for _, topic, _ in rows],
+            "text": [t for *_, t in rows],
+            "id": [f"<urn:{name}:{i:05d}>" for i, *_ in rows],
+            "dump": [dump] * len(rows),
+            "url": [url for _, url, _, _ in rows],
             "date": ["1970-01-01T00:00:00Z"] * len(rows),
-            "file_path": [f"pydoc_data/topics.py#{topic}" for _, topic, _ in rows],
+            "file_path": [fp for _, _, fp, _ in rows],
             "language": ["en"] * len(rows),
             "language_score": [1.0] * len(rows),
-            "token_count": [len(t.split()) for _, _, t in rows],  # whitespace words, not GPT-2 tokens
+            "token_count": [len(t.split()) for *_, t in rows],  # whitespace words, not GPT-2 tokens
             "score": [3.0] * len(rows),
             "int_score": [3] * len(rows),
         }, schema=SCHEMA)

@@ -1,0 +1,422 @@
+"""Choosing the window: what short windows with the state carried cost in quality.
+
+Trains the same GPN+M at equal tokens and equal tokens per step, on full windows of W from the
+empty state and on carried windows of W/2, W/4, ... (the batch of streams scaled up to match),
+several seeds each, then scores every run on held-out text:
+
+- the held-out loss from the empty state (every held-out window of W alone) and with the state
+  carried across the held-out streams (the mean over positions 1..8W);
+- the loss by position out to 8W, state carried (log-spaced bins);
+- recall by distance: a key's value stated d tokens before a query for it, d from W/4 to 8W,
+  scored as the share of queries whose value is the model's top prediction.
+
+The corpus is the running Python's standard library source (`gpn_scale.prep.embedded`), with
+key-value facts written into every file: a line `# key = V` and then lines `# recall key = V`
+at log-uniform gaps of 8 to 2W tokens, V one of 16 words, a new key after one to four recalls.
+Every stage keeps its output and a rerun goes on where the last one stopped.
+
+    PYTHONPATH=. python scripts/window_study.py OUT                     # the study of docs/train.md
+    PYTHONPATH=. python scripts/window_study.py OUT --window 64 --steps 4 --seeds 0 --fractions 1,4 \
+        --model gpn_m_tiny                                              # a smoke run (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gpn_scale.prep.embedded import stdlib_documents, stdlib_fingerprint, write_documents  # noqa: E402
+
+VALUES = ("alfa", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliett", "kilo",
+          "lima", "mike", "november", "oscar", "papa")
+SET_LINE = "# key = {}"
+QUERY_PREFIX = "# recall key ="
+CHARS_PER_TOKEN = 3.3  # the study's tokenizer on the library's source: facts' gaps are placed by characters
+N_FILES = 16  # the last file is the held-out split (36 of the 577 files)
+RECALL_TRIALS = 64
+
+
+@dataclass(frozen=True)
+class Study:
+    out: Path
+    window: int  # W, the full window
+    fractions: tuple[int, ...]  # carried windows of W / f (1: full windows from the empty state)
+    seeds: tuple[int, ...]
+    steps: int
+    tokens_per_step: int
+    model: str
+    vocab: int
+    lr: float
+    warmup: int
+    threads: int
+    max_files: int | None  # the corpus's first files only, evenly spaced (smoke runs)
+    heldout_streams: int
+
+    def windows(self) -> list[int]:
+        return [self.window // f for f in self.fractions]
+
+    def streams(self, w: int) -> int:
+        return self.tokens_per_step // w
+
+    def name(self, w: int, seed: int) -> str:
+        return f"w{w}_s{seed}"
+
+
+def log(msg: str) -> None:
+    print(f"[window-study {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- the corpus -------------------------------------------------------------------------------
+
+
+def with_facts(text: str, rng: random.Random, window: int) -> str:
+    """`text` with a fact's lines inserted at line starts: a key set, then recalls of it at gaps
+    drawn log-uniformly from 8 to 2 * window tokens (placed by characters), then a new key."""
+    lines = text.split("\n")
+    out, since, gap, value, recalls = [], 0, 0.0, None, 0
+    for line in lines:
+        if value is None or since >= gap:
+            if value is None or recalls == 0:
+                value, recalls = rng.choice(VALUES), rng.randint(1, 4)
+                out.append(SET_LINE.format(value))
+            else:
+                out.append(f"{QUERY_PREFIX} {value}")
+                recalls -= 1
+                if recalls == 0:
+                    value = None
+            since = 0
+            gap = math.exp(rng.uniform(math.log(8), math.log(2 * window))) * CHARS_PER_TOKEN
+        out.append(line)
+        since += len(line) + 1
+    return "\n".join(out)
+
+
+def write_corpus(study: Study) -> list[Path]:
+    corpus = study.out / "corpus"
+    done = corpus / "corpus.json"
+    if done.exists():
+        return sorted(corpus.glob("*.parquet"))
+    docs = stdlib_documents()
+    if study.max_files and study.max_files < len(docs):
+        docs = docs[:: math.ceil(len(docs) / study.max_files)]
+    rng = random.Random(0)
+    docs_with_facts = [(url, path, with_facts(text, rng, study.window)) for url, path, text in docs]
+    paths = write_documents(corpus, docs_with_facts, "python-stdlib", N_FILES, dump="python-stdlib")
+    chars = sum(len(t) for *_, t in docs_with_facts)
+    done.write_text(json.dumps({"fingerprint": stdlib_fingerprint(docs), "documents": len(docs), "chars": chars,
+                                "facts_window": study.window}, indent=1))
+    log(f"corpus: {len(docs)} files of the standard library, {chars / 1e6:.1f}M characters with facts")
+    return paths
+
+
+# ---- stages through the CLI ---------------------------------------------------------------------
+
+
+def gpn_scale(*args: str, threads: int, quiet: bool = False) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "WANDB_MODE": "disabled",
+           "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "gpn_scale", *args]
+    result = subprocess.run(cmd, env=env, stdout=subprocess.PIPE if quiet else None, stderr=subprocess.STDOUT,
+                            text=True)
+    if result.returncode:
+        if quiet:
+            print(result.stdout[-4000:], file=sys.stderr)
+        sys.exit(f"window_study: `gpn-scale {' '.join(args[:2])} ...` failed with exit code {result.returncode}")
+
+
+def prepare(study: Study, files: list[Path]) -> None:
+    tokenizer = study.out / "tokenizer.json"
+    if not tokenizer.exists():
+        log(f"tokenizer: byte-level BPE, {study.vocab} tokens")
+        gpn_scale("prep", "train-tokenizer", *map(str, files[:-1]), "--vocab-size", str(study.vocab), "--out",
+                  str(tokenizer), threads=study.threads, quiet=True)
+    for w in study.windows():
+        out = study.out / "data" / f"w{w}"
+        if (out / "stats.json").exists():
+            continue
+        log(f"prep: windows of {w}, {study.streams(w)} streams")
+        gpn_scale("prep", *map(str, files), "--out", str(out), "--tokenizer", str(tokenizer), "--seq-len", str(w),
+                  "--val-files", str(files[-1]), "--workers", "1", "--streams", str(study.streams(w)),
+                  "--val-streams", str(study.heldout_streams), threads=study.threads, quiet=True)
+
+
+def train(study: Study, w: int, seed: int) -> Path:
+    run = study.out / "runs" / study.name(w, seed)
+    status = run / "status.json"
+    if status.exists() and "finished" in status.read_text():
+        return run
+    data = study.out / "data" / f"w{w}"
+    carried = w < study.window
+    overrides = [
+        f"model={study.model}", f"model.vocab_size={study.vocab}", f"run.dir={run}",
+        f"data.train={data / 'streams' / 'train' if carried else data / 'train'}", f"data.val={data / 'val'}",
+        f"train.micro_batch={study.streams(w)}", "train.grad_accum=1", f"train.total_steps={study.steps}",
+        f"train.save_every={max(1, study.steps // 2)}", f"train.warmup_steps={study.warmup}", f"train.lr={study.lr}",
+        "eval.every=0", "eval.batches=1", f"seed={seed}", *(["train.carry_state=true"] if carried else []),
+    ]
+    resume = "auto" if (run / "checkpoints").exists() else "none"
+    gpn_scale("train", "demo", *overrides, "--resume", resume, threads=study.threads, quiet=True)
+    return run
+
+
+# ---- scoring --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RecallItem:
+    distance: int  # tokens from the set line's value to the query's value
+    prompt: list[int]  # ends with the query's prefix
+    answer: list[int]  # the value's tokens as they follow the prefix
+
+
+def value_tokens(encode, prefix: str, value: str) -> tuple[list[int], list[int]]:
+    """(prefix tokens, value tokens): the line's tokens split where the prefix's end, the value's
+    tokens as they follow the prefix in running text."""
+    whole, head = encode(f"\n{prefix} {value}\n"), encode(f"\n{prefix}")
+    if whole[: len(head)] != head:
+        raise SystemExit(f"window_study: the tokenizer merges {prefix!r} with its value; choose other fact words")
+    tail = encode("\n")
+    answer = whole[len(head) :]
+    if answer[-len(tail) :] == tail:
+        answer = answer[: -len(tail)]
+    return head, answer
+
+
+def recall_items(encode, filler: np.ndarray, distances: list[int], trials: int, seed: int = 0) -> list[RecallItem]:
+    """`trials` prompts per distance: held-out text, a key set, held-out text for the distance,
+    the query's prefix; the same for every model (seeded)."""
+    rng = random.Random(seed)
+    items = []
+    for d in distances:
+        for _ in range(trials):
+            value = rng.choice(VALUES)
+            set_head, set_value = value_tokens(encode, SET_LINE.format("").rstrip(), value)
+            query_head, answer = value_tokens(encode, QUERY_PREFIX, value)
+            lead = 32
+            between = d - len(set_value) - len(query_head)  # filler between the set line's value and the query
+            if between < 1:
+                raise SystemExit(f"window_study: distance {d} is shorter than the query ({len(query_head)} tokens)")
+            start = rng.randrange(0, len(filler) - lead - between)
+            prompt = [*filler[start : start + lead], *set_head, *set_value, *filler[start + lead : start + lead + between],
+                      *query_head]
+            items.append(RecallItem(d, [int(t) for t in prompt], answer))
+    return items
+
+
+def score_recall(model, items: list[RecallItem], chunk: int, batch: int = 16) -> list[dict]:
+    import torch
+
+    from gpn_scale.eval.heldout import model_device
+
+    model.eval()
+    by_distance: dict[int, list[tuple[bool, float]]] = {}
+    with torch.no_grad():
+        groups: dict[tuple[int, int, int], list[RecallItem]] = {}
+        for item in items:
+            groups.setdefault((item.distance, len(item.prompt), len(item.answer)), []).append(item)
+        for (d, _, _), group in groups.items():
+            for b in range(0, len(group), batch):
+                rows = group[b : b + batch]
+                prompt = torch.tensor([r.prompt for r in rows], device=model_device(model))
+                answer = torch.tensor([r.answer for r in rows], device=model_device(model))
+                state = None
+                for t0 in range(0, prompt.shape[1], chunk):
+                    state = model(prompt[:, t0 : t0 + chunk], state=state).state
+                logits = model(answer, state=state, return_logits=True).logits.float()
+                correct = (logits.argmax(-1) == answer).all(-1)
+                logp = torch.log_softmax(logits, -1).gather(2, answer[..., None])[..., 0].sum(-1)
+                by_distance.setdefault(d, []).extend(zip(correct.tolist(), logp.tolist()))
+    return [{"distance": d, "trials": len(r), "accuracy": sum(c for c, _ in r) / len(r),
+             "mean_value_logprob": sum(lp for _, lp in r) / len(r)} for d, r in sorted(by_distance.items())]
+
+
+def recall_distances(window: int) -> list[int]:
+    out, d = [], window // 4
+    while d <= 8 * window:
+        out.append(d)
+        d *= 2
+    return out
+
+
+def score(study: Study, w: int, seed: int, run: Path, train_wall_s: float) -> dict:
+    path = study.out / "scores" / f"{study.name(w, seed)}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    import torch
+
+    from gpn_scale.eval.data import open_data, open_streams, read_windows
+    from gpn_scale.eval.heldout import evaluate_windows
+    from gpn_scale.eval.long_context import PositionBins, carried_losses, stream_tokens
+    from gpn_scale.prep.streams import StreamLayout
+    from gpn_scale.prep.tokenizer import Tokenizer
+    from gpn_scale.storage.checkpoints import load_model
+
+    torch.set_num_threads(study.threads)
+    model = load_model(run)
+    full = study.out / "data" / f"w{study.window}"
+    windows = read_windows(open_data(full))  # every held-out window of W, from the empty state
+    empty = evaluate_windows(model, windows, batch=16)
+    streams = open_streams(full)
+    layout = StreamLayout.read(streams.split_dir)
+    context = 8 * study.window
+    tokens = stream_tokens(streams.split_dir, layout, context, None)
+    curve = carried_losses(model, tokens, study.window, batch=16)
+    tokenizer = Tokenizer(str(study.out / "tokenizer.json"))
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode([text])[0].tolist()
+
+    filler = tokens.flatten().numpy()
+    items = recall_items(encode, filler, recall_distances(study.window), RECALL_TRIALS)
+    result = {
+        "run": study.name(w, seed), "window": w, "seed": seed, "streams": study.streams(w),
+        "heldout_empty": empty.loss, "heldout_windows": len(windows),
+        "heldout_carried": float(curve.mean()), "context": context, "context_streams": len(tokens),
+        "bins": PositionBins.of(curve).to_json(),
+        "recall": score_recall(model, items, study.window),
+        "train_wall_s": train_wall_s,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+
+def summarize(study: Study, results: list[dict]) -> str:
+    by_w: dict[int, list[dict]] = {}
+    for r in results:
+        by_w.setdefault(r["window"], []).append(r)
+
+    def spread(values: list[float]) -> str:
+        mean = sum(values) / len(values)
+        half = (max(values) - min(values)) / 2
+        return f"{mean:.3f} ± {half:.3f}" if len(values) > 1 else f"{mean:.3f}"
+
+    full = by_w[study.window]
+    base_empty = sum(r["heldout_empty"] for r in full) / len(full)
+    base_carried = sum(r["heldout_carried"] for r in full) / len(full)
+    lines = [f"Windows of W = {study.window} and shorter, {study.tokens_per_step} tokens per step, {study.steps} steps "
+             f"({study.steps * study.tokens_per_step / 1e6:.2f}M tokens per run), seeds {list(study.seeds)}, "
+             f"model {study.model} (vocabulary {study.vocab}). Mean ± half the range over the seeds; loss in nats.",
+             "",
+             "| window | streams (B) | held-out, from the empty state | vs full | held-out, state carried | vs full |",
+             "|---|---|---|---|---|---|"]
+    for w in sorted(by_w, reverse=True):
+        rs = by_w[w]
+        e = [r["heldout_empty"] for r in rs]
+        c = [r["heldout_carried"] for r in rs]
+        kind = "full, empty state" if w == study.window else "carried"
+        lines.append(f"| {w} ({kind}) | {rs[0]['streams']} | {spread(e)} | {sum(e) / len(e) - base_empty:+.3f} | "
+                     f"{spread(c)} | {sum(c) / len(c) - base_carried:+.3f} |")
+    bins = full[0]["bins"]
+    lines += ["", "Loss by position, state carried across held-out streams (mean over seeds):", "",
+              "| window | " + " | ".join(f"{b['positions'][0]}-{b['positions'][1]}" for b in bins) + " |",
+              "|---|" + "---|" * len(bins)]
+    for w in sorted(by_w, reverse=True):
+        rs = by_w[w]
+        cells = [sum(r["bins"][i]["loss"] for r in rs) / len(rs) for i in range(len(bins))]
+        lines.append(f"| {w} | " + " | ".join(f"{x:.3f}" for x in cells) + " |")
+    dists = [x["distance"] for x in full[0]["recall"]]
+    lines += ["", f"Recall accuracy by distance (chance {1 / len(VALUES):.3f}: one of {len(VALUES)} values; "
+              f"{RECALL_TRIALS} queries per distance and seed):", "",
+              "| window | " + " | ".join(str(d) for d in dists) + " |", "|---|" + "---|" * len(dists)]
+    for w in sorted(by_w, reverse=True):
+        rs = by_w[w]
+        cells = [sum(r["recall"][i]["accuracy"] for r in rs) / len(rs) for i in range(len(dists))]
+        lines.append(f"| {w} | " + " | ".join(f"{x:.2f}" for x in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(study: Study, results: list[dict], path: Path) -> None:
+    from gpn_scale.eval.report import _plain_log_ticks, _pyplot, _save
+
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    by_w: dict[int, list[dict]] = {}
+    for r in results:
+        by_w.setdefault(r["window"], []).append(r)
+    for w in sorted(by_w, reverse=True):
+        rs = by_w[w]
+        bins = rs[0]["bins"]
+        x = [math.sqrt(b["positions"][0] * b["positions"][1]) for b in bins]
+        left.plot(x, [sum(r["bins"][i]["loss"] for r in rs) / len(rs) for i in range(len(bins))], "o-",
+                  label=f"window {w}")
+        dists = [x["distance"] for x in rs[0]["recall"]]
+        right.plot(dists, [sum(r["recall"][i]["accuracy"] for r in rs) / len(rs) for i in range(len(dists))], "o-",
+                   label=f"window {w}")
+    left.axvline(study.window, color="gray", ls=":", lw=1)
+    right.axhline(1 / len(VALUES), color="gray", ls=":", lw=1, label="chance")
+    left.set(xscale="log", xlabel="position in the held-out stream (tokens, log)", ylabel="loss (nats)",
+             title="Loss by position, state carried")
+    right.set(xscale="log", xlabel="distance from the key's value (tokens, log)", ylabel="accuracy",
+              title="Recall by distance")
+    for ax in (left, right):
+        _plain_log_ticks(ax.xaxis)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="the study's directory (a rerun resumes it)")
+    p.add_argument("--window", type=int, default=512, help="W, the full window")
+    p.add_argument("--fractions", default="1,2,4,8,16", help="windows of W / f; 1 is the full window")
+    p.add_argument("--seeds", default="0,1", help="seeds of every window's runs")
+    p.add_argument("--steps", type=int, default=256, help="optimiser steps per run")
+    p.add_argument("--tokens-per-step", type=int, default=4096, help="tokens per optimiser step, every run")
+    p.add_argument("--model", default="gpn_m_demo", help="a configs/models name")
+    p.add_argument("--vocab", type=int, default=4096, help="the BPE tokenizer's vocabulary")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, every run")
+    p.add_argument("--warmup", type=int, default=25, help="warm-up steps, every run")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads of each stage")
+    p.add_argument("--max-files", type=int, help="use this many of the library's files, evenly spaced (smoke runs)")
+    p.add_argument("--heldout-streams", type=int, default=8, help="held-out streams (each at least 8 W tokens)")
+    a = p.parse_args(argv)
+    fractions = tuple(int(f) for f in a.fractions.split(","))
+    study = Study(a.out.resolve(), a.window, fractions, tuple(int(s) for s in a.seeds.split(",")), a.steps,
+                  a.tokens_per_step, a.model, a.vocab, a.lr, a.warmup, a.threads, a.max_files, a.heldout_streams)
+    for f in fractions:
+        if a.window % f or a.tokens_per_step % (a.window // f):
+            p.error(f"--fractions: W / {f} must be a whole window that divides --tokens-per-step")
+    if 1 not in fractions:
+        p.error("--fractions: 1 (the full window) is the baseline and must be in the list")
+    study.out.mkdir(parents=True, exist_ok=True)
+    (study.out / "study.json").write_text(json.dumps({**asdict(study), "out": str(study.out)}, indent=1))
+    started = time.time()
+    prepare(study, write_corpus(study))
+    plan = [(w, s) for s in study.seeds for w in study.windows()]
+    results, spent = [], []
+    for i, (w, seed) in enumerate(plan):
+        t0 = time.time()
+        log(f"run {i + 1}/{len(plan)}: window {w}, {study.streams(w)} streams, seed {seed}"
+            + (f" (ETA {np.mean(spent) * (len(plan) - i) / 60:.0f} min)" if spent else ""))
+        run = train(study, w, seed)
+        results.append(score(study, w, seed, run, time.time() - t0))
+        spent.append(time.time() - t0)
+    report = summarize(study, results)
+    (study.out / "report.md").write_text(report)
+    (study.out / "results.json").write_text(json.dumps(results, indent=1))
+    plot(study, results, study.out / "window_study.png")
+    print(report)
+    log(f"done in {(time.time() - started) / 60:.1f} min: {study.out / 'report.md'}, {study.out / 'window_study.png'}")
+
+
+if __name__ == "__main__":
+    main()
