@@ -12,12 +12,12 @@ several seeds each, then scores every run on held-out text:
 
 The corpus is the running Python's standard library source (`gpn_scale.prep.embedded`), with
 key-value facts written into every file: a line `# key = V` and then lines `# recall key = V`
-at log-uniform gaps of 8 to 2W tokens, V one of 16 words, a new key after one to four recalls.
-Every stage keeps its output and a rerun goes on where the last one stopped.
+at log-uniform gaps of 8 to 2W tokens (`--fact-gap-max`), V one of 16 words, a new key after one
+to four recalls. Every stage keeps its output and a rerun goes on where the last one stopped.
 
-    PYTHONPATH=. python scripts/window_study.py OUT                     # the study of docs/train.md
-    PYTHONPATH=. python scripts/window_study.py OUT --window 64 --steps 4 --seeds 0 --fractions 1,4 \
-        --model gpn_m_tiny                                              # a smoke run (tests)
+    PYTHONPATH=. python scripts/window_study.py OUT                  # the study of docs/train.md (~50 min)
+    PYTHONPATH=. python scripts/window_study.py OUT --window 32 --fractions 1,4 --seeds 0 --steps 3 \
+        --tokens-per-step 64 --model gpn_m_tiny --vocab 512 --max-files 48 --heldout-streams 2  # smoke
 """
 
 from __future__ import annotations
@@ -64,6 +64,10 @@ class Study:
     threads: int
     max_files: int | None  # the corpus's first files only, evenly spaced (smoke runs)
     heldout_streams: int
+    fact_gap_max: int | None  # the facts' longest gap in tokens (default 2W)
+
+    def fact_gaps(self) -> tuple[int, int]:
+        return (8, self.fact_gap_max or 2 * self.window)
 
     def windows(self) -> list[int]:
         return [self.window // f for f in self.fractions]
@@ -82,9 +86,9 @@ def log(msg: str) -> None:
 # ---- the corpus -------------------------------------------------------------------------------
 
 
-def with_facts(text: str, rng: random.Random, window: int) -> str:
+def with_facts(text: str, rng: random.Random, gaps: tuple[int, int]) -> str:
     """`text` with a fact's lines inserted at line starts: a key set, then recalls of it at gaps
-    drawn log-uniformly from 8 to 2 * window tokens (placed by characters), then a new key."""
+    drawn log-uniformly from gaps[0] to gaps[1] tokens (placed by characters), then a new key."""
     lines = text.split("\n")
     out, since, gap, value, recalls = [], 0, 0.0, None, 0
     for line in lines:
@@ -98,7 +102,7 @@ def with_facts(text: str, rng: random.Random, window: int) -> str:
                 if recalls == 0:
                     value = None
             since = 0
-            gap = math.exp(rng.uniform(math.log(8), math.log(2 * window))) * CHARS_PER_TOKEN
+            gap = math.exp(rng.uniform(math.log(gaps[0]), math.log(gaps[1]))) * CHARS_PER_TOKEN
         out.append(line)
         since += len(line) + 1
     return "\n".join(out)
@@ -113,11 +117,11 @@ def write_corpus(study: Study) -> list[Path]:
     if study.max_files and study.max_files < len(docs):
         docs = docs[:: math.ceil(len(docs) / study.max_files)]
     rng = random.Random(0)
-    docs_with_facts = [(url, path, with_facts(text, rng, study.window)) for url, path, text in docs]
+    docs_with_facts = [(url, path, with_facts(text, rng, study.fact_gaps())) for url, path, text in docs]
     paths = write_documents(corpus, docs_with_facts, "python-stdlib", N_FILES, dump="python-stdlib")
     chars = sum(len(t) for *_, t in docs_with_facts)
     done.write_text(json.dumps({"fingerprint": stdlib_fingerprint(docs), "documents": len(docs), "chars": chars,
-                                "facts_window": study.window}, indent=1))
+                                "fact_gaps_tokens": study.fact_gaps()}, indent=1))
     log(f"corpus: {len(docs)} files of the standard library, {chars / 1e6:.1f}M characters with facts")
     return paths
 
@@ -211,8 +215,8 @@ def recall_items(encode, filler: np.ndarray, distances: list[int], trials: int, 
             if between < 1:
                 raise SystemExit(f"window_study: distance {d} is shorter than the query ({len(query_head)} tokens)")
             start = rng.randrange(0, len(filler) - lead - between)
-            prompt = [*filler[start : start + lead], *set_head, *set_value, *filler[start + lead : start + lead + between],
-                      *query_head]
+            gap = filler[start + lead : start + lead + between]
+            prompt = [*filler[start : start + lead], *set_head, *set_value, *gap, *query_head]
             items.append(RecallItem(d, [int(t) for t in prompt], answer))
     return items
 
@@ -388,10 +392,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="CPU threads of each stage")
     p.add_argument("--max-files", type=int, help="use this many of the library's files, evenly spaced (smoke runs)")
     p.add_argument("--heldout-streams", type=int, default=8, help="held-out streams (each at least 8 W tokens)")
+    p.add_argument("--fact-gap-max", type=int, help="the facts' longest gap between a key and its recalls, in "
+                   "tokens (default 2 W; the shortest is 8)")
     a = p.parse_args(argv)
     fractions = tuple(int(f) for f in a.fractions.split(","))
     study = Study(a.out.resolve(), a.window, fractions, tuple(int(s) for s in a.seeds.split(",")), a.steps,
-                  a.tokens_per_step, a.model, a.vocab, a.lr, a.warmup, a.threads, a.max_files, a.heldout_streams)
+                  a.tokens_per_step, a.model, a.vocab, a.lr, a.warmup, a.threads, a.max_files, a.heldout_streams,
+                  a.fact_gap_max)
     for f in fractions:
         if a.window % f or a.tokens_per_step % (a.window // f):
             p.error(f"--fractions: W / {f} must be a whole window that divides --tokens-per-step")

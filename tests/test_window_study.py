@@ -38,7 +38,7 @@ def test_the_stdlib_corpus_is_the_library_without_its_tests_and_the_same_twice(t
 
 def test_facts_set_a_key_then_recall_it_at_log_uniform_gaps():
     text = "\n".join(f"line {i} " + "x" * 30 for i in range(4000))
-    out = window_study.with_facts(text, random.Random(1), window=64)
+    out = window_study.with_facts(text, random.Random(1), (8, 128))
     lines = out.split("\n")
     assert [l for l in lines if not l.startswith("#")] == text.split("\n")  # the text itself is untouched
     value, recalls, gaps, last = None, 0, [], None
@@ -52,7 +52,8 @@ def test_facts_set_a_key_then_recall_it_at_log_uniform_gaps():
             recalls, last = recalls + 1, i
     assert recalls > 100
     # gaps from 8 tokens to 2 W, whole lines apart, covering both ends of the log scale
-    assert min(gaps) >= 8 - 40 / window_study.CHARS_PER_TOKEN and max(gaps) <= 2 * 64 + 40 / window_study.CHARS_PER_TOKEN
+    line = 40 / window_study.CHARS_PER_TOKEN  # a gap ends at the first line start past it
+    assert min(gaps) >= 8 - line and max(gaps) <= 128 + line
     logs = [math.log(g) for g in gaps if g > 0]
     assert min(logs) < math.log(16) and max(logs) > math.log(64)
 
