@@ -114,6 +114,9 @@ class BaselineCount:
     eager: dict  # batch -> {Key: Tally}
     tuned: dict
     attention_calls: dict  # phase -> attention launches per window
+    decay_params: int = 0  # the optimiser's groups (gpn_scale.models.spec.matrices_decay)
+    no_decay_params: int = 0
+    last_bucket_params: int = 0  # the tied embedding and the first block: their gradients complete last
 
 
 def baseline_tallies(args) -> BaselineCount:
@@ -139,7 +142,12 @@ def baseline_tallies(args) -> BaselineCount:
         calls = {p: sum(1 for x in launches if x.kind == "attention" and x.phase == p) for p in PHASES}
         eager[b] = tally([x for x in launches if x.kind != "attention"])
         tuned[b] = tally([x for x in fuse_elementwise(launches, results) if x.kind != "attention"])
-    return BaselineCount(args.baseline, T, cfg.n_heads, cfg.d_model // cfg.n_heads, eager, tuned, calls)
+    from gpn_scale.models.spec import matrices_decay
+
+    groups = matrices_decay(model)
+    last = sum(p.numel() for p in model.layers[0].parameters()) + model.embedding.numel()
+    return BaselineCount(args.baseline, T, cfg.n_heads, cfg.d_model // cfg.n_heads, eager, tuned, calls,
+                         sum(p.numel() for p in groups.decay), sum(p.numel() for p in groups.no_decay), last)
 
 
 def baseline_window(count: BaselineCount, batch: int, hw: Hardware, seq_len: int | None = None) -> dict:
@@ -162,13 +170,16 @@ def baseline_window(count: BaselineCount, batch: int, hw: Hardware, seq_len: int
         seconds = sum(kernel_seconds(k, t, hw) for k, t in window_tally.items())
         n = sum(t.count for t in window_tally.values())
         core_s = sum(kernel_seconds(k, t, hw) for k, t in window_tally.items() if k.kind in UNFUSED)
+        phases = {p: sum(kernel_seconds(k, t, hw) + t.count * hw.graph_launch_s for k, t in window_tally.items()
+                         if k.phase == p) for p in PHASES}
         return dict(launches=n, bytes=sum(t.read + t.written for t in window_tally.values()),
                     flops=sum(t.flops for t in window_tally.values()), device_s=seconds,
-                    graph_s=seconds + n * hw.graph_launch_s, core_s=core_s)
+                    graph_s=seconds + n * hw.graph_launch_s, core_s=core_s, phases=phases)
 
     tuned, eager = timed(count.tuned), timed(count.eager)
     return dict(config=count.config, seq_len=T, batch=batch, hardware=hw.name, launches=tuned["launches"],
                 bytes=tuned["bytes"], flops=tuned["flops"], device_s=tuned["device_s"], graph_s=tuned["graph_s"],
+                phases_s=tuned["phases"],
                 tokens_per_s=tokens / tuned["graph_s"], eager=dict(launches=eager["launches"], bytes=eager["bytes"],
                 graph_s=eager["graph_s"], tokens_per_s=tokens / eager["graph_s"]),
                 gemm_attention_s=tuned["core_s"], gemm_attention_tokens_per_s=tokens / tuned["core_s"])

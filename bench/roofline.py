@@ -24,6 +24,17 @@ class Hardware:
                                                         "float64": 34e12})
     eager_launch_s: float = 6e-6  # host time per launch from Python (torch op or Triton launcher)
     graph_launch_s: float = 1.5e-6  # device gap per kernel of a replayed CUDA graph
+    # The interconnect, for the gradients' all-reduce (bench/update.py), datasheet figures per GPU and
+    # direction: NVLink 4 on the H100 / H200 SXM is 18 links, 900 GB/s both directions together
+    # (NVIDIA's H100 and H200 datasheets), 450 GB/s each way, to every GPU of a node of 8 through
+    # NVSwitch; across nodes each GPU has one 400 Gb/s InfiniBand NDR adapter (ConnectX-7, as in a
+    # DGX H100 / H200: 8 x 400 Gb/s = 400 GB/s per node), 50 GB/s each way.
+    gpus_per_node: int = 8
+    nvlink_bytes_per_s: float = 450e9
+    nic_bytes_per_s: float = 50e9
+    # The share of those figures a large NCCL all-reduce is assumed to reach (its bus bandwidth over
+    # the link's): an assumption, not a measurement here; bench/gpu.py does not time collectives.
+    link_efficiency: float = 0.8
 
 
 H200 = Hardware()

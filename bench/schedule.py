@@ -193,9 +193,10 @@ def phase_nodes(window: list[Launch], phase: str, hw: Hardware, moved=None) -> l
 
 def scheduled_step(runs: dict, steps: tuple[int, int], batch: int, hw: Hardware) -> dict:
     """Per phase, one time step's time on the schedule: the critical path of the window of
-    steps[1] steps minus that of steps[0], over the difference; with graph replay's gaps."""
+    steps[1] steps minus that of steps[0], over the difference; with graph replay's gaps. Beside
+    it the once-per-window part: the window of steps[0] steps less that many steps' share."""
     batches = tuple(sorted(runs))
-    out = {}
+    out, fixed = {}, {}
     for phase in PHASES:
         spans = []
         for i in range(2):
@@ -205,8 +206,10 @@ def scheduled_step(runs: dict, steps: tuple[int, int], batch: int, hw: Hardware)
                 window_launches = launches_at((runs[batches[0]][i], runs[batches[1]][i]), batches[:2], batch)
             spans.append(critical_path(phase_nodes(window_launches, phase, hw)))
         out[phase] = (spans[1] - spans[0]) / (steps[1] - steps[0])
+        fixed[phase] = spans[0] - steps[0] * out[phase]
     streams = {x.stream for pair in runs.values() for w in pair for x in w}
-    return dict(phases=out, seconds=sum(out.values()), tokens_per_s=batch / sum(out.values()), streams=len(streams))
+    return dict(phases=out, seconds=sum(out.values()), tokens_per_s=batch / sum(out.values()), streams=len(streams),
+                once_per_window=dict(phases=fixed, seconds=sum(fixed.values())))
 
 
 # Triton kernels the reverse sweep launches over a chunk's rows (`_residual_rms` there: layer 0's inputs formed again)

@@ -9,6 +9,7 @@
     PYTHONPATH=. python bench/step_cost.py --batch 4,8,16,32,64,128,256,512   # what each batch buys
     PYTHONPATH=. python bench/step_cost.py --config transformer_130m --batch 256 --contexts 2048,8192,32768,131072
     PYTHONPATH=. python bench/step_cost.py --config bench/gpt2_124m.yaml --hardware h100 --baseline-seq-len 1024 --batch 64
+    PYTHONPATH=. python bench/step_cost.py --token-batch 262144 --gpus 1,8,64 --windows 128,256,512,2048   # per optimiser step
 
 A GPN+M step is a strictly sequential chain of kernels, repeated T times forward and again in the
 reverse sweep, so its speed on a GPU is set by what each step launches. This script runs a
@@ -70,11 +71,22 @@ bound of its GEMMs and attention alone. Every ratio GPN+M prints is against the 
 linear in the tokens, attention is FlashAttention's at the context). `--config bench/gpt2_124m.yaml
 --hardware h100 --baseline-seq-len 1024` is the calibration against published GPT-2 runs.
 
+Per optimiser step (`--token-batch`, `--gpus`, `--windows`, `--zero`; bench/update.py): a global batch
+of that many tokens on N GPUs in windows of W with the state carried runs B = tokens / (W N) per GPU
+(refused unless whole and >= 1), and one optimiser step takes W x the step at B, plus the
+once-per-window work at B (the window of T0 steps less T0 steps' share, on the schedule, or its
+launches at the host's cost where larger), plus AdamW's update as DeepSpeed's ZeRO runs it, plus the
+gradients' ring all-reduce over `Hardware`'s interconnect, none of it overlapped (the loop's
+gradients finish with its last chunk); tokens/s per GPU beside Transformer++ at its window with the
+same token batch (its all-reduce hidden under its backward but for the last bucket), with GPN+M's
+peak memory at that B and W. `--json` then holds {"reports": ..., "per_optimiser_step": ...}.
+
 This script is the command line and the report; the parts other scripts can use are modules
 beside it: bench/counter.py (the launch counter, per step and per batch), bench/roofline.py (the
 hardware, each kernel's time, the floors and the peak memory), bench/baseline.py (Transformer++
-as a tuned implementation runs it) and bench/schedule.py (the critical path on the streams, and
-the step's launches as its nodes). Imports only torch and triton besides the source tree (and yaml,
+as a tuned implementation runs it), bench/schedule.py (the critical path on the streams, and
+the step's launches as its nodes) and bench/update.py (the optimiser step, the all-reduce, the
+once-per-window part). Imports only torch and triton besides the source tree (and yaml,
 through gpn_scale.config); run it from the repository's root with PYTHONPATH=. (the modules are
 imported as bench.counter and so on).
 """
@@ -94,6 +106,7 @@ from bench.baseline import BaselineCount, baseline_tallies, baseline_window
 from bench.counter import KINDS, PHASES, Tally, costs_of, extrapolate, load_launches, measure, save_launches
 from bench.roofline import HARDWARE, Hardware, kernel_seconds, memory_floor, peak_memory, phase_cost, weight_floor
 from bench.schedule import overlap_what_if, scheduled_step
+from bench import update
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -264,6 +277,13 @@ def parse_args(argv):
                    "per step as --batch x --baseline-seq-len (e.g. 2048,8192,32768,131072)")
     p.add_argument("--seq-len", type=int, default=2048, help="the training window whose peak memory is estimated")
     p.add_argument("--hardware", choices=sorted(HARDWARE), default="h200", help="the roofline's GPU")
+    p.add_argument("--token-batch", type=int, help="per optimiser step: a global batch of this many tokens on each of "
+                   "--gpus GPU counts in windows of each of --windows, state carried, B = token batch / (W N) per GPU "
+                   "(bench/update.py); beside Transformer++ at --baseline-seq-len with the same token batch")
+    p.add_argument("--gpus", default="1,8", help="with --token-batch: the GPU counts N, comma-separated")
+    p.add_argument("--windows", default="2048", help="with --token-batch: the window lengths W, comma-separated")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2], default=2,
+                   help="with --token-batch: DeepSpeed's ZeRO stage the optimiser step runs under (the recipes': 2)")
     p.add_argument("--save-launches", help="write the counted windows' launches here (JSON)")
     p.add_argument("--launches", help="report from launches saved by --save-launches instead of counting (the same "
                    "config, overrides, dtype and kernel)")
@@ -283,6 +303,10 @@ def parse_args(argv):
         if args.steps[0] >= args.steps[1]:
             p.error(f"--steps: expected two lengths, the shorter first, got {args.steps}")
     args.contexts = ints("--contexts", args.contexts, range(1, 9)) if args.contexts else []
+    args.gpus = ints("--gpus", args.gpus, range(1, 9))
+    args.windows = ints("--windows", args.windows, range(1, 13))
+    if args.token_batch is not None and args.token_batch < 1:
+        p.error(f"--token-batch: expected a positive number of tokens, got {args.token_batch}")
     args.batches = ints("--batch", args.batch, range(1, 13))
     args.batch = args.batches[0]
     if args.device != "cpu" and len(args.batches) > 1:
@@ -323,6 +347,100 @@ def baseline_contexts(args, count: BaselineCount, batch: int, hw: Hardware) -> l
     return [baseline_window(count, tokens / T, hw, T) for T in args.contexts]
 
 
+def check_plan(args) -> None:
+    """Refuse, in one line and before any counting, a --token-batch that leaves some (N, W) (and the
+    baseline's window) without a whole batch per GPU."""
+    if args.token_batch is None:
+        return
+    windows = list(args.windows) + ([] if args.baseline == "none" else [args.baseline_seq_len])
+    for n in args.gpus:
+        for w in windows:
+            update.per_gpu_batch(args.token_batch, w, n)
+
+
+def per_optimiser_step(args, cfg, model, runs: dict, costs: dict, count: BaselineCount | None, hw: Hardware) -> dict:
+    """Per (N, W): one optimiser step of --token-batch tokens on N GPUs in windows of W, the state
+    carried, B = tokens / (W N) per GPU (bench/update.py): W time steps at B, the once-per-window
+    work at B, the optimiser step and the all-reduce, and tokens/s per GPU; beside it Transformer++
+    at its window with the same token batch, its all-reduce overlapped layer by layer."""
+    from gpn_scale.models.spec import matrices_decay
+
+    steps = tuple(args.steps)
+    groups = matrices_decay(model)
+    decay, no_decay = sum(p.numel() for p in groups.decay), sum(p.numel() for p in groups.no_decay)
+    params = decay + no_decay
+    fixed_launches = sum(t.count for t in costs[min(costs)][1].values())
+    schedules, windows, optimizer, allreduce, transformer, entries = {}, {}, {}, {}, {}, []
+    for n in args.gpus:
+        optimizer[n] = update.optimizer_cost(decay, no_decay, n, args.zero, hw)
+        allreduce[n] = update.allreduce_cost(params * update.F32, n, hw)  # float32 gradients
+        if count is not None:
+            bt = update.per_gpu_batch(args.token_batch, count.seq_len, n)
+            base = baseline_window(count, bt, hw)
+            tparams = count.decay_params + count.no_decay_params
+            opt = update.optimizer_cost(count.decay_params, count.no_decay_params, n, args.zero, hw)
+            ar = update.allreduce_cost(tparams * update.F32, n, hw)
+            exposed = update.exposed_allreduce(ar["seconds"], base["phases_s"]["backward"],
+                                               count.last_bucket_params / tparams)
+            seconds = base["graph_s"] + opt["seconds"] + exposed
+            transformer[n] = dict(config=count.config, window=count.seq_len, batch=bt, window_s=base["graph_s"],
+                                  backward_s=base["phases_s"]["backward"], optimizer=opt, allreduce=ar,
+                                  allreduce_exposed_s=exposed, last_bucket_share=count.last_bucket_params / tparams,
+                                  seconds=seconds, tokens_per_s_per_gpu=args.token_batch / n / seconds,
+                                  tokens_per_s_per_gpu_windows_alone=base["tokens_per_s"])
+        for w in args.windows:
+            b = update.per_gpu_batch(args.token_batch, w, n)
+            if b not in schedules:
+                schedules[b] = scheduled_step(runs, steps, b, hw)
+                windows[b] = update.once_per_window(schedules[b], fixed_launches, hw)
+            step_s = schedules[b]["seconds"]
+            seconds = update.optimiser_step_time(step_s, w, windows[b]["seconds"], optimizer[n]["seconds"],
+                                                 allreduce[n]["seconds"])
+            tps = args.token_batch / n / seconds
+            pm = peak_memory(cfg, b, w, params) if cfg.memory else None
+            entries.append(dict(gpus=n, window=w, batch=b, step_s=step_s, windows_s=w * step_s,
+                                once_per_window_s=windows[b]["seconds"], optimizer_s=optimizer[n]["seconds"],
+                                allreduce_s=allreduce[n]["seconds"], seconds=seconds, tokens_per_s_per_gpu=tps,
+                                tokens_per_s_per_gpu_steps_alone=b / step_s,
+                                peak_memory_bytes=pm and pm["total"],
+                                over_baseline=tps / transformer[n]["tokens_per_s_per_gpu"] if n in transformer else None))
+    return dict(token_batch=args.token_batch, zero=args.zero, hardware=hw.name, params=params, carried_state=True,
+                gpus=list(args.gpus), windows=list(args.windows), once_per_window={str(b): v for b, v in windows.items()},
+                optimizer={str(n): v for n, v in optimizer.items()}, allreduce={str(n): v for n, v in allreduce.items()},
+                transformer={str(n): v for n, v in transformer.items()}, entries=entries)
+
+
+def print_per_optimiser_step(t: dict) -> None:
+    print(f"\nper optimiser step: {t['token_batch']} tokens on N GPUs in windows of W, the state carried, "
+          f"B = tokens / (W N) per GPU, no accumulation; {t['hardware']} roofline, ZeRO {t['zero']} (bench/update.py); "
+          f"time = W x step + once per window + optimiser + all-reduce (GPN+M: none of it overlapped)")
+    for b, w in t["once_per_window"].items():
+        print(f"  once per window at batch {b}: {w['launches']:g} launches, scheduled {w['scheduled_s'] * 1e3:.2f} ms, "
+              f"at the host's cost per launch {w['host_s'] * 1e3:.2f} ms -> {w['seconds'] * 1e3:.2f} ms")
+    for n, o in t["optimizer"].items():
+        a = t["allreduce"][n]
+        print(f"  N {n}: optimiser (AdamW, float32, {o['share']:.3g} of the weights per GPU) {o['bytes'] / 1e9:.2f} GB, "
+              f"{o['launches']} launches, {o['seconds'] * 1e3:.2f} ms; all-reduce of {a['grad_bytes'] / 1e6:.0f} MB of "
+              f"gradients: {a['bytes_per_gpu'] / 1e6:.0f} MB per GPU at {a['bus_bytes_per_s'] / 1e9:.0f} GB/s "
+              f"({a['link']}) {a['seconds'] * 1e3:.2f} ms")
+        if n in t["transformer"]:
+            x = t["transformer"][n]
+            print(f"  N {n}: {x['config']} at {x['window']} (batch {x['batch']}): window {x['window_s'] * 1e3:.1f} ms "
+                  f"(backward {x['backward_s'] * 1e3:.1f}), optimiser {x['optimizer']['seconds'] * 1e3:.2f} ms, "
+                  f"all-reduce {x['allreduce']['seconds'] * 1e3:.2f} ms of which exposed "
+                  f"{x['allreduce_exposed_s'] * 1e3:.2f} (last bucket {x['last_bucket_share']:.0%}) -> "
+                  f"{x['tokens_per_s_per_gpu'] / 1e3:.1f}K tok/s per GPU")
+    print(f"{'N':>4s} {'W':>6s} {'B':>6s} {'step us':>9s} {'W steps ms':>10s} {'window ms':>9s} {'optim ms':>8s} "
+          f"{'all-red ms':>10s} {'total ms':>9s} {'tok/s/GPU':>10s} {'peak GB':>8s} {'Transformer++':>14s} {'ratio':>6s}")
+    for e in t["entries"]:
+        x = t["transformer"].get(str(e["gpus"]))
+        peak = f"{e['peak_memory_bytes'] / 1e9:8.1f}" if e["peak_memory_bytes"] else f"{'-':>8s}"
+        print(f"{e['gpus']:4d} {e['window']:6d} {e['batch']:6d} {e['step_s'] * 1e6:9.1f} {e['windows_s'] * 1e3:10.2f} "
+              f"{e['once_per_window_s'] * 1e3:9.2f} {e['optimizer_s'] * 1e3:8.2f} {e['allreduce_s'] * 1e3:10.2f} "
+              f"{e['seconds'] * 1e3:9.2f} {e['tokens_per_s_per_gpu'] / 1e3:9.1f}K {peak} "
+              + (f"{x['tokens_per_s_per_gpu'] / 1e3:13.1f}K {e['over_baseline']:6.3f}" if x else f"{'-':>14s} {'-':>6s}"))
+
+
 def run(args) -> list[dict]:
     """The reports of the command line's `args` (see parse_args), one per batch."""
     hw = HARDWARE[args.hardware]
@@ -335,6 +453,7 @@ def run(args) -> list[dict]:
         count = baseline_tallies(args)
         return [dict(config=args.config, baseline=baseline_window(count, b, hw),
                      contexts=baseline_contexts(args, count, b, hw)) for b in args.batches]
+    check_plan(args)
     model, cfg = build(args)
     params = sum(p.numel() for p in model.parameters())
     if args.launches:
@@ -355,6 +474,8 @@ def run(args) -> list[dict]:
         if count is not None:
             r["contexts"] = baseline_contexts(args, count, b, hw)
         reports.append(r)
+    if args.token_batch is not None:
+        args.per_optimiser_step = per_optimiser_step(args, cfg, model, runs, costs, count, hw)
     return reports
 
 
@@ -391,9 +512,13 @@ def main(argv=None) -> int:
             print("  at another context: " + baseline_line(c))
     if len(results) > 1 and "kernels" in results[0]:
         print_batches(results)
+    table = getattr(args, "per_optimiser_step", None)
+    if table:
+        print_per_optimiser_step(table)
     if args.json:
+        out = results[0] if len(results) == 1 else results
         with open(args.json, "w") as f:
-            json.dump(results[0] if len(results) == 1 else results, f, indent=1)
+            json.dump(out if table is None else dict(reports=out, per_optimiser_step=table), f, indent=1)
         print(f"wrote {args.json}")
     return 0
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import bench.counter as counting
-from bench import baseline, roofline, schedule
+from bench import baseline, roofline, schedule, update
 from bench.counter import LaunchCounter
 from conftest import ROOT
 from triton_kernels import DEVICE, INTERPRET, interpreter  # noqa: F401  (Triton's interpreter on CPU)
@@ -299,6 +299,9 @@ def test_single_stream_schedule_is_the_serial_sum_of_its_launches(tiny_chunk_run
                                                            counting.Tally(1, x.read, x.written, x.flops, x.programs), hw)
                                   + hw.graph_launch_s for x in window if x.phase == phase))
             assert sch["phases"][phase] == pytest.approx((serial[1] - serial[0]) / cfg.core_chunk, rel=1e-9)
+            # the once-per-window part: the window of one step less one step's share
+            once = sch["once_per_window"]["phases"][phase]
+            assert once == pytest.approx(serial[0] - sch["phases"][phase], rel=1e-9) and once > 0
         # the count per kernel name (all its launches summed, timed at their smallest grid) differs
         # only where one kernel's launches differ in grid or in what binds them
         per_step = counting.extrapolate({b: c[0] for b, c in counting.costs_of(runs, steps).items()}, batch)
@@ -435,3 +438,90 @@ def test_extrapolated_tallies_keep_the_order_the_launches_were_seen():
     out = counting.extrapolate({3: at3, 2: at2}, 8)
     assert list(out) == keys + [counting.Key("backward", "gemm", "mm", "float32")]
     assert out[keys[3]].read == 13 + (18 - 13) * 6 and out[keys[3]].programs == 8
+
+
+# ---- per optimiser step (bench/update.py) ---------------------------------------------------------
+
+
+def test_allreduce_bytes_and_time_by_hand():
+    """A ring all-reduce moves 2 (N - 1) / N x the gradients' bytes per GPU: nothing on one GPU;
+    within a node over NVLink, across nodes over the adapters, at the stated efficiency."""
+    hw, grads = roofline.H200, 516e6
+    one = update.allreduce_cost(grads, 1, hw)
+    assert one["bytes_per_gpu"] == 0 and one["seconds"] == 0
+    eight = update.allreduce_cost(grads, 8, hw)
+    assert eight["bytes_per_gpu"] == pytest.approx(2 * 7 / 8 * grads) and eight["link"] == "NVLink"
+    assert eight["seconds"] == pytest.approx(2 * 7 / 8 * grads / (0.8 * 450e9))
+    many = update.allreduce_cost(grads, 64, hw)
+    assert many["link"] == "InfiniBand" and many["seconds"] == pytest.approx(2 * 63 / 64 * grads / (0.8 * 8 * 50e9))
+
+
+def test_optimizer_step_is_adamw_over_the_share_and_zero_passes_by_hand():
+    """torch's AdamW (foreach, float32) as the counter counts it: per element, the decay's pass over
+    the weights (r + w), the first moment's lerp (m, g; m), the second's mul (v; v) and addcmul (v,
+    g, g; v), sqrt, div and add over a temporary (r + w each) and the update's addcdiv (p, m, tmp;
+    p), 4 bytes each; without decay one pass fewer. ZeRO 2 on 8 GPUs: AdamW and DeepSpeed's norm,
+    clipping and copy back over an eighth, the bucket copy over every parameter."""
+    decayed, plain = update.adamw_bytes(True), update.adamw_bytes(False)
+    assert decayed["bytes_per_element"] == 4 * (2 + 3 + 2 + 4 + 2 + 2 + 2 + 4) == 84
+    assert plain["bytes_per_element"] == 84 - 8 and (decayed["launches"], plain["launches"]) == (8, 7)
+    hw, decay, no_decay = roofline.H200, 1_000_000, 10_000
+    o = update.optimizer_cost(decay, no_decay, 8, 2, hw)
+    P = decay + no_decay
+    assert o["bytes"] == pytest.approx((84 * decay + 76 * no_decay) / 8 + (4 + 8 + 8) * P / 8 + 8 * P)
+    assert o["seconds"] == pytest.approx(max(o["bytes"] / hw.bytes_per_s + o["launches"] * hw.graph_launch_s,
+                                             o["launches"] * hw.eager_launch_s))
+    whole = update.optimizer_cost(decay, no_decay, 8, 0, hw)  # ZeRO 0: every GPU updates everything
+    assert whole["bytes"] == pytest.approx(84 * decay + 76 * no_decay + 32 * P)
+
+
+def test_a_token_batch_that_leaves_no_whole_batch_per_gpu_is_one_line(capsys):
+    """B = token batch / (W N) must be a whole number >= 1, the baseline's window included; refused
+    before anything is counted."""
+    for flags in (["--token-batch", "1000", "--gpus", "3", "--windows", "16"],
+                  ["--token-batch", "64", "--gpus", "8", "--windows", "16"],  # B = 0.5
+                  ["--token-batch", "256", "--gpus", "1", "--windows", "16", "--baseline-seq-len", "512"]):
+        assert step_cost.main(["--config", "gpn_m_tiny", "--kernel", "torch", "--device", "cpu",
+                               "--baseline", "transformer_tiny", *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: --token-batch") and "not a whole number" in err[0]
+
+
+def test_per_optimiser_step_entries_are_the_documented_sums(tmp_path, capsys):
+    """--token-batch on the tiny GPN+M: per (N, W), B = tokens / (W N), the step's time W x the
+    scheduled step + the once-per-window part + the optimiser + the all-reduce (none of it
+    overlapped), tok/s per GPU the GPU's tokens over it; the once-per-window part the larger of its
+    schedule and its launches at the host's cost; Transformer++ beside it with its all-reduce
+    hidden but for its last bucket. Nothing here depends on how fast this machine is."""
+    out = tmp_path / "opt.json"
+    tokens = 256
+    assert step_cost.main(["--config", "gpn_m_tiny", "--kernel", "torch", "--device", "cpu", "core_chunk=4",
+                           "--baseline", "transformer_tiny", "--baseline-seq-len", "16", "--token-batch", str(tokens),
+                           "--gpus", "1,8", "--windows", "8,16", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "per optimiser step: 256 tokens on N GPUs" in printed
+    data = json.loads(out.read_text())
+    t, hw = data["per_optimiser_step"], roofline.H200
+    assert data["reports"]["batch"] == 32 and t["zero"] == 2
+    assert [(e["gpus"], e["window"], e["batch"]) for e in t["entries"]] == [(1, 8, 32), (1, 16, 16), (8, 8, 4), (8, 16, 2)]
+    assert t["allreduce"]["1"]["seconds"] == 0 and t["allreduce"]["8"]["grad_bytes"] == 4 * t["params"]
+    fixed = data["reports"]["once_per_window"]
+    for b, w in t["once_per_window"].items():
+        assert w["launches"] == pytest.approx(fixed["forward"] + fixed["backward"]) and w["launches"] > 0
+        assert w["host_s"] == pytest.approx(w["launches"] * hw.eager_launch_s)
+        assert w["seconds"] == max(w["scheduled_s"], w["host_s"]) and w["scheduled_s"] > 0
+    for e in t["entries"]:
+        n = str(e["gpus"])
+        assert e["batch"] == tokens // (e["window"] * e["gpus"])
+        assert e["once_per_window_s"] == t["once_per_window"][str(e["batch"])]["seconds"]
+        assert e["optimizer_s"] == t["optimizer"][n]["seconds"] and e["allreduce_s"] == t["allreduce"][n]["seconds"]
+        assert e["seconds"] == pytest.approx(e["window"] * e["step_s"] + e["once_per_window_s"] + e["optimizer_s"]
+                                             + e["allreduce_s"])
+        assert e["tokens_per_s_per_gpu"] == pytest.approx(tokens / e["gpus"] / e["seconds"])
+        assert e["tokens_per_s_per_gpu"] < e["tokens_per_s_per_gpu_steps_alone"] and e["peak_memory_bytes"] > 0
+        x = t["transformer"][n]
+        assert x["batch"] == tokens // (16 * e["gpus"])
+        ar = x["allreduce"]["seconds"]
+        assert ar * x["last_bucket_share"] <= x["allreduce_exposed_s"] <= ar * (1 + 1e-12)
+        assert x["seconds"] == pytest.approx(x["window_s"] + x["optimizer"]["seconds"] + x["allreduce_exposed_s"])
+        assert e["over_baseline"] == pytest.approx(e["tokens_per_s_per_gpu"] / x["tokens_per_s_per_gpu"])
