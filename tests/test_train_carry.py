@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpn_scale.storage import safe_load
-from mds_fixture import write_streams
+from mds_fixture import write_streams, write_windows
 from test_train import losses, samples, train
 
 pytestmark = pytest.mark.slow
@@ -118,3 +118,30 @@ def test_a_checkpoint_without_a_slots_state_is_refused(data, reference, tmp_path
     (run / "checkpoints" / "step_00000002" / "carry_slots_000002-000004.pt").unlink()
     proc = train(data, run, 1, *BATCH, resume="auto", expect=2)
     assert "carry_slots_000002-000004.pt" in proc.stderr.strip().splitlines()[-1]
+
+
+def _refusal(proc) -> str:
+    """The run's one line: the last of stderr, and no traceback anywhere."""
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ")
+    return last
+
+
+def test_resuming_across_streams_and_shuffled_windows_is_one_line_either_way(data, reference, tmp_path):
+    """A checkpoint's loader position is a step of the streams (with a state per slot) or an epoch of
+    shuffled windows: resumed as the other kind, even with --allow-config-change, the run is refused in
+    one line naming what the checkpoint holds and what would continue it."""
+    windows = tmp_path / "windows"
+    write_windows(windows / "train", 64, SEQ, 512)
+    shuffled = ("train.carry_state=false", "train.reset_on_eos=false", f"data.train={windows / 'train'}")
+
+    carried = tmp_path / "carried"  # a carried-state checkpoint, resumed on shuffled windows
+    branch(reference, carried, 2)
+    line = _refusal(train(data, carried, 1, *BATCH, *shuffled, "--allow-config-change", resume="auto", expect=2))
+    assert "train.carry_state=true" in line and "step_00000002" in line, line
+
+    plain = tmp_path / "plain"  # and the reverse: a shuffled-window checkpoint, resumed with carried state
+    train(data, plain, 1, *BATCH, *shuffled, "train.total_steps=2")
+    line = _refusal(train(data, plain, 1, *BATCH, "--allow-config-change", resume="auto", expect=2))
+    assert "shuffled windows" in line and "train.carry_state=false" in line, line

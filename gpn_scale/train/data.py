@@ -75,6 +75,9 @@ class TrainStream:
         return {"epoch": self.epoch, "sample_in_epoch": self.sample_in_epoch, "initial_nodes": self.initial_nodes}
 
     def load_state_dict(self, state: dict) -> None:
+        if "epoch" not in state:  # the engine refuses a carried-state checkpoint before this (_check_loader_kind)
+            raise UserError(f"train.carry_state=false: the checkpoint's data position is {state}, not an epoch of "
+                            "shuffled windows; resume it with train.carry_state=true")
         self.epoch, self.sample_in_epoch = state["epoch"], state["sample_in_epoch"]
         self.initial_nodes = state["initial_nodes"]
         self._iter = None

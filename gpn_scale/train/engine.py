@@ -158,6 +158,7 @@ class Trainer:
                 f"train: the checkpoint was trained with a global batch of {saved.global_batch}, this run has "
                 f"{self.global_batch}; set train.global_batch={saved.global_batch} to keep the data order"
             )
+        self._check_loader_kind(saved, tag)
         safe, unsafe = config_changes(saved.config, self.cfg.to_dict())
         seq_then, seq_now = saved.data_seq_len, self.data_info and self.data_info.seq_len
         if seq_then and seq_now and seq_then != seq_now:
@@ -170,6 +171,22 @@ class Trainer:
             self._check_weight_shapes(saved, tag)
         self.config_changes = safe + unsafe
         return tag
+
+    def _check_loader_kind(self, saved: checkpoints.TrainerState, tag: str) -> None:
+        """A checkpoint's data position is a step of the prep's streams (with each slot's carried
+        state beside it) or an epoch of shuffled windows; neither continues as the other, whatever
+        --allow-config-change allows."""
+        streams = saved.loader.get("kind") == "streams"
+        if streams == bool(self.cfg.train.carry_state):
+            return
+        then = saved.config.get("data", {}).get("train") if isinstance(saved.config.get("data"), dict) else None
+        if streams:
+            raise UserError(f"--resume: {tag} was trained with train.carry_state=true (its position is a step of the "
+                            f"streams, each batch slot's state beside it); it resumes only as a carried-state run: set "
+                            f"train.carry_state=true and data.train back to its streams ({then}), or start a new run.dir")
+        raise UserError(f"--resume: {tag} was trained on shuffled windows (train.carry_state=false, its position an "
+                        f"epoch of {then}); it resumes only as such a run: set train.carry_state=false, or start "
+                        "a new run.dir for carried-state training")
 
     def _check_weight_shapes(self, saved: checkpoints.TrainerState, tag: str) -> None:
         """--allow-config-change may change what the model computes, not the shapes of its weights,
