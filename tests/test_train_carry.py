@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpn_scale.data.streams import reading
 from gpn_scale.storage import safe_load
+from gpn_scale.train.carry import rows
 from mds_fixture import write_streams, write_windows
 from test_train import losses, samples, train
 
@@ -145,3 +147,26 @@ def test_resuming_across_streams_and_shuffled_windows_is_one_line_either_way(dat
     train(data, plain, 1, *BATCH, *shuffled, "train.total_steps=2")
     line = _refusal(train(data, plain, 1, *BATCH, "--allow-config-change", resume="auto", expect=2))
     assert "shuffled windows" in line and "train.carry_state=false" in line, line
+
+
+def test_every_stream_is_read_from_the_empty_state_in_every_round(data, tmp_path):
+    """A stream's last window ends where the prep's cut falls, mid-document (the odd streams here), so
+    no state is carried from one stream into the next: at step 6 every slot starts its second stream
+    (window 0 of streams 4-7) from the empty state, as in the first round, reset_on_eos or not."""
+    from gpn_scale.storage.checkpoints import load_model
+
+    run = tmp_path / "run"
+    train(data, run, 1, *BATCH, "train.save_every=5", "train.total_steps=6")
+    tag = run / "checkpoints" / "step_00000005"
+    model = load_model(tag)
+    with reading(local=str(data / "train"), shuffle=False, batch_size=1) as ds:
+        x = torch.stack([torch.from_numpy(ds[i]["tokens"].astype("int64")) for i in (4, 5, 6, 7)])
+    assert samples(run)[5] == [4, 5, 6, 7]
+    carried = safe_load.load(tag / "carry_slots_000000-000004.pt")["state"]
+    assert torch.count_nonzero(carried[2][1]) > 0  # slot 1 (stream 1) ended its last window mid-document
+    with torch.no_grad():  # two micro-batches of two slots, as the run read them
+        fresh = [model(x[m : m + 2], resets=x[m : m + 2] == EOS).loss.item() for m in (0, 2)]
+        went_on = [model(x[m : m + 2], state=rows(carried, m, m + 2), resets=x[m : m + 2] == EOS).loss.item()
+                   for m in (0, 2)]
+    assert losses(run)[6] == pytest.approx(sum(fresh) / 2, rel=1e-6)
+    assert abs(sum(went_on) / 2 - sum(fresh) / 2) > 1e-4  # the state it would otherwise have carried matters

@@ -6,7 +6,9 @@ windows each, sample `k * S + i` being window k of stream i. A run with a global
 (S a multiple of G) has G slots; slot j reads streams j, j + G, j + 2G, ... one after another,
 each from its first window to its last, so step t reads, in slot j, window t mod K of stream
 j + G * ((t // K) mod (S / G)). After S / G * K steps every window has been read once and the
-order starts again.
+order starts again. A stream's last window ends where the prep cut it, mid-document as a rule, so
+each stream's first window (t mod K = 0) is read from the empty state, in every round: no state
+passes from one stream to the next.
 
 Slots are dealt to ranks in contiguous blocks, and within a rank to its micro-batches in order:
 rank r's micro-batch m holds slots r * G/W + m * b ... + b - 1 (W ranks, b windows per
@@ -94,7 +96,8 @@ def sample_at(layout: StreamLayout, step: int, slot: int, global_batch: int) -> 
 class StreamBatches:
     """This rank's micro-batches of stream windows, in the slots' order, with the position (the
     steps read) saved and restored as the shuffled loader's is. Each batch says which micro-batch
-    of the step it is, for `CarriedStates`."""
+    of the step it is, for `CarriedStates`, and whether its windows are their streams' first
+    (`stream_start`: they are read from the empty state)."""
 
     def __init__(self, location: str, micro_batch: int, grad_accum: int, world: int, rank: int):
         from gpn_scale.data.streams import open_dataset
@@ -127,7 +130,7 @@ class StreamBatches:
         ids = [sample_at(self.layout, self.step, j, self.global_batch) for j in self.slots(self.micro)]
         items = [self.dataset[i] for i in ids]
         batch = {"tokens": torch.stack([x["tokens"] for x in items]), "sample_id": torch.tensor(ids),
-                 "micro": self.micro}
+                 "micro": self.micro, "stream_start": self.step % self.layout.windows_per_stream == 0}
         self.micro += 1
         if self.micro == self.grad_accum:
             self.step, self.micro = self.step + 1, 0

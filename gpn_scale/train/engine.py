@@ -300,7 +300,9 @@ class Trainer:
                 if self.carried is None:
                     loss = self.engine(tokens, **resets).loss
                 else:  # this micro-batch's slots go on from the state their last window ended with
-                    out = self.engine(tokens, state=self.carried.get(batch["micro"]), **resets)
+                    # (a stream's first window: from the empty state, the last stream having ended mid-document)
+                    state = None if batch["stream_start"] else self.carried.get(batch["micro"])
+                    out = self.engine(tokens, state=state, **resets)
                     loss = out.loss
                     self.carried.put(batch["micro"], out.state)
             self.engine.backward(loss)
