@@ -72,6 +72,29 @@ def test_carried_windows_compute_the_long_window(case):
     assert torch.equal(fresh[:, :WINDOW], carried[:, :WINDOW])
 
 
+@pytest.mark.parametrize("case", ["gpn_m_2l_chunk", "gdn"])
+def test_the_carried_state_is_float32_under_bf16_autocast(case):
+    """What a window hands the next (GDN: each layer's convolution buffer and S) is float32 whatever
+    autocast computes in, with or without resets, and when it is carried on, as docs/train.md says."""
+    cfg = GDN if case == "gdn" else dataclasses.replace(ODD, **CASES[case])
+    model = make(cfg).float()
+    x = tokens(cfg.vocab_size)
+    kw = {} if case == "gdn" else dict(core="fused")
+    resets = torch.zeros_like(x, dtype=torch.bool)
+    resets[0, 3] = True
+
+    def leaves(state):
+        return [state] if isinstance(state, torch.Tensor) else [t for s in state if s is not None for t in leaves(s)]
+
+    for extra in ({}, {"resets": resets[:, :WINDOW]}):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            state = plain(model(x[:, :WINDOW], **kw, **extra).state)
+            floats = [t.dtype for t in leaves(state) if t.is_floating_point()]
+            assert floats and set(floats) == {torch.float32}, (extra.keys(), floats)
+            state = plain(model(x[:, WINDOW : 2 * WINDOW], state=state, **kw).state)
+            assert {t.dtype for t in leaves(state) if t.is_floating_point()} == {torch.float32}
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_carried_gradient_is_the_naive_truncated_bptt_gradient(case):
     """The fused core over carried, detached windows against the naive autograd loop over the long

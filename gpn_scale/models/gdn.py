@@ -84,7 +84,8 @@ class GDNConfig:
 class GDNState(NamedTuple):
     """last_token: (B,) the token the next window reads at its position 0 (-1: none, the empty
     context's `start`, as after a reset).
-    layers: per layer (conv buffer (B, channels, conv_size - 1), S (B, n_heads, d_key, d_val) float32)."""
+    layers: per layer (conv buffer (B, channels, conv_size - 1), S (B, n_heads, d_key, d_val)), both
+    float32 whatever autocast computes in (float64 in a float64 model)."""
 
     last_token: torch.Tensor
     layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
@@ -193,9 +194,9 @@ class GatedDeltaMixer(nn.Module):
 
     def initial_state(self, batch: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        conv = x.new_zeros(batch, self.conv_weight.shape[0], cfg.conv_size - 1)
-        S = torch.zeros(batch, cfg.n_heads, cfg.d_key, cfg.d_val, device=x.device,
-                        dtype=torch.promote_types(x.dtype, torch.float32))
+        dtype = torch.promote_types(x.dtype, torch.float32)  # the state is float32 whatever autocast computes in
+        conv = torch.zeros(batch, self.conv_weight.shape[0], cfg.conv_size - 1, device=x.device, dtype=dtype)
+        S = torch.zeros(batch, cfg.n_heads, cfg.d_key, cfg.d_val, device=x.device, dtype=dtype)
         return conv, S
 
     def forward(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None):
@@ -205,7 +206,8 @@ class GatedDeltaMixer(nn.Module):
         conv_buf, S = self.initial_state(B, x) if cache is None else cache
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1).transpose(1, 2)  # (B, C, T)
         qkv = torch.cat([conv_buf.to(qkv.dtype), qkv], -1)
-        conv_buf = qkv[..., qkv.shape[-1] - (cfg.conv_size - 1):]
+        # kept in float32 (exactly the values read: under bf16 they are bf16 numbers), like S
+        conv_buf = at_least_f32(qkv[..., qkv.shape[-1] - (cfg.conv_size - 1):])
         qkv = F.silu(F.conv1d(qkv, self.conv_weight[:, None, :].to(qkv.dtype), groups=qkv.shape[1]))
         q, k, v = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.val_dim], -1)
         q = l2_normalize(q.reshape(B, T, H, -1)) * cfg.d_key**-0.5
