@@ -8,6 +8,7 @@ returning an exit status. Modules are imported only when their subcommand runs, 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from gpn_scale.storage import leases
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         func = getattr(importlib.import_module(module_name), func_name)
         return int(func(rest) or 0)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not e.every_rank or os.environ.get("RANK", "0") == "0":  # under torchrun: once, not once per rank
+            print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

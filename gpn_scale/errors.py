@@ -14,7 +14,11 @@ class UserError(Exception):
 
     The CLI prints these as one line, `error: <message>`, and exits with status 2; the message
     names the file or field and what was expected. Anything else is a bug and keeps its traceback.
+    `every_rank`: every process of a distributed run raises the same one (the config, the
+    preflight, rank 0's resume choice), so only rank 0 prints it.
     """
+
+    every_rank = False
 
 
 def read_text(path: str | Path, shown: str | Path | None = None) -> str:

@@ -14,7 +14,10 @@ if [ $# -lt 1 ]; then
   exit 2
 fi
 : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of the rendezvous (e.g. the first node)}"
-exec torchrun \
+# The config, the data and run.dir checked once, here, before torchrun starts the ranks: bad input
+# ends as one line and exit status 2 (what depends on the world size is checked by the ranks).
+python -m gpn_scale train "$@" --resume auto --check
+exec python -m gpn_scale.train.torchrun \
   --nnodes "${MIN_NODES:-1}:${MAX_NODES:-2}" \
   --nproc-per-node "${NPROC_PER_NODE:-1}" \
   --max-restarts "${MAX_RESTARTS:-3}" \

@@ -9,5 +9,8 @@ if [ $# -lt 2 ]; then
   exit 2
 fi
 nproc="$1"; shift
-exec torchrun --standalone --nnodes 1 --nproc-per-node "$nproc" \
+# The config, the data and run.dir checked once, here, before torchrun starts the ranks: bad input
+# ends as one line and exit status 2, as `gpn-scale train` ends it.
+WORLD_SIZE="$nproc" python -m gpn_scale train "$@" --resume auto --check
+exec python -m gpn_scale.train.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc" \
   -m gpn_scale train "$@" --resume auto

@@ -69,7 +69,7 @@ def reference(data, run_dir, steps, save_every=3):
                            *overrides(data, run_dir, steps, save_every),
                            "--nproc", "2"], env=env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    assert proc.stdout.startswith("+ ") and "torch.distributed.run --standalone" in proc.stdout
+    assert proc.stdout.startswith("+ ") and "gpn_scale.train.torchrun --standalone" in proc.stdout
     return run_dir
 
 
@@ -117,6 +117,45 @@ def test_launch_prints_the_torchrun_command_and_rejects_bad_input(tmp_path):
                          env=env(), capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "nope" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_bad_input_to_a_launch_script_is_one_line_before_torchrun_starts(data, tmp_path):
+    """torchrun.sh, elastic.sh, train.sbatch and `gpn-scale launch` check the config, the data and
+    run.dir once (`gpn-scale train --check`) before any rank starts: one line, exit status 2, and
+    neither a line per rank nor torchrun's ChildFailedError traceback (which exits 1)."""
+    missing = f"data.train={tmp_path / 'nowhere'}"
+    runs = {
+        "torchrun.sh": [str(ROOT / "launchers" / "torchrun.sh"), "2", str(CONFIG), *overrides(data, tmp_path / "a", 2),
+                        "train.nope=1"],
+        "elastic.sh": [str(ROOT / "launchers" / "elastic.sh"), str(CONFIG), *overrides(data, tmp_path / "b", 2), missing],
+        # the stream count against the global batch of 4: train.sbatch checks before it asks SLURM anything
+        "train.sbatch": ["bash", str(ROOT / "launchers" / "slurm" / "train.sbatch"), str(CONFIG),
+                         *overrides(data, tmp_path / "c", 2), "train.carry_state=true"],
+        "launch": [sys.executable, "-m", "gpn_scale", "launch", str(CONFIG), *overrides(data, tmp_path / "d", 2),
+                   "--nproc", "2", missing],
+    }
+    expected = {"torchrun.sh": "nope", "elastic.sh": "nowhere", "train.sbatch": "no streams.json", "launch": "nowhere"}
+    for name, cmd in runs.items():
+        proc = subprocess.run(cmd, env=env(RDZV_ENDPOINT=f"127.0.0.1:{_port()}"), capture_output=True, text=True,
+                              timeout=300, cwd=ROOT)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (name, proc.stderr[-3000:])
+        assert expected[name] in lines[0], (name, lines[0])
+        assert "torchrun" not in proc.stdout, name
+    assert not any((tmp_path / d).exists() for d in "abcd")
+
+
+def test_a_refusal_in_the_ranks_is_one_line_once_with_exit_status_2(data, tmp_path):
+    """What the launchers run once the check passed, on 2 real ranks: torchrun through
+    gpn_scale.train.torchrun. Every rank refuses the bad key, rank 0 alone prints it, and the
+    launcher ends with that line and exit status 2: no ChildFailedError traceback, no agent log."""
+    proc = subprocess.run([sys.executable, "-m", "gpn_scale.train.torchrun", "--standalone", "--nnodes", "1",
+                           "--nproc-per-node", "2", "-m", "gpn_scale", "train", str(CONFIG),
+                           *overrides(data, tmp_path / "run", 2), "train.nope=1", "--resume", "auto"],
+                          env=env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert [line for line in lines if line.startswith("error: ")] == [lines[-1]] and "nope" in lines[-1], proc.stderr
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ aborts at once, without a checkpoint); 3 when the loss or gradient norm stopped 
 (no checkpoint of the non-finite state is written); 2 for bad input. The same outcome is written
 to `run.dir/status.json` (`running`, `preempted`, `interrupted`, `diverged` or `finished`, with
 the step), for launchers that cannot see the trainer's exit status (torchrun reports any
-non-zero worker exit as 1).
+non-zero worker exit as 1; the project's launchers pass a refusal's 2 on: gpn_scale/train/torchrun.py).
 """
 
 from __future__ import annotations
@@ -89,7 +89,11 @@ class Trainer:
         self.is_main = self.rank == 0
         self.device = dist_utils.device()
         self.stop_flag = dist_utils.StopFlag()
-        self.grad_accum = grad_accum_for(cfg, self.world)
+        try:
+            self.grad_accum = grad_accum_for(cfg, self.world)
+        except UserError as e:
+            e.every_rank = True
+            raise
         self.global_batch = cfg.train.micro_batch * self.grad_accum * self.world
         self.config_changes: list[tuple] = []  # (key, checkpoint's value, this run's), applied on resume
         self.resume_tag = self._choose_resume(resume, allow_config_change)
@@ -125,6 +129,7 @@ class Trainer:
                 choice = e
         choice, self.config_changes = dist_utils.broadcast_object((choice, self.config_changes))
         if isinstance(choice, UserError):
+            choice.every_rank = True  # rank 0's, raised by all
             raise choice
         return choice
 
@@ -536,9 +541,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--allow-config-change", action="store_true",
                     help="on resume, apply settings that differ from the checkpoint's even where they change what "
                          "the run computes (lr, model, data, ...); the change is recorded in metrics.jsonl")
+    ap.add_argument("--check", action="store_true",
+                    help="check the config, the data and run.dir as each rank does before it starts, then exit (0, "
+                         "or 2 with the one line): what the launchers run before torchrun starts the ranks")
     args = ap.parse_intermixed_args(argv)  # key=value overrides may come after flags
-    cfg = load_train_config(args.config, args.overrides)
-    data = preflight.check(cfg, args.resume, resolve_config_path(args.config, "train"))
+    try:  # the same files and settings on every rank: the same error everywhere
+        cfg = load_train_config(args.config, args.overrides)
+        data = preflight.check(cfg, args.resume, resolve_config_path(args.config, "train"))
+    except UserError as e:
+        e.every_rank = True
+        raise
+    if args.check:
+        return 0
     os.environ.setdefault("WANDB_SILENT", "true")
     lock = RunLock(Path(cfg.run.dir)) if os.environ.get("RANK", "0") == "0" else None
     trainer = None

@@ -21,7 +21,7 @@ from gpn_scale.helptext import HelpFormatter
 
 def torchrun_command(config: str, overrides: list[str], nproc: int, nnodes: str | None = None,
                      rdzv_endpoint: str | None = None, rdzv_id: str = "gpn-scale", max_restarts: int = 0) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    cmd = [sys.executable, "-m", "gpn_scale.train.torchrun"]  # torchrun, a refusal ending as one line and exit 2
     if nnodes is None:
         cmd += ["--standalone", "--nnodes", "1"]
     else:
@@ -51,15 +51,20 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (with --nnodes)")
     ap.add_argument("--rdzv-id", default="gpn-scale", help="the run's rendezvous id, the same on every node")
     ap.add_argument("--max-restarts", type=int, default=0, help="worker-group restarts after a failure (elastic)")
-    ap.add_argument("--dry-run", action="store_true", help="print the command only")
+    ap.add_argument("--dry-run", action="store_true", help="print the command only (its config checked, not the data)")
     args = ap.parse_intermixed_args(argv)  # key=value overrides may come after flags
 
     from gpn_scale.train.config import load_train_config
 
-    load_train_config(args.config, args.overrides)  # bad configs fail here, not in N processes
+    cfg = load_train_config(args.config, args.overrides)  # bad configs fail here, not in N processes
     nproc = args.nproc or _default_nproc()
     if nproc < 1:
         raise UserError(f"--nproc: expected >= 1, got {nproc}")
+    if not args.dry_run:  # and the data and run.dir, as `gpn-scale train --check` (the launch scripts) checks them
+        from gpn_scale.config import resolve_config_path
+        from gpn_scale.train import preflight
+
+        preflight.check(cfg, "auto", resolve_config_path(args.config, "train"), world=nproc if args.nnodes is None else None)
     cmd = torchrun_command(args.config, args.overrides, nproc, args.nnodes, args.rdzv_endpoint, args.rdzv_id,
                            args.max_restarts)
     print("+ " + shlex.join(cmd), flush=True)

@@ -59,9 +59,10 @@ def check_run_dir(run_dir: Path, config_file: Path | None) -> None:
                             allowed=(config_file.name,) if inside else ())
 
 
-def check(cfg: TrainConfig, resume: str, config_file: Path | None = None) -> DataInfo | None:
+def check(cfg: TrainConfig, resume: str, config_file: Path | None = None, world: int | None = None) -> DataInfo | None:
     """Everything that can be checked before the run starts; returns what the training data holds.
-    `config_file`: the YAML the run is started from (run.dir may hold it)."""
+    `config_file`: the YAML the run is started from (run.dir may hold it); `world`: the ranks
+    (default: torchrun's WORLD_SIZE, else 1)."""
     check_run_dir(Path(cfg.run.dir), config_file)
     model_vocab = cfg.model.get("vocab_size")
     infos = {}
@@ -78,7 +79,7 @@ def check(cfg: TrainConfig, resume: str, config_file: Path | None = None) -> Dat
                             f"(stats.json), more than the model's vocab_size {model_vocab}")
     if cfg.train.carry_state:  # the streams and the global batch they are dealt to
         t = cfg.train
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = world or int(os.environ.get("WORLD_SIZE", "1"))
         training_layout(cfg.data.train, t.global_batch or t.micro_batch * (t.grad_accum or 1) * world)
     train, val = infos.get("train"), infos.get("val")
     if cfg.train.reset_on_eos and (train is None or train.eos_id is None):
