@@ -88,7 +88,8 @@ def test_streams_hold_whole_documents_in_order_window_major(corpus, tokenizer, t
 @pytest.mark.parametrize("args, message", [
     (["--streams", "0"], "--streams: got 0, expected at least 1"),
     (["--val-streams", "2"], "--val-streams: given without --streams"),
-    (["--streams", "100000"], "train streams: 0 windows: the shortest of 100000 streams holds 0 tokens"),
+    (["--streams", "100000"], "documents for 100,000 streams; each stream needs a document and a window of "
+                              "--seq-len 64 tokens: at least 100,000 documents and 6,400,000 tokens"),
 ])
 def test_bad_stream_settings_are_one_line(corpus, tokenizer, tmp_path, capsys, args, message):  # noqa: F811
     code, err = prep(corpus, "--out", tmp_path / "out", "--tokenizer", tokenizer, "--seq-len", SEQ_LEN, "--workers", 1,

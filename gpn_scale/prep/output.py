@@ -319,9 +319,15 @@ def _merge_streams(out: Path, manifest: dict, uids: list[str], allow_empty: bool
     for split in config["splits"]:
         dealt, s = streams.plan(out, split, uids, counts[split], config["seq_len"])
         if s.windows_per_stream == 0:
-            why = (f"{split} streams: 0 windows: the shortest of {s.streams} streams holds {s.shortest:,} tokens, "
-                   f"less than --seq-len {s.seq_len} ({s.documents:,} documents, {s.shortest + s.dropped_tail_tokens:,} "
-                   f"tokens in all)")
+            total, least = s.tokens + s.dropped_tail_tokens, s.streams * s.seq_len
+            if s.documents < s.streams:  # some stream gets no document at all
+                why = (f"{split} streams: 0 windows: {s.documents:,} documents for {s.streams:,} streams; each stream "
+                       f"needs a document and a window of --seq-len {s.seq_len} tokens: at least {s.streams:,} "
+                       f"documents and {least:,} tokens ({total:,} here)")
+            else:
+                why = (f"{split} streams: 0 windows: the shortest of {s.streams:,} streams holds {s.shortest:,} tokens, "
+                       f"less than --seq-len {s.seq_len} ({s.documents:,} documents, {total:,} tokens in all; "
+                       f"every stream needs a window: at least {least:,} tokens)")
             if split == "train" or not allow_empty:
                 raise UserError(f"{out}: {why}; use fewer streams (--streams/--val-streams) or more documents"
                                 + ("" if split == "train" else ", or pass --allow-empty"))
