@@ -50,6 +50,19 @@ RECALL_TRIALS = 64
 
 
 @dataclass(frozen=True)
+class Arm:
+    """One configuration of the study: windows of `window`, the state carried across them or each
+    window from the empty state (shuffled windows)."""
+
+    window: int
+    carried: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.window} ({'carried' if self.carried else 'shuffled, empty state'})"
+
+
+@dataclass(frozen=True)
 class Study:
     out: Path
     window: int  # W, the full window
@@ -65,6 +78,7 @@ class Study:
     max_files: int | None  # the corpus's first files only, evenly spaced (smoke runs)
     heldout_streams: int
     fact_gap_max: int | None  # the facts' longest gap in tokens (default 2W)
+    controls: tuple[int, ...]  # carried windows also trained as shuffled windows from the empty state, same B
 
     def fact_gaps(self) -> tuple[int, int]:
         return (8, self.fact_gap_max or 2 * self.window)
@@ -72,11 +86,16 @@ class Study:
     def windows(self) -> list[int]:
         return [self.window // f for f in self.fractions]
 
+    def arms(self) -> list[Arm]:
+        """The full window from the empty state, each shorter window carried, then the controls."""
+        return [Arm(w, w < self.window) for w in self.windows()] + [Arm(w, False) for w in self.controls]
+
     def streams(self, w: int) -> int:
         return self.tokens_per_step // w
 
-    def name(self, w: int, seed: int) -> str:
-        return f"w{w}_s{seed}"
+    def name(self, arm: Arm, seed: int) -> str:
+        shuffled_short = not arm.carried and arm.window < self.window
+        return f"w{arm.window}{'_shuffled' if shuffled_short else ''}_s{seed}"
 
 
 def log(msg: str) -> None:
@@ -158,13 +177,13 @@ def prepare(study: Study, files: list[Path]) -> None:
                   "--val-streams", str(study.heldout_streams), threads=study.threads, quiet=True)
 
 
-def train(study: Study, w: int, seed: int) -> Path:
-    run = study.out / "runs" / study.name(w, seed)
+def train(study: Study, arm: Arm, seed: int) -> Path:
+    run = study.out / "runs" / study.name(arm, seed)
     status = run / "status.json"
     if status.exists() and "finished" in status.read_text():
         return run
+    w, carried = arm.window, arm.carried
     data = study.out / "data" / f"w{w}"
-    carried = w < study.window
     overrides = [
         f"model={study.model}", f"model.vocab_size={study.vocab}", f"run.dir={run}",
         f"data.train={data / 'streams' / 'train' if carried else data / 'train'}", f"data.val={data / 'val'}",
@@ -256,8 +275,8 @@ def recall_distances(window: int) -> list[int]:
     return out
 
 
-def score(study: Study, w: int, seed: int, run: Path, train_wall_s: float) -> dict:
-    path = study.out / "scores" / f"{study.name(w, seed)}.json"
+def score(study: Study, arm: Arm, seed: int, run: Path) -> dict:
+    path = study.out / "scores" / f"{study.name(arm, seed)}.json"
     if path.exists():
         return json.loads(path.read_text())
     import torch
@@ -287,12 +306,14 @@ def score(study: Study, w: int, seed: int, run: Path, train_wall_s: float) -> di
     filler = tokens.flatten().numpy()
     items = recall_items(encode, filler, recall_distances(study.window), RECALL_TRIALS)
     result = {
-        "run": study.name(w, seed), "window": w, "seed": seed, "streams": study.streams(w),
+        "run": study.name(arm, seed), "arm": arm.label, "window": arm.window, "carried": arm.carried, "seed": seed,
+        "streams": study.streams(arm.window),
         "heldout_empty": empty.loss, "heldout_windows": len(windows),
         "heldout_carried": float(curve.mean()), "context": context, "context_streams": len(tokens),
         "bins": PositionBins.of(curve).to_json(),
         "recall": score_recall(model, items, study.window),
-        "train_wall_s": train_wall_s,
+        "train_wall_s": [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                         if '"elapsed_s"' in line][-1]["elapsed_s"],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
@@ -302,17 +323,23 @@ def score(study: Study, w: int, seed: int, run: Path, train_wall_s: float) -> di
 # ---- the report --------------------------------------------------------------------------------
 
 
-def summarize(study: Study, results: list[dict]) -> str:
-    by_w: dict[int, list[dict]] = {}
+def by_arm(results: list[dict]) -> dict[str, list[dict]]:
+    """Each arm's runs (its seeds), in the study's order."""
+    out: dict[str, list[dict]] = {}
     for r in results:
-        by_w.setdefault(r["window"], []).append(r)
+        out.setdefault(r["arm"], []).append(r)
+    return out
+
+
+def summarize(study: Study, results: list[dict]) -> str:
+    by_w = by_arm(results)
 
     def spread(values: list[float]) -> str:
         mean = sum(values) / len(values)
         half = (max(values) - min(values)) / 2
         return f"{mean:.3f} ± {half:.3f}" if len(values) > 1 else f"{mean:.3f}"
 
-    full = by_w[study.window]
+    full = by_w[Arm(study.window, False).label]
     base_empty = sum(r["heldout_empty"] for r in full) / len(full)
     base_carried = sum(r["heldout_carried"] for r in full) / len(full)
     lines = [f"Windows of W = {study.window} and shorter, {study.tokens_per_step} tokens per step, {study.steps} steps "
@@ -321,27 +348,23 @@ def summarize(study: Study, results: list[dict]) -> str:
              "",
              "| window | streams (B) | held-out, from the empty state | vs full | held-out, state carried | vs full |",
              "|---|---|---|---|---|---|"]
-    for w in sorted(by_w, reverse=True):
-        rs = by_w[w]
+    for w, rs in by_w.items():
         e = [r["heldout_empty"] for r in rs]
         c = [r["heldout_carried"] for r in rs]
-        kind = "full, empty state" if w == study.window else "carried"
-        lines.append(f"| {w} ({kind}) | {rs[0]['streams']} | {spread(e)} | {sum(e) / len(e) - base_empty:+.3f} | "
+        lines.append(f"| {w} | {rs[0]['streams']} | {spread(e)} | {sum(e) / len(e) - base_empty:+.3f} | "
                      f"{spread(c)} | {sum(c) / len(c) - base_carried:+.3f} |")
     bins = full[0]["bins"]
     lines += ["", "Loss by position, state carried across held-out streams (mean over seeds):", "",
               "| window | " + " | ".join(f"{b['positions'][0]}-{b['positions'][1]}" for b in bins) + " |",
               "|---|" + "---|" * len(bins)]
-    for w in sorted(by_w, reverse=True):
-        rs = by_w[w]
+    for w, rs in by_w.items():
         cells = [sum(r["bins"][i]["loss"] for r in rs) / len(rs) for i in range(len(bins))]
         lines.append(f"| {w} | " + " | ".join(f"{x:.3f}" for x in cells) + " |")
     dists = [x["distance"] for x in full[0]["recall"]]
     lines += ["", f"Recall accuracy by distance (chance {1 / len(VALUES):.3f}: one of {len(VALUES)} values; "
               f"{RECALL_TRIALS} queries per distance and seed):", "",
               "| window | " + " | ".join(str(d) for d in dists) + " |", "|---|" + "---|" * len(dists)]
-    for w in sorted(by_w, reverse=True):
-        rs = by_w[w]
+    for w, rs in by_w.items():
         cells = [sum(r["recall"][i]["accuracy"] for r in rs) / len(rs) for i in range(len(dists))]
         lines.append(f"| {w} | " + " | ".join(f"{x:.2f}" for x in cells) + " |")
     return "\n".join(lines) + "\n"
@@ -352,18 +375,14 @@ def plot(study: Study, results: list[dict], path: Path) -> None:
 
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    by_w: dict[int, list[dict]] = {}
-    for r in results:
-        by_w.setdefault(r["window"], []).append(r)
-    for w in sorted(by_w, reverse=True):
-        rs = by_w[w]
+    for w, rs in by_arm(results).items():
+        style = "o-" if rs[0]["carried"] or rs[0]["window"] == study.window else "s--"
         bins = rs[0]["bins"]
         x = [math.sqrt(b["positions"][0] * b["positions"][1]) for b in bins]
-        left.plot(x, [sum(r["bins"][i]["loss"] for r in rs) / len(rs) for i in range(len(bins))], "o-",
-                  label=f"window {w}")
+        left.plot(x, [sum(r["bins"][i]["loss"] for r in rs) / len(rs) for i in range(len(bins))], style, label=w)
         dists = [x["distance"] for x in rs[0]["recall"]]
-        right.plot(dists, [sum(r["recall"][i]["accuracy"] for r in rs) / len(rs) for i in range(len(dists))], "o-",
-                   label=f"window {w}")
+        right.plot(dists, [sum(r["recall"][i]["accuracy"] for r in rs) / len(rs) for i in range(len(dists))], style,
+                   label=w)
     left.axvline(study.window, color="gray", ls=":", lw=1)
     right.axhline(1 / len(VALUES), color="gray", ls=":", lw=1, label="chance")
     left.set(xscale="log", xlabel="position in the held-out stream (tokens, log)", ylabel="loss (nats)",
@@ -394,28 +413,33 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--heldout-streams", type=int, default=8, help="held-out streams (each at least 8 W tokens)")
     p.add_argument("--fact-gap-max", type=int, help="the facts' longest gap between a key and its recalls, in "
                    "tokens (default 2 W; the shortest is 8)")
+    p.add_argument("--controls", default="", help="carried windows to train also as shuffled windows from the "
+                   "empty state at the same batch (comma-separated): what carrying the state changes, window and B "
+                   "held")
     a = p.parse_args(argv)
     fractions = tuple(int(f) for f in a.fractions.split(","))
     study = Study(a.out.resolve(), a.window, fractions, tuple(int(s) for s in a.seeds.split(",")), a.steps,
                   a.tokens_per_step, a.model, a.vocab, a.lr, a.warmup, a.threads, a.max_files, a.heldout_streams,
-                  a.fact_gap_max)
+                  a.fact_gap_max, tuple(int(w) for w in a.controls.split(",") if w))
     for f in fractions:
         if a.window % f or a.tokens_per_step % (a.window // f):
             p.error(f"--fractions: W / {f} must be a whole window that divides --tokens-per-step")
     if 1 not in fractions:
         p.error("--fractions: 1 (the full window) is the baseline and must be in the list")
+    if set(study.controls) - set(study.windows()[1:]):
+        p.error(f"--controls: each must be one of the carried windows {study.windows()[1:]}")
     study.out.mkdir(parents=True, exist_ok=True)
     (study.out / "study.json").write_text(json.dumps({**asdict(study), "out": str(study.out)}, indent=1))
     started = time.time()
     prepare(study, write_corpus(study))
-    plan = [(w, s) for s in study.seeds for w in study.windows()]
+    plan = [(arm, s) for arm in study.arms() for s in study.seeds]
     results, spent = [], []
-    for i, (w, seed) in enumerate(plan):
+    for i, (arm, seed) in enumerate(plan):
         t0 = time.time()
-        log(f"run {i + 1}/{len(plan)}: window {w}, {study.streams(w)} streams, seed {seed}"
+        log(f"run {i + 1}/{len(plan)}: window {arm.label}, {study.streams(arm.window)} in each batch, seed {seed}"
             + (f" (ETA {np.mean(spent) * (len(plan) - i) / 60:.0f} min)" if spent else ""))
-        run = train(study, w, seed)
-        results.append(score(study, w, seed, run, time.time() - t0))
+        run = train(study, arm, seed)
+        results.append(score(study, arm, seed, run))
         spent.append(time.time() - t0)
     report = summarize(study, results)
     (study.out / "report.md").write_text(report)

@@ -81,11 +81,11 @@ def test_a_smoke_study_runs_end_to_end(tmp_path):
     out = tmp_path / "study"
     cmd = [sys.executable, str(ROOT / "scripts" / "window_study.py"), str(out), "--window", "32", "--fractions", "1,4",
            "--seeds", "0", "--steps", "3", "--tokens-per-step", "64", "--model", "gpn_m_tiny", "--vocab", "512",
-           "--max-files", "48", "--heldout-streams", "2", "--warmup", "1"]
+           "--max-files", "48", "--heldout-streams", "2", "--warmup", "1", "--controls", "8"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
-    assert [(r["window"], r["streams"]) for r in results] == [(32, 2), (8, 8)]
+    assert [(r["window"], r["carried"], r["streams"]) for r in results] == [(32, False, 2), (8, True, 8), (8, False, 8)]
     for r in results:
         assert r["context"] == 256 and r["bins"][-1]["positions"] == [128, 256]
         assert [x["distance"] for x in r["recall"]] == [8, 16, 32, 64, 128, 256]
@@ -93,8 +93,11 @@ def test_a_smoke_study_runs_end_to_end(tmp_path):
         assert math.isfinite(r["heldout_empty"]) and math.isfinite(r["heldout_carried"])
     config = (out / "runs" / "w8_s0" / "config.yaml").read_text()
     assert "carry_state: true" in config and "streams/train" in config
+    control = (out / "runs" / "w8_shuffled_s0" / "config.yaml").read_text()
+    assert "carry_state: false" in control and "streams/train" not in control
     report = (out / "report.md").read_text()
-    assert "| 32 (full, empty state) | 2 |" in report and "| 8 (carried) | 8 |" in report
+    assert "| 32 (shuffled, empty state) | 2 |" in report and "| 8 (carried) | 8 |" in report
+    assert "| 8 (shuffled, empty state) | 8 |" in report
     assert (out / "window_study.png").stat().st_size > 10_000
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=900)  # everything kept: nothing runs again
-    assert again.returncode == 0 and "run 1/2" in again.stdout and "prep:" not in again.stdout
+    assert again.returncode == 0 and "run 1/3" in again.stdout and "prep:" not in again.stdout
