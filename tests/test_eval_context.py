@@ -160,6 +160,38 @@ def test_context_needs_streams(setup, tmp_path, capsys):
     assert code == 2 and "holds no streams" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.fixture(scope="module")
+def carried_run(setup, tmp_path_factory):
+    """A real 1-rank carried-state run (train.carry_state) on the prep's streams: its data.train is
+    OUT/streams/train, two levels below the prep's stats.json and tokenizer."""
+    from test_train import train as train_run
+
+    _, prep, _ = setup
+    run = tmp_path_factory.mktemp("carried") / "run"
+    train_run(prep / "streams", run, 1, "train.carry_state=true", "train.grad_accum=null", "train.global_batch=2",
+              "train.micro_batch=2", "train.total_steps=2", "train.save_every=2", "zero.stage=0")
+    return run
+
+
+def test_a_carried_run_finds_its_prep_tokenizer_and_refuses_another(setup, carried_run, tmp_path, capsys):
+    """eval --passkey and generate find the tokenizer of the prep the streams came from; held-out data
+    made with another tokenizer is refused, as for a run on shuffled windows."""
+    from eval_fixtures import make_prep
+
+    root, prep, _ = setup
+    code, stdout, err = run(capsys, "eval", carried_run, "--passkey", 300, "--passkey-trials", 1, "--json",
+                            "--out", tmp_path / "out")
+    assert code == 0, err
+    assert [r["distance"] for r in json.loads(stdout)["passkey"]["by_distance"]] == [256, 300]
+    code, stdout, err = run(capsys, "generate", carried_run, "--prompt", "the cat", "--max-new-tokens", 3)
+    assert code == 0 and stdout.startswith("the cat"), err
+    other = make_prep(tmp_path / "other", make_tokenizer(tmp_path / "other.json", vocab=280))
+    capsys.readouterr()  # the prep's report
+    code, _, err = run(capsys, "eval", carried_run, "--data", other, "--out", tmp_path / "o2")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "differs from the one the model was trained with" in err
+
+
 def test_a_transformer_refuses_to_reset(setup, tmp_path, capsys):
     root, prep, _ = setup
     code, _, err = run(capsys, "eval", root / "transformer", "--data", prep, "--context", 64, "--reset-on-eos",

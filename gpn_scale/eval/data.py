@@ -47,6 +47,16 @@ class PrepData:
         return np.load(path) if path is not None and path.is_file() else None
 
 
+def prep_root(split: Path) -> Path | None:
+    """The prep output directory (the one holding stats.json) of a split it wrote: OUT for OUT/train
+    and OUT/val, OUT for the streams' OUT/streams/train and OUT/streams/val (`--streams`); also OUT
+    itself. None where no stats.json is there."""
+    candidates = [split, split.parent]
+    if (split / "streams.json").is_file():
+        candidates.append(split.parent.parent)
+    return next((root for root in candidates if (root / "stats.json").is_file()), None)
+
+
 def open_data(path: str | Path) -> PrepData:
     path = Path(path)
     if not path.is_dir():
@@ -54,7 +64,7 @@ def open_data(path: str | Path) -> PrepData:
     if (path / "stats.json").is_file() and (path / "val" / "index.json").is_file():
         split, root = path / "val", path
     elif (path / "index.json").is_file():
-        split, root = path, (path.parent if (path.parent / "stats.json").is_file() else None)
+        split, root = path, prep_root(path)
     else:
         raise UserError(f"{path}: not an MDS directory (no index.json) nor a prep output with a val split")
     stats = None
@@ -66,10 +76,10 @@ def open_data(path: str | Path) -> PrepData:
 def open_streams(path: str | Path) -> PrepData:
     """Held-out streams (`gpn-scale prep --streams`): a prep output's streams/val, or a streams split."""
     path = Path(path)
-    for split, root in ((path / "streams" / "val", path), (path, path.parent.parent)):
+    for split in (path / "streams" / "val", path):
         if (split / "streams.json").is_file():
-            stats = read_json(root / "stats.json") if (root / "stats.json").is_file() else None
-            return PrepData(split, stats, root if stats is not None else None)
+            root = prep_root(split)
+            return PrepData(split, None if root is None else read_json(root / "stats.json"), root)
     raise UserError(f"--context: {path} holds no streams (expected a prep output made with --streams, or its "
                     f"streams/val)")
 
@@ -115,10 +125,8 @@ def training_prep(checkpoint: str | Path) -> PrepData | None:
     train_dir = data.get("train") if isinstance(data, dict) else None
     if not train_dir or not isinstance(train_dir, str):
         return None
-    for root in (Path(train_dir), Path(train_dir).parent):
-        if (root / "stats.json").is_file():
-            return PrepData(Path(train_dir), read_json(root / "stats.json"), root)
-    return None
+    root = prep_root(Path(train_dir))  # OUT/train, or a carried-state run's OUT/streams/train
+    return None if root is None else PrepData(Path(train_dir), read_json(root / "stats.json"), root)
 
 
 def _sha256(path: Path) -> str | None:
