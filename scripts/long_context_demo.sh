@@ -72,6 +72,7 @@ for m in sorted((out / "eval").glob("*/metrics.json")):
     keys = r["passkey"]["by_distance"]
     right.plot([k["distance"] for k in keys], [k["mean_key_logprob"] for k in keys], "o-", label=m.parent.name)
 left.axvline(256, color="gray", ls=":", lw=1, label="training window (256)")
+right.axhline(r["passkey"]["chance"]["key_logprob"], color="gray", ls=":", lw=1, label="chance (uniform key)")
 left.set(xscale="log", xlabel="position in the held-out stream (tokens, log)", ylabel="loss (nats)",
          title="Loss by position, state (or KV cache) carried")
 right.set(xscale="log", xlabel="distance (tokens, log)", ylabel="mean log p(key)", title="Passkey: key log-probability")

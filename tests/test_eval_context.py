@@ -121,7 +121,8 @@ def test_passkey_scores_the_key_as_a_forward_over_prompt_and_key(setup, tmp_path
                             "--json", "--out", out)
     assert code == 0, err
     p = json.loads(stdout)["passkey"]
-    assert [r["distance"] for r in p["by_distance"]] == [256, 512, 600]
+    assert [r["requested"] for r in p["by_distance"]] == [256, 512, 600]
+    assert all(r["requested"] - 4 <= r["distance"] <= r["requested"] for r in p["by_distance"])  # whole words of filler
     assert all(r["trials"] == 2 and 0 <= r["accuracy"] <= 1 and r["mean_key_logprob"] < 0 for r in p["by_distance"])
     assert (out / "passkey.png").is_file()
 
@@ -138,6 +139,76 @@ def test_passkey_scores_the_key_as_a_forward_over_prompt_and_key(setup, tmp_path
     assert logprob == pytest.approx(-o.token_losses[0, -n:].double().sum().item(), rel=1e-4)
     assert correct == bool((o.logits[0, -n:].argmax(-1) == torch.tensor(item.answer)).all())
     assert math.isfinite(logprob)
+
+
+def test_passkey_states_its_chance_level(setup, tmp_path, capsys):
+    """A uniform guess of the key: one of the 90,000 five-digit keys the prompts draw from."""
+    from gpn_scale.eval import long_context
+
+    root, prep, _ = setup
+    keys = {k.key for k in make_passkeys(str.split, 300, 200)}  # any encoder: the keys are drawn apart from it
+    assert all(len(k) == 5 and k[0] != "0" for k in keys)  # five digits: 10000..99999
+    code, stdout, err = run(capsys, "eval", root / "gpn_m", "--data", prep, "--passkey", 300, "--passkey-trials", 1,
+                            "--out", tmp_path / "out")
+    assert code == 0, err
+    chance = json.loads((tmp_path / "out" / "metrics.json").read_text())["passkey"]["chance"]
+    assert chance == {"keys": 90_000, "accuracy": pytest.approx(1 / 90_000), "key_logprob": pytest.approx(-11.4076, abs=1e-4)}
+    assert chance["key_logprob"] == -math.log(len(long_context.KEYS))
+    assert "chance (a uniform guess of 90,000 keys): 1.1e-05, -11.41 nats" in stdout
+
+
+def test_passkey_filler_ends_at_a_word_before_the_question(setup):
+    from gpn_scale.eval.codec import Codec
+    from gpn_scale.eval.long_context import FILLER, QUESTION
+
+    _, prep, _ = setup
+    codec = Codec(prep / "tokenizer.json")
+    question = codec.encode(QUESTION)
+    for longest in (300, 333, 517, 600):
+        for item in make_passkeys(codec.encode, longest, 1):
+            tail = item.prompt[-item.distance:]
+            assert tail[-len(question):] == question
+            filler = codec.decode(tail[:-len(question)])
+            cycle = FILLER * (len(filler) // len(FILLER) + 2)
+            assert cycle.startswith(filler) and cycle[len(filler)] == " ", (item.distance, filler[-30:])
+            # the real distance: the requested one less at most a word's tokens
+            assert 0 <= item.requested - item.distance < max(len(codec.encode(w)) for w in FILLER.split(" ") if w) + 1
+
+
+def test_a_passkey_distance_shorter_than_the_question_is_refused(setup, tmp_path, capsys):
+    root, prep, _ = setup
+    code, _, err = run(capsys, "eval", root / "gpn_m", "--data", prep, "--passkey", 3, "--out", tmp_path / "out")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--passkey: 3 tokens is shorter than the question that ends every prompt" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_passkey_prompts_begin_with_bos_where_the_prep_used_it(setup, tmp_path, capsys):
+    """The prep's --bos (stats.json: add_bos, bos_id) began every training document: so does each prompt."""
+    from eval_fixtures import make_prep
+    from gpn_scale.eval.codec import Codec
+
+    root, prep, _ = setup
+    bos_prep = make_prep(tmp_path / "bos", root / "tok.json", seq_len=SEQ, bos=True)
+    bos = json.loads((bos_prep / "stats.json").read_text())["bos_id"]
+    for data, extra in ((bos_prep, 1), (prep, 0)):
+        code, stdout, err = run(capsys, "eval", root / "gpn_m", "--passkey", 300, "--passkey-trials", 2, "--data", data,
+                                "--json", "--out", tmp_path / f"out{extra}")
+        assert code == 0, err
+        p = json.loads(stdout)["passkey"]
+        items = make_passkeys(Codec(data / "tokenizer.json").encode, 300, 2)  # without BOS: 2 per distance, in order
+        assert [r["prompt_tokens"] for r in p["by_distance"]] == [
+            max(len(i.prompt) for i in items[k : k + 2]) + extra for k in (0, 2)]
+        assert p["bos"] == (bos if extra else None)
+    assert all(i.prompt[0] == bos for i in make_passkeys(Codec(bos_prep / "tokenizer.json").encode, 300, 2, bos=bos))
+
+
+def test_a_context_longer_than_the_streams_is_refused_before_anything_is_loaded(setup, tmp_path, capsys):
+    """The streams' layout alone says so: the refusal comes before the checkpoint (here missing) is read."""
+    root, prep, _ = setup
+    code, _, err = run(capsys, "eval", root / "missing", "--data", prep, "--context", 1 << 20, "--out", tmp_path / "o")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--context: 1048576 tokens, but the streams of" in err
 
 
 @pytest.mark.parametrize("args, message", [
@@ -182,7 +253,7 @@ def test_a_carried_run_finds_its_prep_tokenizer_and_refuses_another(setup, carri
     code, stdout, err = run(capsys, "eval", carried_run, "--passkey", 300, "--passkey-trials", 1, "--json",
                             "--out", tmp_path / "out")
     assert code == 0, err
-    assert [r["distance"] for r in json.loads(stdout)["passkey"]["by_distance"]] == [256, 300]
+    assert [r["requested"] for r in json.loads(stdout)["passkey"]["by_distance"]] == [256, 300]
     code, stdout, err = run(capsys, "generate", carried_run, "--prompt", "the cat", "--max-new-tokens", 3)
     assert code == 0 and stdout.startswith("the cat"), err
     other = make_prep(tmp_path / "other", make_tokenizer(tmp_path / "other.json", vocab=280))

@@ -89,6 +89,12 @@ def eval_main(argv: list[str]) -> int:
     model = load_checkpoint(args.checkpoint, args.device)
     trained = training_prep(args.checkpoint)  # the data (and tokenizer) the model was trained on, when recorded
     metrics, data, per_position, examples = {}, None, None, None
+    if args.passkey:  # the prompts first: a --passkey they cannot be made for is refused before any scoring
+        from gpn_scale.eval import long_context
+
+        codec, framing = choose_tokenizer(args.checkpoint, args.tokenizer, open_data(args.data) if args.data else None,
+                                          trained, model, DATA_OR_TOKENIZER)
+        items = long_context.make_passkeys(codec.encode, args.passkey, args.passkey_trials, bos=framing.prompt_bos)
     if args.data:
         data, windows = _open_checked(args, model, trained)
         held = evaluate_windows(model, windows, args.batch)
@@ -110,14 +116,10 @@ def eval_main(argv: list[str]) -> int:
                               "loss_by_position": str(out / "context_loss_by_position.csv"),
                               "plot": str(out / "context.png")}
     if args.passkey:
-        from gpn_scale.eval import long_context
-
-        codec, _ = choose_tokenizer(args.checkpoint, args.tokenizer, data, trained, model, DATA_OR_TOKENIZER)
         chunk = (trained and trained.stats and trained.stats["seq_len"]) or (data and data.stats and data.stats["seq_len"]) or 2048
-        items = long_context.make_passkeys(codec.encode, args.passkey, args.passkey_trials)
         passkeys = long_context.passkey_table(model, items, chunk)
-        metrics["passkey"] = {"trials": args.passkey_trials, "chunk": chunk, "by_distance": passkeys,
-                              "plot": str(out / "passkey.png")}
+        metrics["passkey"] = {"trials": args.passkey_trials, "chunk": chunk, "bos": framing.prompt_bos,
+                              "chance": long_context.CHANCE, "by_distance": passkeys, "plot": str(out / "passkey.png")}
     if args.lambada:
         texts = read_lambada(args.lambada)
         codec, framing = choose_tokenizer(args.checkpoint, args.tokenizer, data, trained, model, DATA_OR_TOKENIZER)
@@ -154,8 +156,11 @@ def eval_main(argv: list[str]) -> int:
             print(f"context {c['tokens']:,} tokens over {c['streams']} streams, state carried: loss {c['loss']:.4f}; "
                   + ", ".join(f"{b['positions'][0]}-{b['positions'][1]}: {b['loss']:.3f}" for b in c["bins"]))
         if "passkey" in metrics:
-            print("passkey accuracy by distance: " + ", ".join(f"{r['distance']}: {r['accuracy']:.2f}"
-                                                            for r in metrics["passkey"]["by_distance"]))
+            p = metrics["passkey"]
+            print("passkey accuracy, mean log p(key) by distance: "
+                  + ", ".join(f"{r['distance']}: {r['accuracy']:.2f}, {r['mean_key_logprob']:.2f}" for r in p["by_distance"])
+                  + f"; chance (a uniform guess of {p['chance']['keys']:,} keys): {p['chance']['accuracy']:.2g}, "
+                  f"{p['chance']['key_logprob']:.2f} nats")
         if "lambada_acc" in metrics:
             print(f"LAMBADA: accuracy {metrics['lambada_acc']:.4f}, PPL {metrics['lambada_ppl']:.3f} "
                   f"over {metrics['lambada_examples']} examples")

@@ -10,8 +10,10 @@ Transformer neither, up to float rounding.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +28,15 @@ from gpn_scale.eval.heldout import model_device
 
 
 def check_context(split_dir: Path, layout, context: int) -> None:
+    """--context against the streams' layout (streams.json): a whole number of windows, no longer
+    than a stream. Cheap: the eval CLI runs it before anything is loaded or scored."""
     if context % layout.seq_len:
         raise UserError(f"--context: {context} is not a multiple of the streams' window of {layout.seq_len} tokens "
                         f"({split_dir / 'streams.json'})")
+    if context // layout.seq_len > layout.windows_per_stream:
+        raise UserError(f"--context: {context} tokens, but the streams of {split_dir} hold "
+                        f"{layout.windows_per_stream * layout.seq_len} each ({layout.windows_per_stream} windows); "
+                        f"prepare fewer, longer streams (--val-streams) or ask for less")
 
 
 def stream_tokens(split_dir: Path, layout, context: int, limit: int | None) -> torch.Tensor:
@@ -37,10 +45,6 @@ def stream_tokens(split_dir: Path, layout, context: int, limit: int | None) -> t
 
     check_context(split_dir, layout, context)
     windows = context // layout.seq_len
-    if windows > layout.windows_per_stream:
-        raise UserError(f"--context: {context} tokens, but the streams of {split_dir} hold "
-                        f"{layout.windows_per_stream * layout.seq_len} each ({layout.windows_per_stream} windows); "
-                        f"prepare fewer, longer streams (--val-streams) or ask for less")
     n = layout.streams if limit is None else min(limit, layout.streams)
     with reading(local=str(split_dir), shuffle=False, batch_size=1) as dataset:
         rows = [[np.asarray(dataset[k * layout.streams + i]["tokens"], np.int64) for k in range(windows)]
@@ -112,6 +116,9 @@ INTRO = ("There is an important info hidden inside a lot of irrelevant text. Fin
          "I will quiz you about the important information there.")
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 QUESTION = " What is the pass key? The pass key is"
+KEYS = range(10_000, 100_000)  # every five-digit key, drawn uniformly
+# What a guess of the key, uniform over KEYS, scores: accuracy 1 / 90,000, log p(key) -11.41 nats
+CHANCE = {"keys": len(KEYS), "accuracy": 1 / len(KEYS), "key_logprob": -math.log(len(KEYS))}
 
 
 def distances(longest: int, shortest: int = 256) -> list[int]:
@@ -125,26 +132,47 @@ def distances(longest: int, shortest: int = 256) -> list[int]:
 
 @dataclass(frozen=True)
 class Passkey:
-    distance: int  # tokens from the end of the key's sentence to the end of the prompt (filler, then the question)
+    requested: int  # the distance asked for (256, 512, ..., N)
+    distance: int  # tokens from the end of the key's sentence to the end of the prompt (filler, then the question):
+    # the requested one, less what of the filler's last word did not fit
     key: str
     prompt: list[int]  # ends with the question
     answer: list[int]  # the key's tokens as they follow the question
 
 
-def make_passkeys(encode, longest: int, trials: int, seed: int = 0) -> list[Passkey]:
-    """`trials` prompts per distance, each with its own 5-digit key, the same for every model (seeded).
-    The pieces are encoded apart and joined as token lists, so the distances are exact in tokens."""
+def filler_tokens(encode, n: int) -> list[int]:
+    """The filler's words, repeated, for at most `n` tokens: whole words only, each encoded alone
+    (with its space), so the text never stops mid-word."""
+    words = [encode(w) for w in re.findall(r" \S+", FILLER)]
+    out: list[int] = []
+    for i in itertools.count():
+        word = words[i % len(words)]
+        if len(out) + len(word) > n:
+            return out
+        out += word
+
+
+def make_passkeys(encode, longest: int, trials: int, seed: int = 0, bos: int | None = None) -> list[Passkey]:
+    """`trials` prompts per distance, each with its own five-digit key, the same for every model
+    (seeded). The pieces are encoded apart and joined as token lists, so the distances are counted
+    in tokens; the filler before the question ends at a word, so a distance may fall short of the
+    requested one by part of a word (each Passkey says both). `bos`: the token that began every
+    training document (the prep's --bos), put before the prompt. A distance shorter than the
+    question is refused."""
     rng = random.Random(seed)
     intro, filler, question = encode(INTRO), encode(FILLER), encode(QUESTION)
+    shortest = min(distances(longest))
+    if shortest < len(question):
+        raise UserError(f"--passkey: {longest} tokens is shorter than the question that ends every prompt "
+                        f"({len(question)} tokens:{QUESTION!r}); expected at least {len(question)}")
     out = []
     for d in distances(longest):
+        tail = filler_tokens(encode, d - len(question)) + question
         for _ in range(trials):
-            key = str(rng.randrange(10_000, 100_000))
+            key = str(rng.randrange(KEYS.start, KEYS.stop))
             needle = encode(f" The pass key is {key}. Remember it. {key} is the pass key.")
-            after = max(0, d - len(question))
-            tail = (filler * (after // len(filler) + 1))[:after] + question
-            prompt = intro + filler * 2 + needle + tail
-            out.append(Passkey(len(tail), key, prompt, encode(" " + key)))
+            prompt = ([] if bos is None else [bos]) + intro + filler * 2 + needle + tail
+            out.append(Passkey(d, len(tail), key, prompt, encode(" " + key)))
     return out
 
 
@@ -166,14 +194,17 @@ def score_passkey(model, item: Passkey, chunk: int) -> tuple[bool, float]:
 
 
 def passkey_table(model, items: list[Passkey], chunk: int) -> list[dict]:
-    """Accuracy and mean key log-probability at each distance."""
+    """Accuracy and mean key log-probability at each requested distance (and the real one)."""
     rows: dict[int, list[tuple[bool, float]]] = {}
     longest: dict[int, int] = {}
+    real: dict[int, int] = {}
     for item in items:
-        rows.setdefault(item.distance, []).append(score_passkey(model, item, chunk))
-        longest[item.distance] = max(longest.get(item.distance, 0), len(item.prompt))
-    return [{"distance": d, "trials": len(r), "correct": sum(c for c, _ in r), "accuracy": sum(c for c, _ in r) / len(r),
-             "mean_key_logprob": sum(lp for _, lp in r) / len(r), "prompt_tokens": longest[d]} for d, r in rows.items()]
+        rows.setdefault(item.requested, []).append(score_passkey(model, item, chunk))
+        longest[item.requested] = max(longest.get(item.requested, 0), len(item.prompt))
+        real[item.requested] = item.distance
+    return [{"requested": d, "distance": real[d], "trials": len(r), "correct": sum(c for c, _ in r),
+             "accuracy": sum(c for c, _ in r) / len(r), "mean_key_logprob": sum(lp for _, lp in r) / len(r),
+             "prompt_tokens": longest[d]} for d, r in rows.items()]
 
 
 # ---- figures ------------------------------------------------------------------------------------
@@ -204,6 +235,8 @@ def plot_passkey(table: list[dict], path: Path, title: str) -> None:
     left.plot(d, [r["accuracy"] for r in table], "o-")
     left.set(xscale="log", ylim=(-0.05, 1.05), xlabel="distance (tokens, log)", ylabel="accuracy", title=title)
     right.plot(d, [r["mean_key_logprob"] for r in table], "o-")
+    right.axhline(CHANCE["key_logprob"], color="gray", ls=":", label=f"chance ({CHANCE['key_logprob']:.2f})")
+    right.legend()
     right.set(xscale="log", xlabel="distance (tokens, log)", ylabel="mean log p(key)", title="Key log-probability")
     for ax in (left, right):
         _plain_log_ticks(ax.xaxis)
