@@ -6,7 +6,10 @@ in and repeats the uninterrupted run's losses bit for bit (fp32)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,7 @@ from gpn_scale.data.streams import reading
 from gpn_scale.storage import safe_load
 from gpn_scale.train.carry import rows
 from mds_fixture import write_streams, write_windows
-from test_train import losses, samples, train
+from test_train import env, losses, samples, train
 
 pytestmark = pytest.mark.slow
 TOTAL = 8
@@ -170,3 +173,28 @@ def test_every_stream_is_read_from_the_empty_state_in_every_round(data, tmp_path
                    for m in (0, 2)]
     assert losses(run)[6] == pytest.approx(sum(fresh) / 2, rel=1e-6)
     assert abs(sum(went_on) / 2 - sum(fresh) / 2) > 1e-4  # the state it would otherwise have carried matters
+
+
+def test_the_carried_recipe_trains_at_tiny_size(data, tmp_path):
+    """configs/train/gpn_m_130m_1l_carried.yaml as shipped, the model and batch made tiny: its keys
+    (carried state, the global batch over micro-batches, bf16, ZeRO, the schedule) train and
+    checkpoint, and the prep command it names gives the paper's token batch in streams it can read."""
+    import yaml
+
+    from gpn_scale.train.config import load_train_config
+
+    recipe = Path(__file__).resolve().parent.parent / "configs" / "train" / "gpn_m_130m_1l_carried.yaml"
+    text = recipe.read_text()
+    seq_len, streams = (int(re.search(rf"--{key} (\d+)", text).group(1)) for key in ("seq-len", "streams"))
+    cfg = load_train_config(recipe, [])
+    assert cfg.train.carry_state and cfg.train.global_batch * seq_len == 128 * 2048  # the paper's 262,144
+    assert streams % cfg.train.global_batch == 0 and cfg.train.global_batch % (8 * cfg.train.micro_batch) == 0
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gpn_scale", "train", str(recipe), "model=gpn_m_tiny", f"run.dir={run}",
+           f"data.train={data / 'train'}", f"data.val={data / 'val'}", "train.global_batch=4", "train.micro_batch=2",
+           "train.total_steps=2", "train.save_every=2", "eval.batches=1", "logging.wandb=disabled"]
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    resolved = yaml.safe_load((run / "config.yaml").read_text())
+    assert resolved["train"]["carry_state"] and resolved["precision"] == "bf16" and resolved["train"]["lr"] == 6e-4
+    assert sorted(losses(run)) == [1, 2] and (run / "checkpoints" / "step_00000002").is_dir()
