@@ -371,28 +371,37 @@ def summarize(study: Study, results: list[dict]) -> str:
 
 
 def plot(study: Study, results: list[dict], path: Path) -> None:
+    """Loss by position, the same less the full window's, and recall by distance, each arm's mean."""
     from gpn_scale.eval.report import _plain_log_ticks, _pyplot, _save
 
     plt = _pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for w, rs in by_arm(results).items():
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.2))
+    arms = by_arm(results)
+    full = arms[Arm(study.window, False).label]
+
+    def mean_bins(rs: list[dict]) -> np.ndarray:
+        return np.mean([[b["loss"] for b in r["bins"]] for r in rs], axis=0)
+
+    for label, rs in arms.items():
         style = "o-" if rs[0]["carried"] or rs[0]["window"] == study.window else "s--"
-        bins = rs[0]["bins"]
-        x = [math.sqrt(b["positions"][0] * b["positions"][1]) for b in bins]
-        left.plot(x, [sum(r["bins"][i]["loss"] for r in rs) / len(rs) for i in range(len(bins))], style, label=w)
+        x = [math.sqrt(b["positions"][0] * b["positions"][1]) for b in rs[0]["bins"]]
+        left.plot(x, mean_bins(rs), style, label=label)
+        middle.plot(x, mean_bins(rs) - mean_bins(full), style, label=label)
         dists = [x["distance"] for x in rs[0]["recall"]]
-        right.plot(dists, [sum(r["recall"][i]["accuracy"] for r in rs) / len(rs) for i in range(len(dists))], style,
-                   label=w)
-    left.axvline(study.window, color="gray", ls=":", lw=1)
+        right.plot(dists, np.mean([[x["accuracy"] for x in r["recall"]] for r in rs], axis=0), style, label=label)
+    for ax in (left, middle):
+        ax.axvline(study.window, color="gray", ls=":", lw=1)
     right.axhline(1 / len(VALUES), color="gray", ls=":", lw=1, label="chance")
     left.set(xscale="log", xlabel="position in the held-out stream (tokens, log)", ylabel="loss (nats)",
              title="Loss by position, state carried")
+    middle.set(xscale="log", xlabel="position in the held-out stream (tokens, log)", ylabel="loss - full window's",
+               title=f"Against the full window ({study.window}, empty state)")
     right.set(xscale="log", xlabel="distance from the key's value (tokens, log)", ylabel="accuracy",
               title="Recall by distance")
-    for ax in (left, right):
+    for ax in (left, middle, right):
         _plain_log_ticks(ax.xaxis)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     _save(fig, path)
 
 
