@@ -188,6 +188,22 @@ def test_sigterm_on_one_rank_checkpoints_and_resumes_exactly(data, reference_run
     assert samples(run) == samples(ref)
 
 
+def first_windows_loss(run, step: int, val: Path, n: int) -> float:
+    """The mean loss of the run's model at `step` over the first `n` windows of `val`, each from the
+    empty state, in this one process."""
+    import torch
+
+    from gpn_scale.data.streams import reading
+    from gpn_scale.storage.checkpoints import load_model
+
+    model = load_model(Path(run) / "checkpoints" / f"step_{step:08d}").eval()
+    with reading(local=str(val), shuffle=False, batch_size=1) as ds:
+        x = torch.stack([torch.from_numpy(ds[i]["tokens"].astype("int64")) for i in range(n)])
+    with torch.no_grad():
+        return model(x).token_losses.double().mean().item()
+
+
+VAL_BATCHES = 3  # 6 windows: blocks of 2 on 3 ranks, 3 on 2 (one forward of 2 rows, one of 1)
 WORLD_CHAIN = (3, 1, 2)  # after the reference's 2 ranks, every direction: 2 -> 3 up, 3 -> 1 down, 1 -> 2 up from one rank
 CHAIN_STEPS = 2 * (len(WORLD_CHAIN) + 1)
 
@@ -203,9 +219,9 @@ def test_world_size_changes_keep_the_sample_order_and_the_losses(data, reference
     # The reference as it was at step 2 (its later checkpoints and `latest` left out); the resume
     # drops its later records.
     shutil.copytree(ref, run, ignore=lambda d, names: [n for n in names if Path(d).name == "checkpoints" and n != step_2])
-    for i, world in enumerate(WORLD_CHAIN):
+    for i, world in enumerate(WORLD_CHAIN):  # each stage ends with an evaluation (eval.every=2)
         proc = train(data, run, world, *BATCH, f"zero.stage={stage}", f"train.stop_at_step={2 * (i + 2)}",
-                     resume="auto")
+                     "eval.every=2", f"eval.batches={VAL_BATCHES}", resume="auto")
         assert f"world size {(2, *WORLD_CHAIN)[i]} -> {world}: converting" in proc.stdout
     assert samples(run) == samples(ref)[:CHAIN_STEPS]  # the same global order, step by step
     flat = sum(samples(run), [])
@@ -213,6 +229,12 @@ def test_world_size_changes_keep_the_sample_order_and_the_losses(data, reference
     assert sorted(losses(run)) == list(range(1, CHAIN_STEPS + 1))
     for step in range(1, CHAIN_STEPS + 1):  # the same run, up to float reduction order
         assert losses(run)[step] == pytest.approx(losses(ref)[step], rel=1e-5), step
+    # 3, 1 and 2 ranks each scored the same windows: the split's first eval.batches x train.micro_batch
+    val = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r}
+    assert sorted(val) == [4, 6, 8]
+    assert all(r["val_tokens"] == VAL_BATCHES * 2 * 32 for r in val.values()), val
+    for step, row in val.items():
+        assert row["val_loss"] == pytest.approx(first_windows_loss(run, step, data / "val", VAL_BATCHES * 2), rel=1e-5)
 
 
 def test_corrupted_newest_checkpoint_falls_back_to_the_previous(data, tmp_path):

@@ -90,7 +90,9 @@ class ZeroSection:
 @dataclass
 class EvalSection:
     every: int = 0  # validation every this many steps (0: only at the end)
-    batches: int = 16  # micro-batches of the val split per evaluation
+    # held-out windows per evaluation, in micro-batches (eval.batches x train.micro_batch windows): the val
+    # split's first ones, the same at any world size, split across the ranks (gpn_scale/train/validation.py)
+    batches: int = 16
 
 
 @dataclass

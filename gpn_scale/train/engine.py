@@ -341,25 +341,26 @@ class Trainer:
             return {}
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for i, batch in enumerate(self._val_loader()):
-            if i >= self.cfg.eval.batches:
-                break
-            tokens = batch["tokens"].to(self.device)
+        for tokens, rows in self._val_windows().batches():  # this rank's block of the same windows at any world size
+            tokens = tokens.to(self.device)
             with self._autocast():  # read as the run trains: the state reset at EOS with train.reset_on_eos
                 out = self.engine(tokens, **self._resets(tokens))
-            total += torch.tensor([out.token_losses.double().sum().item(), out.token_losses.numel()],
+            total += torch.tensor([out.token_losses[:rows].double().sum().item(), out.token_losses[:rows].numel()],
                                   dtype=torch.float64, device=self.device)
         self.model.train()
         torch.distributed.all_reduce(total)
         loss = (total[0] / total[1]).item() if total[1] > 0 else float("nan")
         return {"val_loss": loss, "val_ppl": math.exp(loss) if loss < 50 else float("inf"), "val_tokens": int(total[1])}
 
-    def _val_loader(self):
+    def _val_windows(self):
+        """The first eval.batches x train.micro_batch windows of data.val, split across the ranks."""
         if not hasattr(self, "_val"):
-            from gpn_scale.train.data import val_batches
+            from gpn_scale.train.validation import ValWindows
 
-            self._val = val_batches(self.cfg.data.val, self.cfg.data.cache, self.cfg.train.micro_batch)
-        return self._val()
+            mb = self.cfg.train.micro_batch
+            self._val = ValWindows(self.cfg.data.val, self.cfg.data.cache, self.cfg.eval.batches * mb, mb, self.rank,
+                                   self.world)
+        return self._val
 
     def save(self) -> Path:
         tag = checkpoints.tag_for(self.step)
