@@ -104,9 +104,3 @@ class TrainStream:
         self.sample_in_epoch += self.micro_batch * self.world_size
         return batch
 
-
-def val_batches(location: str, cache: str | None, micro_batch: int):
-    """A deterministic, unshuffled stream over the val split, restartable for each evaluation."""
-    local, remote = resolve_location(location, cache, "val")
-    dataset = open_dataset(indexed_dataset_class(), local=local, remote=remote, shuffle=False, batch_size=micro_batch)
-    return lambda: DataLoader(dataset, batch_size=micro_batch, num_workers=0, drop_last=False)
