@@ -175,26 +175,36 @@ def test_every_stream_is_read_from_the_empty_state_in_every_round(data, tmp_path
     assert abs(sum(went_on) / 2 - sum(fresh) / 2) > 1e-4  # the state it would otherwise have carried matters
 
 
-def test_the_carried_recipe_trains_at_tiny_size(data, tmp_path):
-    """configs/train/gpn_m_130m_1l_carried.yaml as shipped, the model and batch made tiny: its keys
-    (carried state, the global batch over micro-batches, bf16, ZeRO, the schedule) train and
-    checkpoint, and the prep command it names gives the paper's token batch in streams it can read."""
+
+@pytest.mark.parametrize("recipe", ["gpn_m_130m_1l_w256", "gpn_m_130m_1l_carried"])
+def test_the_fast_recipes_train_at_tiny_size(recipe, data, tmp_path):
+    """The paper's token batch in windows of 256, shuffled or carried, as shipped in configs/train, the
+    model and batch made tiny: their keys (the global batch over micro-batches, bf16, ZeRO, the
+    schedule, carried state) train and checkpoint, and the prep command each names gives the paper's
+    262,144 tokens per step (in streams the carried one can read)."""
     import yaml
 
     from gpn_scale.train.config import load_train_config
 
-    recipe = Path(__file__).resolve().parent.parent / "configs" / "train" / "gpn_m_130m_1l_carried.yaml"
-    text = recipe.read_text()
-    seq_len, streams = (int(re.search(rf"--{key} (\d+)", text).group(1)) for key in ("seq-len", "streams"))
-    cfg = load_train_config(recipe, [])
-    assert cfg.train.carry_state and cfg.train.global_batch * seq_len == 128 * 2048  # the paper's 262,144
-    assert streams % cfg.train.global_batch == 0 and cfg.train.global_batch % (8 * cfg.train.micro_batch) == 0
+    path = Path(__file__).resolve().parent.parent / "configs" / "train" / f"{recipe}.yaml"
+    text = path.read_text()
+    seq_len = int(re.search(r"--seq-len (\d+)", text).group(1))
+    cfg = load_train_config(path, [])
+    assert cfg.train.global_batch * seq_len == 128 * 2048 and cfg.train.global_batch % (8 * cfg.train.micro_batch) == 0
+    assert cfg.train.carry_state == (recipe == "gpn_m_130m_1l_carried")
+    if cfg.train.carry_state:
+        assert int(re.search(r"--streams (\d+)", text).group(1)) % cfg.train.global_batch == 0
+        train_split = data / "train"
+    else:
+        train_split = tmp_path / "windows" / "train"
+        write_windows(train_split, 64, SEQ, 512)
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "gpn_scale", "train", str(recipe), "model=gpn_m_tiny", f"run.dir={run}",
-           f"data.train={data / 'train'}", f"data.val={data / 'val'}", "train.global_batch=4", "train.micro_batch=2",
+    cmd = [sys.executable, "-m", "gpn_scale", "train", str(path), "model=gpn_m_tiny", f"run.dir={run}",
+           f"data.train={train_split}", f"data.val={data / 'val'}", "train.global_batch=4", "train.micro_batch=2",
            "train.total_steps=2", "train.save_every=2", "eval.batches=1", "logging.wandb=disabled"]
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     resolved = yaml.safe_load((run / "config.yaml").read_text())
-    assert resolved["train"]["carry_state"] and resolved["precision"] == "bf16" and resolved["train"]["lr"] == 6e-4
-    assert sorted(losses(run)) == [1, 2] and (run / "checkpoints" / "step_00000002").is_dir()
+    assert resolved["train"]["carry_state"] == cfg.train.carry_state and resolved["precision"] == "bf16"
+    assert resolved["train"]["lr"] == 6e-4 and sorted(losses(run)) == [1, 2]
+    assert (run / "checkpoints" / "step_00000002").is_dir()
