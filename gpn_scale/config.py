@@ -126,10 +126,10 @@ def parse_overrides(items: list[str]) -> dict:
         for depth, p in enumerate(parents):
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise UserError(f"command-line override {item!r}: {'.'.join(parents[:depth + 1])} is set to a value "
-                                "by another override, not a mapping")
+                raise UserError(f"{OVERRIDE} {item!r}: {'.'.join(parents[:depth + 1])} is set to a value by another "
+                                "override, not a mapping")
         if isinstance(node.get(leaf), dict):
-            raise UserError(f"command-line override {item!r}: {key} is a mapping that other overrides set fields of")
+            raise UserError(f"{OVERRIDE} {item!r}: {key} is a mapping that other overrides set fields of")
         try:
             node[leaf] = yaml.safe_load(raw)
         except yaml.YAMLError as e:

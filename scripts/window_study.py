@@ -15,7 +15,7 @@ key-value facts written into every file: a line `# key = V` and then lines `# re
 at log-uniform gaps of 8 to 2W tokens (`--fact-gap-max`), V one of 16 words, a new key after one
 to four recalls. Every stage keeps its output and a rerun goes on where the last one stopped.
 
-    PYTHONPATH=. python scripts/window_study.py OUT                  # the study of docs/train.md (~50 min)
+    PYTHONPATH=. python scripts/window_study.py OUT --controls 256,64,32  # docs/train.md's (~65 min; 40 without)
     PYTHONPATH=. python scripts/window_study.py OUT --window 32 --fractions 1,4 --seeds 0 --steps 3 \
         --tokens-per-step 64 --model gpn_m_tiny --vocab 512 --max-files 48 --heldout-streams 2  # smoke
 """
@@ -44,7 +44,10 @@ VALUES = ("alfa", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel
           "lima", "mike", "november", "oscar", "papa")
 SET_LINE = "# key = {}"
 QUERY_PREFIX = "# recall key ="
-CHARS_PER_TOKEN = 3.3  # the study's tokenizer on the library's source: facts' gaps are placed by characters
+# Facts' gaps are placed by characters, before there is a tokenizer: the study's 4,096-token BPE reads
+# 3.47 characters a token on Python 3.11's library with its facts.
+CHARS_PER_TOKEN = 3.5
+LEAD = 32  # held-out tokens before a recall prompt's key, so the key is not the first thing read
 N_FILES = 16  # the last file is the held-out split (36 of the 577 files)
 RECALL_TRIALS = 64
 
@@ -75,7 +78,7 @@ class Study:
     lr: float
     warmup: int
     threads: int
-    max_files: int | None  # the corpus's first files only, evenly spaced (smoke runs)
+    max_files: int | None  # this many of the library's files, evenly spaced over it (smoke runs)
     heldout_streams: int
     fact_gap_max: int | None  # the facts' longest gap in tokens (default 2W)
     controls: tuple[int, ...]  # carried windows also trained as shuffled windows from the empty state, same B
@@ -148,7 +151,7 @@ def write_corpus(study: Study) -> list[Path]:
 # ---- stages through the CLI ---------------------------------------------------------------------
 
 
-def gpn_scale(*args: str, threads: int, quiet: bool = False) -> None:
+def run_cli(*args: str, threads: int, quiet: bool = False) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "WANDB_MODE": "disabled",
            "PYTHONPATH": str(ROOT)}
@@ -165,14 +168,14 @@ def prepare(study: Study, files: list[Path]) -> None:
     tokenizer = study.out / "tokenizer.json"
     if not tokenizer.exists():
         log(f"tokenizer: byte-level BPE, {study.vocab} tokens")
-        gpn_scale("prep", "train-tokenizer", *map(str, files[:-1]), "--vocab-size", str(study.vocab), "--out",
+        run_cli("prep", "train-tokenizer", *map(str, files[:-1]), "--vocab-size", str(study.vocab), "--out",
                   str(tokenizer), threads=study.threads, quiet=True)
     for w in study.windows():
         out = study.out / "data" / f"w{w}"
         if (out / "stats.json").exists():
             continue
         log(f"prep: windows of {w}, {study.streams(w)} streams")
-        gpn_scale("prep", *map(str, files), "--out", str(out), "--tokenizer", str(tokenizer), "--seq-len", str(w),
+        run_cli("prep", *map(str, files), "--out", str(out), "--tokenizer", str(tokenizer), "--seq-len", str(w),
                   "--val-files", str(files[-1]), "--workers", "1", "--streams", str(study.streams(w)),
                   "--val-streams", str(study.heldout_streams), threads=study.threads, quiet=True)
 
@@ -180,7 +183,7 @@ def prepare(study: Study, files: list[Path]) -> None:
 def train(study: Study, arm: Arm, seed: int) -> Path:
     run = study.out / "runs" / study.name(arm, seed)
     status = run / "status.json"
-    if status.exists() and "finished" in status.read_text():
+    if status.exists() and json.loads(status.read_text())["status"] == "finished":
         return run
     w, carried = arm.window, arm.carried
     data = study.out / "data" / f"w{w}"
@@ -192,7 +195,7 @@ def train(study: Study, arm: Arm, seed: int) -> Path:
         "eval.every=0", "eval.batches=1", f"seed={seed}", *(["train.carry_state=true"] if carried else []),
     ]
     resume = "auto" if (run / "checkpoints").exists() else "none"
-    gpn_scale("train", "demo", *overrides, "--resume", resume, threads=study.threads, quiet=True)
+    run_cli("train", "demo", *overrides, "--resume", resume, threads=study.threads, quiet=True)
     return run
 
 
@@ -229,13 +232,12 @@ def recall_items(encode, filler: np.ndarray, distances: list[int], trials: int, 
             value = rng.choice(VALUES)
             set_head, set_value = value_tokens(encode, SET_LINE.format("").rstrip(), value)
             query_head, answer = value_tokens(encode, QUERY_PREFIX, value)
-            lead = 32
             between = d - len(set_value) - len(query_head)  # filler between the set line's value and the query
             if between < 1:
                 raise SystemExit(f"window_study: distance {d} is shorter than the query ({len(query_head)} tokens)")
-            start = rng.randrange(0, len(filler) - lead - between)
-            gap = filler[start + lead : start + lead + between]
-            prompt = [*filler[start : start + lead], *set_head, *set_value, *gap, *query_head]
+            start = rng.randrange(0, len(filler) - LEAD - between)
+            gap = filler[start + LEAD : start + LEAD + between]
+            prompt = [*filler[start : start + LEAD], *set_head, *set_value, *gap, *query_head]
             items.append(RecallItem(d, [int(t) for t in prompt], answer))
     return items
 
@@ -275,6 +277,22 @@ def recall_distances(window: int) -> list[int]:
     return out
 
 
+def without_facts(text: str) -> str:
+    """`text` with the fact lines `with_facts` inserted taken out again (the library's file as it was)."""
+    return "\n".join(line for line in text.split("\n")
+                     if not (line.startswith(SET_LINE.format("")) or line.startswith(QUERY_PREFIX)))
+
+
+def held_out_filler(corpus: Path, encode) -> list[int]:
+    """The held-out file's tokens without the corpus's facts, end to end: a recall prompt's only key
+    is the one it places."""
+    import pyarrow.parquet as pq
+
+    held_out = sorted(corpus.glob("*.parquet"))[-1]
+    return [t for text in pq.read_table(held_out, columns=["text"]).column("text").to_pylist()
+            for t in encode(without_facts(text) + "\n")]
+
+
 def score(study: Study, arm: Arm, seed: int, run: Path) -> dict:
     path = study.out / "scores" / f"{study.name(arm, seed)}.json"
     if path.exists():
@@ -303,7 +321,7 @@ def score(study: Study, arm: Arm, seed: int, run: Path) -> dict:
     def encode(text: str) -> list[int]:
         return tokenizer.encode([text])[0].tolist()
 
-    filler = tokens.flatten().numpy()
+    filler = held_out_filler(study.out / "corpus", encode)
     items = recall_items(encode, filler, recall_distances(study.window), RECALL_TRIALS)
     result = {
         "run": study.name(arm, seed), "arm": arm.label, "window": arm.window, "carried": arm.carried, "seed": seed,
@@ -312,8 +330,8 @@ def score(study: Study, arm: Arm, seed: int, run: Path) -> dict:
         "heldout_carried": float(curve.mean()), "context": context, "context_streams": len(tokens),
         "bins": PositionBins.of(curve).to_json(),
         "recall": score_recall(model, items, study.window),
-        "train_wall_s": [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
-                         if '"elapsed_s"' in line][-1]["elapsed_s"],
+        "train_step_s": sum(json.loads(line).get("step_time_s", 0.0)
+                            for line in (run / "metrics.jsonl").read_text().splitlines()),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
@@ -332,14 +350,14 @@ def by_arm(results: list[dict]) -> dict[str, list[dict]]:
 
 
 def summarize(study: Study, results: list[dict]) -> str:
-    by_w = by_arm(results)
+    arms = by_arm(results)
 
     def spread(values: list[float]) -> str:
         mean = sum(values) / len(values)
         half = (max(values) - min(values)) / 2
         return f"{mean:.3f} ± {half:.3f}" if len(values) > 1 else f"{mean:.3f}"
 
-    full = by_w[Arm(study.window, False).label]
+    full = arms[Arm(study.window, False).label]
     base_empty = sum(r["heldout_empty"] for r in full) / len(full)
     base_carried = sum(r["heldout_carried"] for r in full) / len(full)
     lines = [f"Windows of W = {study.window} and shorter, {study.tokens_per_step} tokens per step, {study.steps} steps "
@@ -348,31 +366,31 @@ def summarize(study: Study, results: list[dict]) -> str:
              "",
              "| window | streams (B) | held-out, from the empty state | vs full | held-out, state carried | vs full |",
              "|---|---|---|---|---|---|"]
-    for w, rs in by_w.items():
+    for label, rs in arms.items():
         e = [r["heldout_empty"] for r in rs]
         c = [r["heldout_carried"] for r in rs]
-        lines.append(f"| {w} | {rs[0]['streams']} | {spread(e)} | {sum(e) / len(e) - base_empty:+.3f} | "
+        lines.append(f"| {label} | {rs[0]['streams']} | {spread(e)} | {sum(e) / len(e) - base_empty:+.3f} | "
                      f"{spread(c)} | {sum(c) / len(c) - base_carried:+.3f} |")
     bins = full[0]["bins"]
     lines += ["", "Loss by position, state carried across held-out streams (mean over seeds):", "",
               "| window | " + " | ".join(f"{b['positions'][0]}-{b['positions'][1]}" for b in bins) + " |",
               "|---|" + "---|" * len(bins)]
-    for w, rs in by_w.items():
+    for label, rs in arms.items():
         cells = [sum(r["bins"][i]["loss"] for r in rs) / len(rs) for i in range(len(bins))]
-        lines.append(f"| {w} | " + " | ".join(f"{x:.3f}" for x in cells) + " |")
+        lines.append(f"| {label} | " + " | ".join(f"{x:.3f}" for x in cells) + " |")
     dists = [x["distance"] for x in full[0]["recall"]]
     lines += ["", f"Recall accuracy by distance (chance {1 / len(VALUES):.3f}: one of {len(VALUES)} values; "
               f"{RECALL_TRIALS} queries per distance and seed):", "",
               "| window | " + " | ".join(str(d) for d in dists) + " |", "|---|" + "---|" * len(dists)]
-    for w, rs in by_w.items():
+    for label, rs in arms.items():
         cells = [sum(r["recall"][i]["accuracy"] for r in rs) / len(rs) for i in range(len(dists))]
-        lines.append(f"| {w} | " + " | ".join(f"{x:.2f}" for x in cells) + " |")
+        lines.append(f"| {label} | " + " | ".join(f"{x:.2f}" for x in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def plot(study: Study, results: list[dict], path: Path) -> None:
     """Loss by position, the same less the full window's, and recall by distance, each arm's mean."""
-    from gpn_scale.eval.report import _plain_log_ticks, _pyplot, _save
+    from gpn_scale.eval.report import _pyplot, _save
 
     plt = _pyplot()
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.2))
@@ -384,25 +402,67 @@ def plot(study: Study, results: list[dict], path: Path) -> None:
 
     for label, rs in arms.items():
         style = "o-" if rs[0]["carried"] or rs[0]["window"] == study.window else "s--"
-        x = [math.sqrt(b["positions"][0] * b["positions"][1]) for b in rs[0]["bins"]]
-        left.plot(x, mean_bins(rs), style, label=label)
-        middle.plot(x, mean_bins(rs) - mean_bins(full), style, label=label)
-        dists = [x["distance"] for x in rs[0]["recall"]]
-        right.plot(dists, np.mean([[x["accuracy"] for x in r["recall"]] for r in rs], axis=0), style, label=label)
+        centres = [math.sqrt(b["positions"][0] * b["positions"][1]) for b in rs[0]["bins"]]
+        left.plot(centres, mean_bins(rs), style, label=label)
+        middle.plot(centres, mean_bins(rs) - mean_bins(full), style, label=label)
+        dists = [row["distance"] for row in rs[0]["recall"]]
+        right.plot(dists, np.mean([[row["accuracy"] for row in r["recall"]] for r in rs], axis=0), style, label=label)
     for ax in (left, middle):
         ax.axvline(study.window, color="gray", ls=":", lw=1)
     right.axhline(1 / len(VALUES), color="gray", ls=":", lw=1, label="chance")
     left.set(xscale="log", xlabel="position in the held-out stream (tokens, log)", ylabel="loss (nats)",
              title="Loss by position, state carried")
     middle.set(xscale="log", xlabel="position in the held-out stream (tokens, log)", ylabel="loss - full window's",
-               title=f"Against the full window ({study.window}, empty state)")
+               title=f"Less the full window's ({study.window}, shuffled)")
     right.set(xscale="log", xlabel="distance from the key's value (tokens, log)", ylabel="accuracy",
               title="Recall by distance")
-    for ax in (left, middle, right):
-        _plain_log_ticks(ax.xaxis)
+    context = results[0]["context"]
+    position_ticks = [4**k for k in range(int(math.log(context, 4)) + 1)]
+    for ax, ticks in ((left, position_ticks), (middle, position_ticks), (right, recall_distances(study.window))):
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])  # powers of 4 and the distances: labels that do not crowd
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     _save(fig, path)
+
+
+# The settings every output of a study depends on: a rerun may add seeds, windows and controls (new
+# arms), or change the threads, but not these.
+SHAPING = ("window", "steps", "tokens_per_step", "model", "vocab", "lr", "warmup", "max_files", "heldout_streams",
+           "fact_gap_max")
+
+
+def refuse(message: str) -> None:
+    print(f"window_study: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def int_list(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        refuse(f"{flag}: expected comma-separated whole numbers, got {text!r}")
+    if any(v < (0 if flag == "--seeds" else 1) for v in values):
+        refuse(f"{flag}: expected {'non-negative' if flag == '--seeds' else 'positive'} numbers, got {text!r}")
+    return values
+
+
+def check(study: Study) -> None:
+    """One line for settings the study cannot run, before anything is written."""
+    for flag, value, least in (("--window", study.window, 1), ("--steps", study.steps, 1),
+                               ("--tokens-per-step", study.tokens_per_step, 1), ("--heldout-streams",
+                               study.heldout_streams, 1), ("--fact-gap-max", study.fact_gap_max or 8, 8)):
+        if value < least:
+            refuse(f"{flag}: expected at least {least}, got {value}")
+    if not study.seeds:
+        refuse("--seeds: expected at least one seed")
+    for f in study.fractions:
+        if study.window % f or study.tokens_per_step % (study.window // f):
+            refuse(f"--fractions: W / {f} must be a whole window that divides --tokens-per-step")
+    if 1 not in study.fractions:
+        refuse("--fractions: 1 (the full window) is the baseline and must be in the list")
+    if set(study.controls) - set(study.windows()[1:]):
+        refuse(f"--controls: each must be one of the carried windows {study.windows()[1:]}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -426,19 +486,20 @@ def main(argv: list[str] | None = None) -> None:
                    "empty state at the same batch (comma-separated): what carrying the state changes, window and B "
                    "held")
     a = p.parse_args(argv)
-    fractions = tuple(int(f) for f in a.fractions.split(","))
-    study = Study(a.out.resolve(), a.window, fractions, tuple(int(s) for s in a.seeds.split(",")), a.steps,
-                  a.tokens_per_step, a.model, a.vocab, a.lr, a.warmup, a.threads, a.max_files, a.heldout_streams,
-                  a.fact_gap_max, tuple(int(w) for w in a.controls.split(",") if w))
-    for f in fractions:
-        if a.window % f or a.tokens_per_step % (a.window // f):
-            p.error(f"--fractions: W / {f} must be a whole window that divides --tokens-per-step")
-    if 1 not in fractions:
-        p.error("--fractions: 1 (the full window) is the baseline and must be in the list")
-    if set(study.controls) - set(study.windows()[1:]):
-        p.error(f"--controls: each must be one of the carried windows {study.windows()[1:]}")
+    study = Study(a.out.resolve(), a.window, int_list("--fractions", a.fractions), int_list("--seeds", a.seeds),
+                  a.steps, a.tokens_per_step, a.model, a.vocab, a.lr, a.warmup, a.threads, a.max_files,
+                  a.heldout_streams, a.fact_gap_max, int_list("--controls", a.controls))
+    check(study)
     study.out.mkdir(parents=True, exist_ok=True)
-    (study.out / "study.json").write_text(json.dumps({**asdict(study), "out": str(study.out)}, indent=1))
+    record = study.out / "study.json"
+    settings = {**asdict(study), "out": str(study.out)}
+    if record.exists():
+        before = json.loads(record.read_text())
+        changed = [k for k in SHAPING if before.get(k) != settings[k]]
+        if changed:
+            refuse(f"{record}: this study ran with {changed[0]}={before.get(changed[0])!r}, not "
+                   f"{settings[changed[0]]!r}; its outputs would mix: use another OUT")
+    record.write_text(json.dumps(settings, indent=1))
     started = time.time()
     prepare(study, write_corpus(study))
     plan = [(arm, s) for arm in study.arms() for s in study.seeds]

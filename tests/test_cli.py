@@ -95,10 +95,16 @@ def test_a_model_chosen_by_name_takes_field_overrides_in_either_order(order):
     assert (cfg.model["d_state"], cfg.model["vocab_size"], cfg.model["d_emb"]) == (96, 1024, 96)  # d_emb: the demo's
 
 
-def test_an_override_below_a_scalar_override_is_one_line(capsys):
-    assert main(["train", str(TINY), "seed=1", "seed.x=2"]) == 2
+@pytest.mark.parametrize("argv, message", [
+    (["seed=1", "seed.x=2"], "command-line override 'seed.x=2': seed is set to a value by another override, not a mapping"),
+    (["train.x.y=2", "train.x=1"], "command-line override 'train.x=1': train.x is a mapping that other overrides set "
+                                   "fields of"),
+    (["model="], "model: missing"),
+])
+def test_overrides_that_cannot_both_hold_are_one_line(argv, message, capsys):
+    assert main(["train", str(TINY), *argv]) == 2
     err = capsys.readouterr().err
-    assert err == "error: command-line override 'seed.x=2': seed is set to a value by another override, not a mapping\n", err
+    assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_mistyped_yaml_key_blames_the_file_with_the_nearest_key(tmp_path, capsys):

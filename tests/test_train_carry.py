@@ -175,7 +175,6 @@ def test_every_stream_is_read_from_the_empty_state_in_every_round(data, tmp_path
     assert abs(sum(went_on) / 2 - sum(fresh) / 2) > 1e-4  # the state it would otherwise have carried matters
 
 
-
 @pytest.mark.parametrize("recipe", ["gpn_m_130m_1l_w256", "gpn_m_130m_1l_carried"])
 def test_the_fast_recipes_train_at_tiny_size(recipe, data, tmp_path):
     """The paper's token batch in windows of 256, shuffled or carried, as shipped in configs/train, the
@@ -192,6 +191,10 @@ def test_the_fast_recipes_train_at_tiny_size(recipe, data, tmp_path):
     cfg = load_train_config(path, [])
     assert cfg.train.global_batch * seq_len == 128 * 2048 and cfg.train.global_batch % (8 * cfg.train.micro_batch) == 0
     assert cfg.train.carry_state == (recipe == "gpn_m_130m_1l_carried")
+    prep_out = Path(re.search(r"--out (\S+)", text).group(1))  # the data the recipe names is what its prep writes
+    split = Path("streams", "train") if cfg.train.carry_state else Path("train")
+    assert Path(cfg.data.train).parts[-len(prep_out.parts) - len(split.parts):] == (*prep_out.parts, *split.parts)
+    assert Path(cfg.data.val).parts[-len(prep_out.parts) - 1:] == (*prep_out.parts, "val")
     if cfg.train.carry_state:
         assert int(re.search(r"--streams (\d+)", text).group(1)) % cfg.train.global_batch == 0
         train_split = data / "train"

@@ -22,7 +22,7 @@ import window_study  # noqa: E402
 def test_the_stdlib_corpus_is_the_library_without_its_tests_and_the_same_twice(tmp_path):
     docs = stdlib_documents()
     paths = [path for _, path, _ in docs]
-    assert len(docs) > 300 and sum(len(t) for *_, t in docs) > 5_000_000  # millions of tokens
+    assert len(docs) > 300 and sum(len(t) for *_, t in docs) > 5_000_000  # characters: millions of tokens
     assert paths == sorted(paths) and "Lib/json/decoder.py" in paths
     assert not any(STDLIB_EXCLUDED.intersection(p.split("/")[1:-1]) for p in paths)
     assert stdlib_fingerprint(docs) == stdlib_fingerprint(stdlib_documents())
@@ -41,6 +41,7 @@ def test_facts_set_a_key_then_recall_it_at_log_uniform_gaps():
     out = window_study.with_facts(text, random.Random(1), (8, 128))
     lines = out.split("\n")
     assert [l for l in lines if not l.startswith("#")] == text.split("\n")  # the text itself is untouched
+    assert window_study.without_facts(out) == text  # and the facts come out again whole
     value, recalls, gaps, last = None, 0, [], None
     for i, line in enumerate(lines):
         if line.startswith("# key = "):
@@ -51,11 +52,23 @@ def test_facts_set_a_key_then_recall_it_at_log_uniform_gaps():
             gaps.append(sum(len(l) + 1 for l in lines[last + 1 : i]) / window_study.CHARS_PER_TOKEN)
             recalls, last = recalls + 1, i
     assert recalls > 100
-    # gaps from 8 tokens to 2 W, whole lines apart, covering both ends of the log scale
-    line = 40 / window_study.CHARS_PER_TOKEN  # a gap ends at the first line start past it
+    # gaps of 8 to 128 tokens, whole lines apart, covering both ends of the log scale
+    line = 41 / window_study.CHARS_PER_TOKEN  # a gap ends at the first line start past it (40 characters and "\n")
     assert min(gaps) >= 8 - line and max(gaps) <= 128 + line
     logs = [math.log(g) for g in gaps if g > 0]
     assert min(logs) < math.log(16) and max(logs) > math.log(64)
+
+
+def test_the_recall_filler_is_the_held_out_text_without_the_corpus_facts(tmp_path):
+    from gpn_scale.prep.embedded import write_documents
+
+    texts = ["\n".join(f"def f{i}_{k}(): return {k}" for k in range(300)) for i in range(4)]
+    rng = random.Random(0)
+    docs = [(f"u{i}", f"p{i}", window_study.with_facts(t, rng, (8, 64))) for i, t in enumerate(texts)]
+    assert all("# key = " in text for *_, text in docs)
+    write_documents(tmp_path, docs, "lib", 2, dump="lib")  # the last file (documents 1 and 3) is held out
+    filler = window_study.held_out_filler(tmp_path, lambda text: list(text.encode()))
+    assert bytes(filler).decode() == texts[1] + "\n" + texts[3] + "\n"
 
 
 def test_recall_prompts_put_the_value_exactly_d_tokens_before_the_query_value():

@@ -3,10 +3,11 @@ offline runs go through exactly the path real data takes:
 
 - the documentation topics bundled with CPython (`pydoc_data.topics`, ~0.5 MB of English, ~128K
   tokens): the demo's corpus;
-- the standard library's own source (`stdlib_documents`, every `.py` file outside the test suites,
-  ~11 MB, a few million tokens): large enough that a study of a million tokens per run never
-  reads a document twice. It is the running interpreter's library, so it is the same on every
-  machine with the same Python version (`stdlib_fingerprint` names it).
+- the standard library's own source (`stdlib_documents`, every `.py` file outside the test suites
+  and the bundled applications, ~11 MB, a few million tokens): large enough that a study of a
+  million tokens per run never reads a document twice. It is the running interpreter's library:
+  the same bytes wherever that library is the same, which a Python version alone does not promise
+  (distributions patch it), so `stdlib_fingerprint` names the bytes.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def write_embedded_corpus(out_dir: str | Path) -> list[Path]:
     return write_documents(out_dir, docs, "pydoc-topics", N_FILES, dump="pydoc_data.topics")
 
 
-# Directories of the standard library that are test suites, bundled third-party code or a GUI
-# application rather than the library itself.
+# Directories of the standard library that are test suites, third-party code, GUI applications
+# (idlelib, turtledemo) or the deprecated lib2to3 tool with its grammar fixers, not the library itself.
 STDLIB_EXCLUDED = {"test", "tests", "idle_test", "site-packages", "dist-packages", "idlelib", "turtledemo",
                    "__pycache__", "lib2to3"}
 
@@ -66,7 +67,7 @@ STDLIB_EXCLUDED = {"test", "tests", "idle_test", "site-packages", "dist-packages
 def stdlib_documents(root: str | Path | None = None) -> list[tuple[str, str, str]]:
     """(url, file path, text) of every `.py` file of the standard library at `root` (default: the
     running interpreter's) outside its test suites, sorted by relative path; files that are empty
-    or not UTF-8 are left out (none are, in CPython's own tree)."""
+    (three in CPython 3.11's tree) or not UTF-8 are left out."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     docs = []
     for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
@@ -83,8 +84,8 @@ def stdlib_documents(root: str | Path | None = None) -> list[tuple[str, str, str
 
 
 def stdlib_fingerprint(docs: list[tuple[str, str, str]]) -> str:
-    """The Python version and a hash of every document's path and text: two corpora with the same
-    fingerprint are the same bytes."""
+    """The running interpreter's version and a hash of every document's path and text: two corpora
+    with the same fingerprint are the same bytes."""
     h = hashlib.blake2b(digest_size=8)
     for url, _, text in docs:
         h.update(url.encode())

@@ -146,17 +146,15 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
     else:
         path = resolve_config_path(source, "train")
         data, where, base_dir = read_yaml(path), str(path), path.parent
-    model_choice = None
+    choices = []
     if isinstance(overrides, list):
         # `model=NAME` chooses the model and `model.FIELD=V` overrides its fields, in either order.
         choices = [item for item in overrides if item.partition("=")[0] == "model"]
-        if choices:
-            model_choice = parse_overrides(choices[-1:])["model"]
         overrides = parse_overrides([item for item in overrides if item.partition("=")[0] != "model"])
     overrides = dict(overrides or {})
     model_overrides = overrides.pop("model") if isinstance(overrides.get("model"), dict) else {}
-    if model_choice is not None:
-        overrides["model"] = model_choice
+    if choices:  # the last one given; `model=` (nothing) is refused below as a missing model
+        overrides["model"] = parse_overrides(choices[-1:])["model"]
     _check_override_keys(overrides)
     data = merge(data, overrides)
     unknown = sorted(set(data) - _TOP_LEVEL)
