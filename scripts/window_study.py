@@ -234,7 +234,8 @@ def recall_items(encode, filler: np.ndarray, distances: list[int], trials: int, 
             query_head, answer = value_tokens(encode, QUERY_PREFIX, value)
             between = d - len(set_value) - len(query_head)  # filler between the set line's value and the query
             if between < 1:
-                raise SystemExit(f"window_study: distance {d} is shorter than the query ({len(query_head)} tokens)")
+                raise SystemExit(f"window_study: distance {d} is shorter than the value and the query "
+                                 f"({len(set_value) + len(query_head)} tokens): use a longer --window")
             start = rng.randrange(0, len(filler) - LEAD - between)
             gap = filler[start + LEAD : start + LEAD + between]
             prompt = [*filler[start : start + LEAD], *set_head, *set_value, *gap, *query_head]

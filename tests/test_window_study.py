@@ -85,32 +85,32 @@ def test_recall_prompts_put_the_value_exactly_d_tokens_before_the_query_value():
         full = item.prompt + item.answer
         positions = [k for k, t in enumerate(full) if t == answer]
         assert positions == [len(full) - 1 - item.distance, len(full) - 1]  # the set line's value, d tokens back
-    with pytest.raises(SystemExit, match="shorter than the query"):
+    with pytest.raises(SystemExit, match="shorter than the value and the query"):
         window_study.recall_items(encode, filler, [2], trials=1)
 
 
 @pytest.mark.slow
 def test_a_smoke_study_runs_end_to_end(tmp_path):
     out = tmp_path / "study"
-    cmd = [sys.executable, str(ROOT / "scripts" / "window_study.py"), str(out), "--window", "32", "--fractions", "1,4",
-           "--seeds", "0", "--steps", "3", "--tokens-per-step", "64", "--model", "gpn_m_tiny", "--vocab", "512",
-           "--max-files", "48", "--heldout-streams", "2", "--warmup", "1", "--controls", "8"]
+    cmd = [sys.executable, str(ROOT / "scripts" / "window_study.py"), str(out), "--window", "64", "--fractions", "1,4",
+           "--seeds", "0", "--steps", "3", "--tokens-per-step", "128", "--model", "gpn_m_tiny", "--vocab", "512",
+           "--max-files", "48", "--heldout-streams", "2", "--warmup", "1", "--controls", "16"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
-    assert [(r["window"], r["carried"], r["streams"]) for r in results] == [(32, False, 2), (8, True, 8), (8, False, 8)]
+    assert [(r["window"], r["carried"], r["streams"]) for r in results] == [(64, False, 2), (16, True, 8), (16, False, 8)]
     for r in results:
-        assert r["context"] == 256 and r["bins"][-1]["positions"] == [128, 256]
-        assert [x["distance"] for x in r["recall"]] == [8, 16, 32, 64, 128, 256]
+        assert r["context"] == 512 and r["bins"][-1]["positions"] == [256, 512]
+        assert [x["distance"] for x in r["recall"]] == [16, 32, 64, 128, 256, 512]
         assert all(0 <= x["accuracy"] <= 1 and x["trials"] == window_study.RECALL_TRIALS for x in r["recall"])
         assert math.isfinite(r["heldout_empty"]) and math.isfinite(r["heldout_carried"])
-    config = (out / "runs" / "w8_s0" / "config.yaml").read_text()
+    config = (out / "runs" / "w16_s0" / "config.yaml").read_text()
     assert "carry_state: true" in config and "streams/train" in config
-    control = (out / "runs" / "w8_shuffled_s0" / "config.yaml").read_text()
+    control = (out / "runs" / "w16_shuffled_s0" / "config.yaml").read_text()
     assert "carry_state: false" in control and "streams/train" not in control
     report = (out / "report.md").read_text()
-    assert "| 32 (shuffled, empty state) | 2 |" in report and "| 8 (carried) | 8 |" in report
-    assert "| 8 (shuffled, empty state) | 8 |" in report
+    assert "| 64 (shuffled, empty state) | 2 |" in report and "| 16 (carried) | 8 |" in report
+    assert "| 16 (shuffled, empty state) | 8 |" in report
     assert (out / "window_study.png").stat().st_size > 10_000
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=900)  # everything kept: nothing runs again
     assert again.returncode == 0 and "run 1/3" in again.stdout and "prep:" not in again.stdout
