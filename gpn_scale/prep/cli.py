@@ -57,7 +57,9 @@ def _prep_parser() -> argparse.ArgumentParser:
     p.add_argument("--size-limit", type=int, default=1 << 26, help="MDS shard size limit in bytes")
     p.add_argument("--streams", type=int, metavar="S",
                    help="also deal each split's documents into S long streams cut into consecutive windows, in "
-                        "OUT/streams/{train,val}, for training with train.carry_state (docs/prep.md, 'Streams')")
+                        "OUT/streams/{train,val}, for training with train.carry_state; S a multiple of the run's "
+                        "global batch, which reads one window of each of that many streams per step (the carried "
+                        "recipe: 1024 at --seq-len 256; docs/prep.md, 'Streams')")
     p.add_argument("--val-streams", type=int, metavar="S", help="streams of the val split (default: --streams)")
     p.add_argument("--allow-empty", action="store_true",
                    help="write a split that gets no window (no document reached it) instead of refusing")
