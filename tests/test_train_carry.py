@@ -5,6 +5,7 @@ in and repeats the uninterrupted run's losses bit for bit (fp32)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -177,10 +178,11 @@ def test_every_stream_is_read_from_the_empty_state_in_every_round(data, tmp_path
 
 @pytest.mark.parametrize("recipe", ["gpn_m_130m_1l_w256", "gpn_m_130m_1l_carried"])
 def test_the_fast_recipes_train_at_tiny_size(recipe, data, tmp_path):
-    """The paper's token batch in windows of 256, shuffled or carried, as shipped in configs/train, the
-    model and batch made tiny: their keys (the global batch over micro-batches, bf16, ZeRO, the
-    schedule, carried state) train and checkpoint, and the prep command each names gives the paper's
-    262,144 tokens per step (in streams the carried one can read)."""
+    """The paper's token batch in windows of 256 as shipped in configs/train: the prep command each
+    names gives the paper's 262,144 tokens per step (in streams the carried one can read) in the data
+    it reads; the fast recipe, the model and batch made tiny, trains and checkpoints (its keys: the
+    global batch over micro-batches, bf16, ZeRO, the schedule), and the carried one is it with
+    train.carry_state and the streams."""
     import yaml
 
     from gpn_scale.train.config import load_train_config
@@ -195,12 +197,13 @@ def test_the_fast_recipes_train_at_tiny_size(recipe, data, tmp_path):
     split = Path("streams", "train") if cfg.train.carry_state else Path("train")
     assert Path(cfg.data.train).parts[-len(prep_out.parts) - len(split.parts):] == (*prep_out.parts, *split.parts)
     assert Path(cfg.data.val).parts[-len(prep_out.parts) - 1:] == (*prep_out.parts, "val")
-    if cfg.train.carry_state:
+    if cfg.train.carry_state:  # the carried recipe differs from the trained one by the key and its data
         assert int(re.search(r"--streams (\d+)", text).group(1)) % cfg.train.global_batch == 0
-        train_split = data / "train"
-    else:
-        train_split = tmp_path / "windows" / "train"
-        write_windows(train_split, 64, SEQ, 512)
+        fast = load_train_config(path.with_name("gpn_m_130m_1l_w256.yaml"), [])
+        assert dataclasses.replace(cfg.train, carry_state=False) == fast.train and cfg.model == fast.model
+        return
+    train_split = tmp_path / "windows" / "train"
+    write_windows(train_split, 64, SEQ, 512)
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "gpn_scale", "train", str(path), "model=gpn_m_tiny", f"run.dir={run}",
            f"data.train={train_split}", f"data.val={data / 'val'}", "train.global_batch=4", "train.micro_batch=2",

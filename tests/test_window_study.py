@@ -112,5 +112,7 @@ def test_a_smoke_study_runs_end_to_end(tmp_path):
     assert "| 64 (shuffled, empty state) | 2 |" in report and "| 16 (carried) | 8 |" in report
     assert "| 16 (shuffled, empty state) | 8 |" in report
     assert (out / "window_study.png").stat().st_size > 10_000
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=900)  # everything kept: nothing runs again
-    assert again.returncode == 0 and "run 1/3" in again.stdout and "prep:" not in again.stdout
+    steps = cmd.index("--steps") + 1  # a rerun that would mix its outputs with these is refused before anything runs
+    again = subprocess.run([*cmd[:steps], "4", *cmd[steps + 1 :]], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and again.stderr.strip() == (
+        f"window_study: {out / 'study.json'}: this study ran with steps=3, not 4; its outputs would mix: use another OUT")
