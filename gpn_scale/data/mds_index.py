@@ -223,3 +223,13 @@ def _check_header(where: str, path: Path, samples: int) -> None:
     if len(head) < 4 or int(np.frombuffer(head, np.uint32)[0]) != samples:
         found = "too short" if len(head) < 4 else f"holds {int(np.frombuffer(head, np.uint32)[0])} samples"
         raise UserError(f"{where}: samples: the index lists {samples}, {path} {found}")
+
+
+def prep_root(split: Path) -> Path | None:
+    """The prep output directory (the one holding stats.json) of a split it wrote: OUT for OUT/train
+    and OUT/val, OUT for the streams' OUT/streams/train and OUT/streams/val (`--streams`); also OUT
+    itself. None where no stats.json is there."""
+    candidates = [split, split.parent]
+    if (split / "streams.json").is_file():
+        candidates.append(split.parent.parent)
+    return next((root for root in candidates if (root / "stats.json").is_file()), None)

@@ -16,6 +16,7 @@ from gpn_scale.storage import checkpoints, manifest
 from gpn_scale.errors import UserError, read_json
 from gpn_scale.eval.codec import Codec
 from gpn_scale.storage.native import TokenizerSource, read_tokenizer
+from gpn_scale.data.mds_index import prep_root
 from gpn_scale.data.streams import reading
 
 
@@ -45,16 +46,6 @@ class PrepData:
     def unigram(self) -> np.ndarray | None:
         path = None if self.root is None else self.root / "unigram.npy"
         return np.load(path) if path is not None and path.is_file() else None
-
-
-def prep_root(split: Path) -> Path | None:
-    """The prep output directory (the one holding stats.json) of a split it wrote: OUT for OUT/train
-    and OUT/val, OUT for the streams' OUT/streams/train and OUT/streams/val (`--streams`); also OUT
-    itself. None where no stats.json is there."""
-    candidates = [split, split.parent]
-    if (split / "streams.json").is_file():
-        candidates.append(split.parent.parent)
-    return next((root for root in candidates if (root / "stats.json").is_file()), None)
 
 
 def open_data(path: str | Path) -> PrepData:

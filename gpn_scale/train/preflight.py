@@ -38,10 +38,9 @@ def data_info(location: str, split: str) -> DataInfo | None:
     except UserError as e:
         raise UserError(f"data.{split}: {e}") from None
     vocab = eos = None
-    stats_path = Path(location).parent / "stats.json"
-    if (Path(location) / "streams.json").is_file():  # the prep's OUT/streams/{split}: its stats are OUT's
-        stats_path = Path(location).parent.parent / "stats.json"
-    if stats_path.is_file():
+    root = mds_index.prep_root(Path(location))  # OUT for OUT/{split} and for the streams' OUT/streams/{split}
+    stats_path = None if root is None else root / "stats.json"
+    if stats_path is not None:
         try:
             stats = json.loads(stats_path.read_text())
             vocab = int(stats["vocab_size"])

@@ -1,7 +1,7 @@
-"""The held-out windows a training run scores at each evaluation (`eval.windows`).
+"""The held-out windows a training run scores at each evaluation.
 
-They are the first `eval.windows` windows of `data.val` in the split's order (all of them where it
-holds fewer), whatever the world size: each rank scores a contiguous block of them (the blocks
+They are the first `eval.batches` x `train.micro_batch` windows of `data.val` in the split's order
+(all of them where it holds fewer), whatever the world size: each rank scores a contiguous block of them (the blocks
 differ by one window at most), `train.micro_batch` at a time. Every rank runs the same number of
 forwards, since ZeRO-3 gathers each layer's weights with all ranks together: a rank whose block is
 done reads the split's first window again and counts none of it. The run's val_loss is the sum of
