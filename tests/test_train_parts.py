@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import os
+import socket
 
 import pytest
 import torch
@@ -444,6 +445,76 @@ def test_datasets_opened_at_once_on_a_node_get_their_own_shared_memory(tmp_path)
     reports = [json.loads(out.strip().splitlines()[-1]) for out, _, _ in results]
     assert reports[0]["prefix"] != reports[1]["prefix"]
     assert reports[0]["heavy"] == reports[1]["heavy"] == [] and reports[0]["same"] and reports[0]["full"], reports
+
+
+_RANK_OF_A_JOB = """
+import json, os, sys
+from pathlib import Path
+import torch.distributed as dist
+import streaming.base.shared.prefix as prefix
+from gpn_scale.data.streams import open_dataset
+dist.init_process_group("gloo")
+scan = prefix._check_and_find
+def scan_recorded(*a, **k):
+    (Path(sys.argv[2]) / f"scanned_{os.environ['RANK']}").touch()
+    return scan(*a, **k)
+prefix._check_and_find = scan_recorded
+(Path(sys.argv[2]) / f"opening_{os.environ['RANK']}").touch()
+dataset = open_dataset(local=sys.argv[1], shuffle=False, batch_size=1)
+print(json.dumps(dict(prefix=dataset._shm_prefix_int)), flush=True)
+dist.barrier()
+"""
+
+
+def test_a_jobs_ranks_attach_to_their_leaders_prefix_while_another_job_registers(tmp_path):
+    """A 2-rank job opens a dataset while another job's leader holds the node's lock and then
+    registers a prefix. The job's rank 1 scans for a free prefix as its rank 0 does: scanning
+    before rank 0 holds the lock, it would find free the prefix the other job then takes, and
+    fail to attach ('shared memory registered does not match local leader'); it waits for rank
+    0 to hold the lock, and both find the same prefix."""
+    import fcntl
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+    from gpn_scale.data.streams import dataset_class, lock_path, release
+    from mds_fixture import write_windows
+
+    write_windows(tmp_path / "job", 8, 4, 16)
+    write_windows(tmp_path / "other", 8, 4, 16, seed=1)
+    (tmp_path / "sync").mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    base.update(PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+                LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    lock = os.open(lock_path(), os.O_RDONLY | os.O_CREAT, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # the other job's leader, opening its dataset
+    try:
+        ranks = [subprocess.Popen([sys.executable, "-c", _RANK_OF_A_JOB, str(tmp_path / "job"), str(tmp_path / "sync")],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=dict(base, RANK=str(r), LOCAL_RANK=str(r))) for r in (0, 1)]
+        # Until both ranks are opening the dataset, and rank 1 has scanned, where it scans without waiting
+        deadline, sync = time.time() + 120, tmp_path / "sync"
+        while not all((sync / f"opening_{r}").exists() for r in (0, 1)) and time.time() < deadline:
+            assert all(r.poll() is None for r in ranks), [r.communicate() for r in ranks]
+            time.sleep(0.05)
+        deadline = time.time() + 5
+        while not (sync / "scanned_1").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        other = dataset_class()(local=str(tmp_path / "other"), shuffle=False, batch_size=1)  # registers a prefix
+    finally:
+        os.close(lock)
+    try:
+        results = [r.communicate(timeout=120) + (r.returncode,) for r in ranks]
+    finally:
+        release(other)
+    failed = [err[-1500:] for _, err, code in results if code != 0]
+    assert not failed, "\n".join(failed)
+    prefixes = {json.loads(out.strip().splitlines()[-1])["prefix"] for out, _, _ in results}
+    assert len(prefixes) == 1 and other._shm_prefix_int not in prefixes
 
 
 def test_datasets_read_one_after_another_give_their_shared_memory_back(tmp_path):

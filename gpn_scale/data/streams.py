@@ -14,9 +14,13 @@ blocks. Two processes that scan at the same moment pick the same prefix, and the
 create it fails with `FileExistsError` (two sweep points, or a training and an evaluation,
 started together). Here the scan and the creation are one step for a job's rank 0, which holds a
 node-wide file lock while it constructs the dataset, so the next job scans only after the prefix
-is taken. A single-node job's other ranks attach to what rank 0 registered; the leaders of a
-multi-node job's other nodes register on their own nodes without the lock (they meet rank 0 at
-Streaming's barriers inside the construction, so waiting for a lock rank 0 holds would never end).
+is taken. Every rank scans (the node's other ranks then attach to the prefix they found, which
+must be the one their leader registered), so a job's other ranks wait at a barrier until rank 0
+holds the lock: scanning earlier, they could find a prefix free that another job's leader, holding
+the lock, registers before this job's rank 0 scans, and attach to the wrong job's blocks. They
+never wait for the lock itself (they meet rank 0 at Streaming's barriers inside the
+construction, so waiting for a lock rank 0 holds would never end); the leaders of a multi-node
+job's other nodes register on their own nodes without the lock.
 
 **Checking.** Streaming trusts the index: each shard's file name is joined to the dataset's
 directory and read, fetched or decompressed there. `open_dataset` checks the index first
@@ -53,7 +57,10 @@ def registering():
     """Held by a job's rank 0 while it constructs a dataset. Not by its other ranks: they wait at
     Streaming's barriers for rank 0, which may be waiting here (a deadlock if another node's
     leader of the same job, on the same host as an elastic test runs them, waited here too)."""
+    group = _job_group()
     if int(os.environ.get("RANK", 0)) != 0:
+        if group:
+            group.barrier()  # until rank 0 holds the lock: this job's scans then see every prefix taken before
         yield
         return
     # Read-only is enough for flock, and lets every user of the node open the one file.
@@ -65,9 +72,20 @@ def registering():
             print(f"waiting for {lock_path()}: another process on this node is opening a Streaming dataset",
                   file=sys.stderr, flush=True)
             fcntl.flock(fd, fcntl.LOCK_EX)
+        if group:
+            group.barrier()
         yield
     finally:
         os.close(fd)  # releases the lock (so does the process's end)
+
+
+def _job_group():
+    """torch.distributed, where this process is one of several ranks of an initialised job (as
+    Streaming finds them: it synchronises the construction the same way); else None."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
 
 
 def _deferred_package(name: str) -> None:
