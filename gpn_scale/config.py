@@ -52,6 +52,16 @@ def _check_type(value, annotation, where: str):
             except UserError as e:
                 errors.append(e)
         raise errors[0]
+    if origin is typing.Literal:  # an enumerated key: its allowed values are listed
+        options = typing.get_args(annotation)
+        if not any(type(value) is type(option) and value == option for option in options):
+            raise UserError(f"{where}: expected one of {', '.join(map(str, options))}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise UserError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(annotation)
+        return [_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if annotation is float and isinstance(value, str):

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from gpn_scale.config import (OVERRIDE, build_dataclass, dataclass_keys, merge, model_config, parse_overrides,
                               read_yaml, resolve_config_path, unknown_key)
@@ -34,6 +35,9 @@ class DataSection:
     log_sample_ids: bool = False  # write samples.jsonl: the global sample ids of every optimiser step
 
 
+DEFAULT_DECAY_FRACTION = 0.2  # train.schedule=wsd without decay_steps or decay_fraction
+
+
 @dataclass
 class TrainSection:
     total_steps: int = 10_000  # optimiser steps; the LR schedule follows this
@@ -44,11 +48,19 @@ class TrainSection:
     save_every: int = 500
     keep_last: int = 3  # complete checkpoints kept
     lr: float = 6e-4
-    min_lr_ratio: float = 0.1  # cosine decays to lr * this
+    # the learning rate after the linear warm-up (gpn_scale/train/optim.py: lr_factor): a cosine to
+    # lr * min_lr_ratio at total_steps; wsd: constant, then a decay over the last decay_steps steps to
+    # lr * min_lr_ratio at the last step; constant: lr to the end
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1
     warmup_steps: int = 100
+    decay_steps: int | None = None  # wsd: optimiser steps of the decay, or
+    decay_fraction: float | None = None  # wsd: that share of total_steps (default 0.2); give one or neither
+    decay_shape: Literal["linear", "1-sqrt"] = "1-sqrt"  # wsd: 1-sqrt as Hagele et al. 2024
     weight_decay: float = 0.1  # matrices only (ndim >= 2)
     beta1: float = 0.9
     beta2: float = 0.95
+    adam_eps: float = 1e-8  # AdamW's epsilon
     grad_clip: float = 1.0
     nonfinite_patience: int = 0  # non-finite loss or grad norm: steps tolerated in a row before the run stops
     # each batch slot reads one of the prep's streams window after window (data.train: OUT/streams/train), and
@@ -76,6 +88,39 @@ class TrainSection:
             raise ValueError("grad_accum: give grad_accum or global_batch, not both")
         if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.total_steps:
             raise ValueError(f"stop_at_step: expected in [1, total_steps={self.total_steps}], got {self.stop_at_step}")
+        if not (math.isfinite(self.adam_eps) and self.adam_eps > 0):
+            raise ValueError(f"adam_eps: expected a finite number > 0, got {self.adam_eps}")
+        self._check_decay()
+
+    def _check_decay(self) -> None:
+        if self.schedule != "wsd":
+            for name in ("decay_steps", "decay_fraction"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: only train.schedule=wsd has a decay phase (schedule is {self.schedule}); "
+                                     "remove it, or set train.schedule=wsd")
+            return
+        if self.decay_steps is not None and self.decay_fraction is not None:
+            raise ValueError("decay_steps: give train.decay_steps or train.decay_fraction, not both")
+        if self.decay_fraction is not None and not 0 < self.decay_fraction <= 1:
+            raise ValueError(f"decay_fraction: expected a number in (0, 1], got {self.decay_fraction}")
+        room = self.total_steps - self.warmup_steps
+        steps = self.decay_length()
+        if not 1 <= steps <= room:
+            if self.decay_steps is not None:
+                raise ValueError(f"decay_steps: expected in [1, total_steps - warmup_steps = {room}], got {steps}")
+            fraction = DEFAULT_DECAY_FRACTION if self.decay_fraction is None else self.decay_fraction
+            raise ValueError(f"decay_fraction: {fraction} of total_steps={self.total_steps} is {steps} decay steps; "
+                             f"expected 1 to total_steps - warmup_steps = {room}")
+
+    def decay_length(self) -> int | None:
+        """wsd: the optimiser steps of the decay, the last ones of the run (decay_steps, or decay_fraction
+        of total_steps rounded to the nearest step, half up); None for the other schedules."""
+        if self.schedule != "wsd":
+            return None
+        if self.decay_steps is not None:
+            return self.decay_steps
+        fraction = DEFAULT_DECAY_FRACTION if self.decay_fraction is None else self.decay_fraction
+        return math.floor(fraction * self.total_steps + 0.5)
 
 
 @dataclass
