@@ -275,3 +275,30 @@ def test_slurm_prep_array_and_merge_write_what_one_process_writes(cluster, tmp_p
     assert merged["JobState"] == "COMPLETED", logs[-6000:]
     assert "array task 0 of 2" in logs and "array task 1 of 2" in logs
     assert tree_bytes(out) == tree_bytes(tmp_path / "single")
+
+
+@pytest.mark.slow
+def test_sweep_srun_backend_runs_two_points_at_once_as_job_steps(data, cluster, tmp_path):
+    import yaml
+
+    spec, out, log = tmp_path / "spec.yaml", tmp_path / "sweep", tmp_path / "job.log"
+    spec.write_text(yaml.safe_dump({
+        "train": str(CONFIG), "out": str(out),
+        "overrides": {"data.train": str(data / "train"), "data.val": str(data / "val"), "eval.batches": 1,
+                      "train.micro_batch": 4},
+        "families": ["gpn_m_1l"], "params": ["40e3", "60e3"], "tokens_per_param": [0.05],
+        "seq_len": 32, "global_batch": 4}))
+    script = tmp_path / "sweep.sh"
+    script.write_text(f"#!/bin/bash\nexec {sys.executable} -m gpn_scale sweep {spec} --backend srun --slots 2\n")
+    submit = cluster.run("sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--cpus-per-task=1", f"--output={log}",
+                         str(script), env=env())
+    state = wait_for(cluster, submit.stdout.strip().split(";")[0], timeout=600)
+    text = log.read_text(errors="replace")
+    assert state.get("JobState") == "COMPLETED", text[-4000:]
+    events = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
+    starts = [e for e in events if e["event"] == "start"]
+    ends = [e for e in events if e["event"] == "end"]
+    assert len(starts) == 2 and all(e["command"].startswith("srun --exact --nodes=1 --ntasks=1") for e in starts)
+    assert all("--cpus-per-task=1" in e["command"] for e in starts)  # the allocation's 2 CPUs, one per step
+    assert [e["exit"] for e in ends] == [0, 0] and {e["status"] for e in ends} == {"finished"}
+    assert max(e["time"] for e in starts) < min(e["time"] for e in ends)  # the two job steps ran at once

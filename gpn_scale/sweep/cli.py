@@ -1,10 +1,13 @@
-"""`gpn-scale sweep SPEC.yaml --backend local|slurm [--dry-run]` and `gpn-scale sweep collect DIR`.
+"""`gpn-scale sweep SPEC.yaml --backend local|srun|slurm [--slots N] [--dry-run]` and
+`gpn-scale sweep collect DIR`.
 
 A spec (configs/sweeps/) names families, target parameter counts, token budgets, an LR rule and
 seeds; the sizing rule (gpn_scale/sweep/sizing.py) turns each target into a model config. Every
-point becomes a run directory with its resolved training config; `local` trains them one after
-another (rerunning skips finished points and resumes interrupted ones), `slurm` submits one job
-per point with launchers/slurm/train.sbatch. `collect` writes results.csv, fits.json and the plots.
+point becomes a run directory with its resolved training config; `local` trains them here, N at
+once on their own GPUs or cores, `srun` as job steps of the SLURM allocation it runs in (a dead
+point is started again from its checkpoint; rerunning skips finished points and resumes the
+rest: gpn_scale/sweep/run.py), `slurm` submits one job per point with launchers/slurm/train.sbatch.
+`collect` writes results.csv, fits.json and the plots.
 
 `gpn-scale sweep fit RESULTS.csv [--out DIR]` fits any CSV with columns params, tokens, loss
 (optional family, flops) the way `collect` fits a sweep's runs (gpn_scale/sweep/laws.py): per
@@ -163,14 +166,25 @@ def main(argv: list[str]) -> int:
     ap.add_argument("spec", help="sweep YAML (or a name in configs/sweeps/)")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value for every point's training config "
                                                  "(on top of the spec's `overrides`), e.g. data.train=DIR")
-    ap.add_argument("--backend", choices=("local", "slurm"), default="local",
-                    help="local: train the points here one after another; slurm: one sbatch job per point")
+    ap.add_argument("--backend", choices=("local", "srun", "slurm"), default="local",
+                    help="local: train the points here, --slots at once; srun: inside a SLURM allocation, each point "
+                         "an `srun --exact` job step, --slots at once; slurm: one sbatch job per point")
     ap.add_argument("--out", help="output directory (default: the spec's `out`, else runs/sweeps/<spec name>)")
-    ap.add_argument("--nproc", type=int, default=1, help="local backend: training processes per point (torchrun)")
+    ap.add_argument("--slots", type=int, default=1,
+                    help="points running at once, each on its own GPUs (--gpus-per-point) or, on CPUs, its own "
+                         "equal share of the cores")
+    ap.add_argument("--gpus-per-point", type=int,
+                    help="GPUs each point runs on (default: the visible GPUs / --slots; srun: none unless given)")
+    ap.add_argument("--cpus-per-point", type=int,
+                    help="srun: CPUs of each job step (default: the allocation's CPUs / --slots)")
+    ap.add_argument("--nproc", type=int,
+                    help="training processes per point (torchrun; default: --gpus-per-point where there are GPUs, else 1)")
+    ap.add_argument("--retries", type=int, default=2,
+                    help="times a point whose process dies is started again from its newest checkpoint")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands; write and run nothing")
     args = ap.parse_intermixed_args(argv)
 
-    from gpn_scale.sweep.run import run_local, submit_slurm
+    from gpn_scale.sweep.run import Launcher, local_slots, run_points, srun_slots, submit_slurm
     from gpn_scale.sweep.spec import load_spec, plan, train_config, write_point
 
     spec, out = load_spec(args.spec)
@@ -180,8 +194,19 @@ def main(argv: list[str]) -> int:
             raise UserError(f"override {item!r}: expected dotted.key=value")
         spec.overrides[key] = value
     out = Path(args.out) if args.out else out
-    if args.nproc < 1:
-        raise UserError(f"--nproc: expected >= 1, got {args.nproc}")
+    for flag in ("slots", "gpus_per_point", "cpus_per_point", "nproc"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag.replace('_', '-')}: expected >= 1, got {value}")
+    if args.retries < 0:
+        raise UserError(f"--retries: expected >= 0, got {args.retries}")
+    slots, launcher = [], None  # where the points run: refused here, before anything is written
+    if args.backend == "srun":
+        slots, cpus = srun_slots(args.slots, args.cpus_per_point, args.dry_run)
+        launcher = Launcher("srun", args.nproc or args.gpus_per_point or 1, cpus, args.gpus_per_point)
+    elif args.backend == "local":
+        slots = local_slots(args.slots, args.gpus_per_point)
+        launcher = Launcher("local", args.nproc or len(slots[0].gpus) or 1)
     check_resumable(out, "--out", "sweep", (SWEEP,))  # a rerun resumes its own sweep; nothing else is written into
     points = plan(spec)
     print(f"sweep {args.spec}: {len(points)} points -> {out}")
@@ -190,6 +215,6 @@ def main(argv: list[str]) -> int:
         print(f"  {p.name:32s} {p.params:>13,} {p.tokens:>13,} {p.steps:>7,} {p.lr:>9.3g}")
     for p in points:  # every point's training config is validated, also in a dry run
         train_config(spec, p, out / p.name) if args.dry_run else write_point(spec, p, out)
-    if args.backend == "local":
-        return run_local(points, out, args.nproc, args.dry_run)
-    return submit_slurm(spec, points, out, args.dry_run)
+    if args.backend == "slurm":
+        return submit_slurm(spec, points, out, args.dry_run)
+    return run_points(points, out, launcher, slots, args.retries, args.dry_run)

@@ -1,12 +1,25 @@
-"""Running a sweep's points: one after another here (`local`), or one SLURM job each (`slurm`)."""
+"""Running a sweep's points: here, up to `--slots` at once, each on its own share of the machine
+(`local`); inside a SLURM allocation, each as an `srun --exact` job step on its share of the
+allocation (`srun`); or one SLURM job each (`slurm`).
+
+A point whose process dies (killed, out of memory, its node lost, preempted) is started again
+with `--resume auto`, so it continues from its newest complete checkpoint, up to `--retries`
+times, while the other points go on; a point refused for its input (exit status 2) is not
+retried, as the same input would be refused again. Every start and end is appended to
+OUT/sweep.jsonl (time, point, attempt, slot, exit status). Rerunning the command skips finished
+points and resumes the rest.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpn_scale.config import BUNDLE_ROOT
@@ -14,6 +27,9 @@ from gpn_scale.errors import UserError
 from gpn_scale.storage.jsonl import read_jsonl
 from gpn_scale.train.launch import torchrun_command
 from gpn_scale.sweep.spec import Point, SweepSpec
+
+REFUSED = 2  # the trainer's exit status for bad input: retrying the same input cannot help
+POLL_SECONDS = 0.5
 
 
 def status(run_dir: Path) -> str:
@@ -38,36 +54,216 @@ def train_command(run_dir: Path, nproc: int) -> list[str]:
     return [sys.executable, "-m", "gpn_scale", "train", str(run_dir / "train.yaml"), "--resume", "auto"]
 
 
-def run_local(points: list[Point], out: Path, nproc: int, dry_run: bool) -> int:
-    """Each unfinished point in turn (a rerun skips finished ones and resumes the rest). Failures are
-    reported and the sweep goes on; the exit status is 1 if any point failed."""
-    failed = []
-    began = time.time()
+@dataclass
+class Slot:
+    """One share of the machine a point runs on: its CPU cores (pinned) or its GPUs, or, under
+    `srun`, the CPUs and GPUs of a job step that SLURM places."""
+    index: int
+    cpus: list[int] = field(default_factory=list)
+    gpus: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        if self.gpus:
+            return f"slot {self.index} (GPU {','.join(self.gpus)})"
+        if self.cpus:
+            return f"slot {self.index} (CPU {','.join(map(str, self.cpus))})"
+        return f"slot {self.index}"
+
+
+def _visible_gpus() -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g for g in visible.split(",") if g.strip() and g.strip() != "-1"]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def local_slots(slots: int, gpus_per_point: int | None) -> list[Slot]:
+    """`slots` disjoint shares of this machine: `gpus_per_point` GPUs each where there are GPUs,
+    else an equal share of the cores this process may use."""
+    gpus = _visible_gpus()
+    if gpus:
+        per = gpus_per_point or len(gpus) // slots
+        if per < 1 or per * slots > len(gpus):
+            raise UserError(f"--slots {slots} x --gpus-per-point {gpus_per_point or per}: needs "
+                            f"{slots * max(per, 1)} GPUs, {len(gpus)} visible here")
+        return [Slot(i, gpus=gpus[i * per:(i + 1) * per]) for i in range(slots)]
+    if gpus_per_point:
+        raise UserError(f"--gpus-per-point {gpus_per_point}: no GPU is visible here (points run on the CPU cores)")
+    cores = sorted(os.sched_getaffinity(0))
+    per = len(cores) // slots
+    if per < 1:
+        raise UserError(f"--slots {slots}: each point needs at least one core of its own; this process may use "
+                        f"{len(cores)}")
+    return [Slot(i, cpus=cores[i * per:(i + 1) * per]) for i in range(slots)]
+
+
+def srun_slots(slots: int, cpus_per_point: int | None, dry_run: bool) -> tuple[list[Slot], int | None]:
+    """`slots` job steps of the allocation this process runs in, and the CPUs of each (default:
+    the allocation's CPUs shared equally; SLURM places the steps, `--exact` keeps them apart)."""
+    if "SLURM_JOB_ID" not in os.environ:
+        if not dry_run:
+            raise UserError("--backend srun: not inside a SLURM allocation (SLURM_JOB_ID is not set): run the sweep "
+                            "from a job script or salloc, or use --backend slurm to submit one job per point")
+        return [Slot(i) for i in range(slots)], cpus_per_point
+    if cpus_per_point is None:
+        per_node = os.environ.get("SLURM_CPUS_ON_NODE", "")
+        nodes = os.environ.get("SLURM_JOB_NUM_NODES", os.environ.get("SLURM_NNODES", "1"))
+        if per_node.isdigit() and nodes.isdigit():
+            total = int(per_node) * int(nodes)
+            if total < slots:
+                raise UserError(f"--slots {slots}: the allocation has {total} CPUs, fewer than one per point")
+            cpus_per_point = total // slots
+    return [Slot(i) for i in range(slots)], cpus_per_point
+
+
+class Launcher:
+    """How a point's training command starts on a slot: `local` pins it to the slot's cores or
+    GPUs; `srun` wraps it in a job step of the allocation it runs in."""
+
+    def __init__(self, backend: str, nproc: int, cpus_per_point: int | None = None, gpus_per_point: int | None = None):
+        self.backend, self.nproc = backend, nproc
+        self.cpus_per_point, self.gpus_per_point = cpus_per_point, gpus_per_point
+
+    def command(self, run_dir: Path, name: str, slot: Slot) -> list[str]:
+        cmd = train_command(run_dir, self.nproc)
+        if self.backend != "srun":
+            return cmd
+        step = ["srun", "--exact", "--nodes=1", "--ntasks=1", f"--job-name={name}", "--kill-on-bad-exit=1"]
+        if self.cpus_per_point:
+            step.append(f"--cpus-per-task={self.cpus_per_point}")
+        if self.gpus_per_point:
+            step.append(f"--gpus-per-task={self.gpus_per_point}")
+        return step + cmd
+
+    def start(self, cmd: list[str], slot: Slot, log) -> subprocess.Popen:
+        env = dict(os.environ)
+        if slot.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.gpus)
+        share = len(slot.cpus) or (self.cpus_per_point if self.backend == "srun" else 0)
+        if share:  # each training process's threads on its share of the cores (fewer if the caller asked)
+            threads = max(1, share // self.nproc)
+            asked = os.environ.get("OMP_NUM_THREADS", "")
+            env["OMP_NUM_THREADS"] = str(min(threads, int(asked)) if asked.isdigit() and int(asked) > 0 else threads)
+        cpus = slot.cpus
+
+        def pin():  # in the child, before exec: the point and everything it starts stay on the slot's cores
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        try:
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin,
+                                    start_new_session=True)
+        except FileNotFoundError:
+            raise UserError(f"--backend {self.backend}: {cmd[0]} not found on PATH") from None
+
+
+@dataclass
+class Running:
+    point: Point
+    slot: Slot
+    attempt: int
+    proc: subprocess.Popen
+    started: float
+    log: object
+
+
+def _event(out: Path, **record) -> None:
+    """One line of OUT/sweep.jsonl, appended in one write."""
+    line = json.dumps({"time": round(time.time(), 3), **record}) + "\n"
+    with open(out / "sweep.jsonl", "a") as f:
+        f.write(line)
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return {75: "stopped to be resumed (exit status 75)", 130: "interrupted"}.get(code, f"exit status {code}")
+
+
+def _tail(run_dir: Path) -> str:
+    lines = (run_dir / "train.log").read_text(errors="replace").strip().splitlines()
+    return lines[-1] if lines else "(no output)"
+
+
+def run_points(points: list[Point], out: Path, launcher: Launcher, slots: list[Slot], retries: int,
+               dry_run: bool) -> int:
+    """Every unfinished point, up to len(slots) at once, each started again from its newest
+    checkpoint when its process dies (up to `retries` times). The exit status is 1 if any point
+    failed for good."""
+    todo = []
     for i, point in enumerate(points, 1):
-        run_dir = out / point.name
         head = f"[{i}/{len(points)}] {point.name} ({point.params:,} parameters, {point.steps} steps)"
-        if status(run_dir) == "finished":
+        if status(out / point.name) == "finished":
             print(f"{head}: already finished", flush=True)
-            continue
-        cmd = train_command(run_dir, nproc)
-        if dry_run:
-            print(f"{head}\n  + {shlex.join(cmd)}")
-            continue
-        print(f"{head}: training (log: {run_dir / 'train.log'})", flush=True)
-        started = time.time()
-        with open(run_dir / "train.log", "a") as log:
-            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
-        if code != 0:
-            tail = (run_dir / "train.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
-            print(f"  failed with exit status {code}: {tail[0]}", flush=True)
-            failed.append(point.name)
-            continue
-        loss = final_val_loss(run_dir)
-        print(f"  done in {time.time() - started:.0f} s; final val loss "
-              f"{'n/a' if loss is None else f'{loss:.4f}'}", flush=True)
-    if not dry_run:
-        print(f"sweep: {len(points) - len(failed)}/{len(points)} points finished in {time.time() - began:.0f} s; "
-              f"next: gpn-scale sweep collect {out}")
+        elif dry_run:
+            print(f"{head}\n  + {shlex.join(launcher.command(out / point.name, point.name, slots[0]))}")
+        else:
+            todo.append(point)
+    if dry_run or not todo:
+        return 0
+    began, durations = time.time(), []
+    failed: list[str] = []
+    attempts = {p.name: 0 for p in todo}
+    queue, running, free = list(todo), [], list(slots)
+    try:
+        while queue or running:
+            while queue and free:
+                point, slot = queue.pop(0), free.pop(0)
+                attempts[point.name] += 1
+                run_dir = out / point.name
+                cmd = launcher.command(run_dir, point.name, slot)
+                log = open(run_dir / "train.log", "a")
+                proc = launcher.start(cmd, slot, log)
+                running.append(Running(point, slot, attempts[point.name], proc, time.time(), log))
+                again = f" (attempt {attempts[point.name]} of {retries + 1}, from its newest checkpoint)" \
+                    if attempts[point.name] > 1 else ""
+                print(f"{point.name}: training on {slot.describe()}{again} (log: {run_dir / 'train.log'})", flush=True)
+                _event(out, point=point.name, event="start", attempt=attempts[point.name], slot=slot.index,
+                       command=shlex.join(cmd))
+            time.sleep(POLL_SECONDS)
+            for r in [r for r in running if r.proc.poll() is not None]:
+                running.remove(r)
+                free.append(r.slot)
+                free.sort(key=lambda s: s.index)
+                r.log.close()
+                code, run_dir = r.proc.returncode, out / r.point.name
+                _event(out, point=r.point.name, event="end", attempt=r.attempt, slot=r.slot.index, exit=code,
+                       status=status(run_dir))
+                if code == 0 and status(run_dir) == "finished":
+                    durations.append(time.time() - r.started)
+                    loss = final_val_loss(run_dir)
+                    left = len(queue) + len(running)
+                    eta = sum(durations) / len(durations) * -(-left // len(slots))
+                    print(f"{r.point.name}: done in {time.time() - r.started:.0f} s; final val loss "
+                          f"{'n/a' if loss is None else f'{loss:.4f}'} ({len(todo) - left - len(failed)}/{len(todo)} "
+                          f"done, {left} to go, ETA {eta:.0f} s)", flush=True)
+                elif code == REFUSED or code == 0 or attempts[r.point.name] > retries:
+                    why = "refused its input" if code == REFUSED else _exit_reason(code) if code else \
+                        f"ended {status(run_dir)}"
+                    print(f"{r.point.name}: failed ({why}): {_tail(run_dir)}", flush=True)
+                    failed.append(r.point.name)
+                else:
+                    print(f"{r.point.name}: {_exit_reason(code)}; starting it again from its newest checkpoint",
+                          flush=True)
+                    queue.insert(0, r.point)
+    except KeyboardInterrupt:
+        for r in running:  # each trainer checkpoints at its next step boundary and exits 75 or 130
+            try:
+                os.killpg(r.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for r in running:
+            r.proc.wait()
+        print(f"sweep: interrupted; rerun the same command to resume {len(running) + len(queue)} points",
+              file=sys.stderr)
+        return 130
+    print(f"sweep: {len(todo) - len(failed)}/{len(todo)} points finished in {time.time() - began:.0f} s; "
+          f"next: gpn-scale sweep collect {out}")
     if failed:
         print(f"failed: {', '.join(failed)} (rerun the same command to retry them)", file=sys.stderr)
     return 1 if failed else 0
