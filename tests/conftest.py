@@ -7,6 +7,27 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests' own helpers (reference_gpn, ...)
 os.environ.setdefault("WANDB_MODE", "disabled")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # scripts/test.sh runs one worker per core: each worker's torch, and the processes its tests
+    # start, take one thread, so that the workers do not fight over the cores
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Files whose tests share a session fixture run on one worker, so it is built once (gpu_check_dry).
+_SHARED_WORKER = {"test_gpu_check.py": "gpu_check", "test_bench_gpu.py": "gpu_check"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `pytest -n N --dist loadgroup` (scripts/test.sh) a file's tests stay on one worker, so a
+    module-scoped fixture (a trained run, a cluster) is built once, not once per worker; the files
+    with the most slow (multi-process) tests go out first, so that no long file starts last."""
+    if not config.pluginmanager.hasplugin("xdist"):  # a machine with pytest alone (scripts/gpu_check.sh)
+        return
+    slow = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])  # stable: a file's tests keep their order
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_SHARED_WORKER.get(item.path.name, item.path.stem)))
 
 
 @pytest.fixture(autouse=True)
