@@ -1,4 +1,5 @@
-"""Learning-rate schedules (`train.schedule`: cosine, wsd, constant) and their keys."""
+"""Learning-rate schedules (`train.schedule`: cosine, wsd, constant) and their keys, and
+`train.keep_steps` through a real run (DeepSpeed on one CPU rank)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import math
 
 import pytest
 
+from gpn_scale.storage import safe_load
+from gpn_scale.storage.jsonl import read_jsonl
 from gpn_scale.train.optim import lr_factor
-from test_train import CONFIG
+from mds_fixture import write_windows
+from test_train import CONFIG, train
 
 # ---- lr_factor: the schedules' shapes ----------------------------------------------------------
 
@@ -62,7 +66,7 @@ def test_decay_steps_or_a_fraction_of_total_steps():
     assert decay("train.schedule=wsd", "train.decay_steps=90") == 90  # up to total - warm-up
     assert decay("train.schedule=wsd", "train.decay_fraction=0.9") == 90
     t = load_train_config(CONFIG, ["run.dir=unused", "data.train=unused", "train.adam_eps=1e-6"]).train
-    assert t.adam_eps == 1e-6
+    assert t.adam_eps == 1e-6 and t.keep_steps == []
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -73,6 +77,8 @@ def test_decay_steps_or_a_fraction_of_total_steps():
     (["train.decay_steps=5"], "train.decay_steps: only train.schedule=wsd has a decay phase (schedule is cosine)"),
     (["train.schedule=wsd", "train.decay_shape=cosine"], "train.decay_shape: expected one of linear, 1-sqrt, got 'cosine'"),
     (["train.schedule=true"], "train.schedule: expected one of cosine, wsd, constant, got True"),
+    (["train.keep_steps=50"], "train.keep_steps: expected a list, got int 50"),
+    (["train.keep_steps=[50, 101]"], "train.keep_steps: expected optimiser steps in [1, total_steps=100], got 101"),
     (["train.adam_eps=0"], "train.adam_eps: expected a finite number > 0, got 0.0"),
 ])
 def test_schedule_keys_are_checked_naming_the_key(overrides, message):
@@ -84,3 +90,37 @@ def test_schedule_keys_are_checked_naming_the_key(overrides, message):
                                    "train.warmup_steps=10", *overrides])
     assert str(e.value).startswith("command-line override: ") and message in str(e.value), str(e.value)
     assert "\n" not in str(e.value)
+
+
+# ---- a run with keep_steps -----------------------------------------------------------------------
+
+WARMUP, PARENT_TOTAL, PARENT_DECAY, KEPT = 2, 8, 2, 4  # the parent: stable from step 3 to 6, decays at 7-8
+RUN = ("data.val=null", "train.micro_batch=2", "train.grad_accum=2", f"train.warmup_steps={WARMUP}",
+       "train.schedule=wsd", "train.decay_shape=1-sqrt", "train.min_lr_ratio=0.05", "train.adam_eps=1e-7",
+       "zero.stage=2", "precision=fp32")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    write_windows(root / "train", 200, 32, 512)
+    return root
+
+
+@pytest.fixture(scope="module")
+def parent(data, tmp_path_factory):
+    """The parent: wsd, a checkpoint every 2 steps, only the newest kept, and step 4 kept besides."""
+    run = tmp_path_factory.mktemp("runs") / "parent"
+    train(data, run, 1, *RUN, f"train.total_steps={PARENT_TOTAL}", f"train.decay_steps={PARENT_DECAY}",
+          "train.save_every=2", "train.keep_last=1", f"train.keep_steps=[{KEPT}]")
+    return run
+
+
+def test_a_kept_step_survives_rotation(parent):
+    assert sorted(p.name for p in (parent / "checkpoints").glob("step_*")) == ["step_00000004", "step_00000008"]
+    lr = {r["step"]: r["lr"] for r in read_jsonl(parent / "metrics.jsonl") if "lr" in r}
+    peak = 6e-4
+    assert [lr[s] for s in range(1, 7)] == [peak / 2, peak, peak, peak, peak, peak]  # warm-up, then stable
+    assert lr[7] < peak and lr[8] == pytest.approx(0.05 * peak, rel=1e-12)  # the decay's last step at the floor
+    optimizer = safe_load.load(parent / "checkpoints" / "step_00000008" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert [g["eps"] for g in optimizer["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]] == [1e-7] * 2

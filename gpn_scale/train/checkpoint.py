@@ -85,7 +85,8 @@ def write_manifest(tag_dir: Path) -> None:
     manifest.write_manifest(tag_dir, files_of(tag_dir))
 
 
-def commit(root: Path, tag: str, keep_last: int, verified: set[str], reports: list[dict[str, dict]]) -> None:
+def commit(root: Path, tag: str, keep_last: int, verified: set[str], reports: list[dict[str, dict]],
+           keep_steps=frozenset()) -> None:
     """Rank 0, after every rank finished writing `tag` and hashing its files (`reports`, one per
     rank, from hash_own_files): manifest, then `latest`, then pruning.
 
@@ -93,7 +94,8 @@ def commit(root: Path, tag: str, keep_last: int, verified: set[str], reports: li
     that verify are kept with it, and a checkpoint goes only once `keep_last` verified ones newer
     than it exist. Newer directories (left by a run that resumed from an earlier step) stay until
     this run's saves replace them. One a reader holds (`gpn_scale.storage.leases`) stays too, beyond
-    `keep_last`, until a save after the reader is done.
+    `keep_last`, until a save after the reader is done. One of the steps in `keep_steps`
+    (`train.keep_steps`) is never removed; among the newest it counts toward `keep_last` like any.
 
     `verified`: the tags this process has verified or written itself (the caller keeps it; `tag`
     is added). Only the others are hashed again, so a save does not re-read the checkpoints
@@ -110,7 +112,7 @@ def commit(root: Path, tag: str, keep_last: int, verified: set[str], reports: li
         if kept < keep_last and (old in verified or verify(root / old) is None):
             verified.add(old)
             kept += 1
-        elif kept >= keep_last and leases.remove_unless_read(root, old):
+        elif kept >= keep_last and step_of(old) not in keep_steps and leases.remove_unless_read(root, old):
             verified.discard(old)
 
 

@@ -46,7 +46,10 @@ class TrainSection:
     grad_accum: int | None = None  # micro-batches per optimiser step and rank
     global_batch: int | None = None  # or: windows per optimiser step; grad_accum follows the world size
     save_every: int = 500
-    keep_last: int = 3  # complete checkpoints kept
+    keep_last: int = 3  # complete checkpoints kept (the newest ones)
+    # optimiser steps also checkpointed, never removed by keep_last's rotation: the stable phase's
+    # checkpoints that decay branches start from (`gpn-scale train --branch-from`)
+    keep_steps: list[int] = field(default_factory=list)
     lr: float = 6e-4
     # the learning rate after the linear warm-up (gpn_scale/train/optim.py: lr_factor): a cosine to
     # lr * min_lr_ratio at total_steps; wsd: constant, then a decay over the last decay_steps steps to
@@ -90,6 +93,9 @@ class TrainSection:
             raise ValueError(f"stop_at_step: expected in [1, total_steps={self.total_steps}], got {self.stop_at_step}")
         if not (math.isfinite(self.adam_eps) and self.adam_eps > 0):
             raise ValueError(f"adam_eps: expected a finite number > 0, got {self.adam_eps}")
+        outside = [s for s in self.keep_steps if not 1 <= s <= self.total_steps]
+        if outside:
+            raise ValueError(f"keep_steps: expected optimiser steps in [1, total_steps={self.total_steps}], got {outside[0]}")
         self._check_decay()
 
     def _check_decay(self) -> None:
@@ -264,7 +270,7 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
 # EXECUTION_KEYS.
 RESUMABLE = ("run.", "data.cache", "data.log_sample_ids", "train.total_steps", "train.stop_at_step",
              "train.micro_batch", "train.grad_accum", "train.global_batch", "train.save_every", "train.keep_last",
-             "train.nonfinite_patience", "eval.", "logging.")
+             "train.keep_steps", "train.nonfinite_patience", "eval.", "logging.")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

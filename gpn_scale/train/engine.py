@@ -394,7 +394,8 @@ class Trainer:
             written |= self.engine.checkpoint_engine.take(tag_dir)
         reports = dist_utils.gather_objects(ckpt.hash_own_files(tag_dir, self.rank, self.world, written))
         if self.is_main:
-            ckpt.commit(self.ckpt_root, tag, self.cfg.train.keep_last, self.verified, reports)
+            ckpt.commit(self.ckpt_root, tag, self.cfg.train.keep_last, self.verified, reports,
+                        keep_steps=frozenset(self.cfg.train.keep_steps))
         torch.distributed.barrier()
         return tag_dir
 
@@ -477,7 +478,9 @@ class Trainer:
             self.last_eval = {"step": self.step, **result}
 
     def _save_if_due(self) -> None:
-        if loop.due(self.step, self.cfg.train.save_every, self.stop_at) and self.audit.clean:
+        t = self.cfg.train
+        kept = self.step in t.keep_steps and self.step < self.stop_at  # at stop_at: the end saves it
+        if (loop.due(self.step, t.save_every, self.stop_at) or kept) and self.audit.clean:
             self.save()
 
     def _finish(self, outcome: Outcome) -> int:
