@@ -23,7 +23,7 @@ from pathlib import Path
 from gpn_scale.errors import UserError
 
 # Fields of a record that are not a number (or null), and what they hold.
-STRUCTURED = {"event": str, "changes": dict, "nonfinite": dict, "samples": list}
+STRUCTURED = {"event": str, "changes": dict, "nonfinite": dict, "samples": list, "branch": dict}
 
 
 def _parse(line: str) -> dict | None:

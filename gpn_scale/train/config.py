@@ -271,6 +271,11 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
 RESUMABLE = ("run.", "data.cache", "data.log_sample_ids", "train.total_steps", "train.stop_at_step",
              "train.micro_batch", "train.grad_accum", "train.global_batch", "train.save_every", "train.keep_last",
              "train.keep_steps", "train.nonfinite_patience", "eval.", "logging.")
+# What a decay branch (`gpn-scale train --branch-from`) may change besides: the schedule after the
+# checkpoint it starts from. The warm-up, the peak lr and everything that decides the run up to that
+# checkpoint stay the parent's.
+BRANCHABLE = RESUMABLE + ("train.schedule", "train.decay_steps", "train.decay_fraction", "train.decay_shape",
+                          "train.min_lr_ratio")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -286,14 +291,15 @@ def _normalised(key: str, value):
     return value
 
 
-def config_changes(saved: dict, new: dict) -> tuple[list[tuple], list[tuple]]:
+def config_changes(saved: dict, new: dict, allowed: tuple[str, ...] = RESUMABLE) -> tuple[list[tuple], list[tuple]]:
     """(safe, unsafe) differences between a checkpoint's resolved config and this run's, each a
-    list of (key, saved value, new value). Keys the checkpoint's version did not have are new
-    settings at their defaults, not changes."""
+    list of (key, saved value, new value), sorted by key. Safe: the keys (or prefixes) in `allowed`
+    (RESUMABLE for a resume, BRANCHABLE for a branch) and the model's execution keys. Keys the
+    checkpoint's version did not have are new settings at their defaults, not changes."""
     from gpn_scale.models import MODEL_FAMILIES
 
     config_cls = MODEL_FAMILIES[new["model"]["family"]].config_cls
-    resumable = RESUMABLE + tuple(f"model.{k}" for k in getattr(config_cls, "EXECUTION_KEYS", ()))
+    resumable = allowed + tuple(f"model.{k}" for k in getattr(config_cls, "EXECUTION_KEYS", ()))
     old_flat, new_flat = _flat(saved), _flat(new)
     safe, unsafe = [], []
     for key in sorted(old_flat.keys() & new_flat.keys()):

@@ -1,4 +1,4 @@
-"""`gpn-scale train CONFIG [key=value ...] [--resume auto|none|DIR]`: DeepSpeed ZeRO training.
+"""`gpn-scale train CONFIG [key=value ...] [--resume auto|none|DIR] [--branch-from CKPT]`: DeepSpeed ZeRO training.
 
 One step = `grad_accum` micro-batches per rank, then one AdamW update (DeepSpeed, ZeRO stage 0-3).
 Precision `bf16` runs the forward and backward under torch autocast while the master weights,
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import json
 import math
@@ -39,7 +40,8 @@ from gpn_scale.storage.lock import RunLock
 from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import distributed as dist_utils
 from gpn_scale.train import loop, optim, preflight
-from gpn_scale.train.config import TrainConfig, config_changes, load_train_config
+from gpn_scale.train import branch
+from gpn_scale.train.config import BRANCHABLE, RESUMABLE, TrainConfig, config_changes, load_train_config
 from gpn_scale.train.gc import GarbageCollection
 from gpn_scale.train.loop import Audit, Outcome
 from gpn_scale.train.metrics import (MetricsLog, RunClock, RunSummary, StepMetrics, flops_per_token, peak_flops,
@@ -79,7 +81,7 @@ def deepspeed_config(cfg: TrainConfig, grad_accum: int, universal: bool) -> dict
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, resume: str, data: preflight.DataInfo | None = None,
-                 allow_config_change: bool = False):
+                 allow_config_change: bool = False, branch_from: str | None = None):
         self.launched = time.monotonic()
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
@@ -96,9 +98,12 @@ class Trainer:
             raise
         self.global_batch = cfg.train.micro_batch * self.grad_accum * self.world
         self.config_changes: list[tuple] = []  # (key, checkpoint's value, this run's), applied on resume
-        self.resume_tag = self._choose_resume(resume, allow_config_change)
+        # where this launch starts from another run's checkpoint (a decay branch): that checkpoint
+        self.origin: branch.Origin | None = None
+        self.resume_dir = self._choose_resume(resume, allow_config_change, branch_from)
         # Checkpoints rank 0 has verified or written: rotation does not hash them again at each save.
-        self.verified: set[str] = {self.resume_tag} if self.resume_tag else set()
+        own = self.resume_dir is not None and self.origin is None
+        self.verified: set[str] = {self.resume_dir.name} if own else set()
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -117,43 +122,62 @@ class Trainer:
         if self.is_main:
             print(message, file=sys.stderr, flush=True)
 
-    def _choose_resume(self, resume: str, allow_config_change: bool) -> str | None:
-        """The checkpoint tag to resume from (agreed by all ranks), or None for a fresh start
-        (`--resume auto` only where there is no checkpoint at all: one that exists but cannot be
-        used is an error, never a silent restart from step 0)."""
+    def _choose_resume(self, resume: str, allow_config_change: bool, branch_from: str | None) -> Path | None:
+        """The checkpoint directory to start from (agreed by all ranks): the run's own, another run's
+        (a decay branch starting: `self.origin`), or None for a fresh start (`--resume auto` only
+        where there is no checkpoint at all: one that exists but cannot be used is an error, never a
+        silent restart from step 0)."""
         choice = None
         if self.is_main:
             try:
-                choice = self._resume_choice(resume, allow_config_change)
+                choice = self._resume_choice(resume, allow_config_change, branch_from)
             except UserError as e:
                 choice = e
-        choice, self.config_changes = dist_utils.broadcast_object((choice, self.config_changes))
+        choice, self.config_changes, self.origin = dist_utils.broadcast_object(
+            (choice, self.config_changes, self.origin))
         if isinstance(choice, UserError):
             choice.every_rank = True  # rank 0's, raised by all
             raise choice
         return choice
 
-    def _resume_choice(self, resume: str, allow_config_change: bool) -> str | None:
+    def _resume_choice(self, resume: str, allow_config_change: bool, branch_from: str | None) -> Path | None:
         if resume == "none":
             return None
         if resume == "auto":
+            recorded = branch.read_origin(self.run_dir)  # this run.dir is a decay branch: where it started
             rejected = []
             tag = checkpoints.newest_complete(self.ckpt_root, warn=self._warn, rejected=rejected)
             if tag is None and rejected:
                 listed = "; ".join(f"{t}: {why}" for t, why in rejected)
                 raise UserError(f"--resume auto: no checkpoint in {self.ckpt_root} can be resumed from ({listed}); "
                                 "restore one, or start a new run.dir")
-            if tag is None:
-                return None
+            if tag is None:  # a branch without a checkpoint of its own starts from its parent's (again)
+                return self._branch_choice(branch_from, recorded) if branch_from or recorded else None
         else:
             problem = checkpoints.verify(Path(resume))
             if problem:
                 raise UserError(f"--resume {resume}: {problem}")
             tag = Path(resume).name
-        # before any rank's DeepSpeed loads a file: the checkpoint's, and a universal form it would reuse
-        saved = checkpoints.read_trainer_state(self.ckpt_root / tag)
-        reused = ckpt.converted(self.ckpt_root / tag) if saved.world_size != self.world and saved.zero_stage > 0 else None
-        unsafe = safe_load.checkpoint_problem(self.ckpt_root / tag, besides=checkpoints.DERIVED)
+        tag_dir = self.ckpt_root / tag
+        saved, unsafe = self._check_checkpoint(tag_dir, "--resume", RESUMABLE)
+        if unsafe and not allow_config_change:
+            listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in unsafe)
+            raise UserError(f"--resume: {tag} was trained with other settings: {listed}; set them back, or pass "
+                            "--allow-config-change to apply them from here on")
+        if any(key.startswith("model.") for key, _, _ in unsafe):
+            self._check_weight_shapes(saved, tag)
+        self.config_changes += unsafe
+        return tag_dir
+
+    def _check_checkpoint(self, tag_dir: Path, flag: str, allowed: tuple[str, ...]
+                          ) -> tuple[checkpoints.TrainerState, list[tuple]]:
+        """What every start from a checkpoint checks, before any rank's DeepSpeed loads a file: its
+        pickle files and a universal form it would reuse, the global batch, the kind of data position,
+        and this run's config against the checkpoint's (`self.config_changes`: the changes in
+        `allowed`); returns its trainer state and the other changes."""
+        saved = checkpoints.read_trainer_state(tag_dir)
+        reused = ckpt.converted(tag_dir) if saved.world_size != self.world and saved.zero_stage > 0 else None
+        unsafe = safe_load.checkpoint_problem(tag_dir, besides=checkpoints.DERIVED)
         if unsafe is None and reused is not None:
             unsafe = safe_load.checkpoint_problem(reused)
         if unsafe:
@@ -163,21 +187,42 @@ class Trainer:
                 f"train: the checkpoint was trained with a global batch of {saved.global_batch}, this run has "
                 f"{self.global_batch}; set train.global_batch={saved.global_batch} to keep the data order"
             )
-        self._check_loader_kind(saved, tag)
-        safe, unsafe = config_changes(saved.config, self.cfg.to_dict())
+        self._check_loader_kind(saved, tag_dir.name, flag)
+        safe, unsafe = config_changes(saved.config, self.cfg.to_dict(), allowed)
         seq_then, seq_now = saved.data_seq_len, self.data_info and self.data_info.seq_len
         if seq_then and seq_now and seq_then != seq_now:
             unsafe.append(("data.train windows", seq_then, seq_now))
-        if unsafe and not allow_config_change:
-            listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in unsafe)
-            raise UserError(f"--resume: {tag} was trained with other settings: {listed}; set them back, or pass "
-                            "--allow-config-change to apply them from here on")
-        if any(key.startswith("model.") for key, _, _ in unsafe):
-            self._check_weight_shapes(saved, tag)
-        self.config_changes = safe + unsafe
-        return tag
+        self.config_changes = safe
+        return saved, unsafe
 
-    def _check_loader_kind(self, saved: checkpoints.TrainerState, tag: str) -> None:
+    def _branch_choice(self, branch_from: str | None, recorded: branch.Origin | None) -> Path:
+        """The parent's checkpoint a branch starts from (`self.origin`), checked: the one recorded when
+        the branch first started, or the one --branch-from names. Its config may differ from this
+        run's only in BRANCHABLE (schedule, length, checkpointing, eval, logging, run.*); the first
+        other difference is refused."""
+        if recorded is not None:
+            tag_dir, source = branch.check_unchanged(recorded), recorded.source
+        else:
+            tag_dir, source = branch.resolve(branch_from, self._warn), branch_from
+        flag = f"--branch-from {branch_from or source}"
+        saved, unsafe = self._check_checkpoint(tag_dir, flag, BRANCHABLE)
+        if unsafe:
+            key, then, now = unsafe[0]
+            raise UserError(f"{flag}: a branch may differ from its parent only in schedule, length, checkpoint, eval, "
+                            f"logging and run settings; {key} is {then!r} in {tag_dir}, {now!r} here")
+        if saved.world_size != self.world and saved.zero_stage > 0 and ckpt.converted(tag_dir) is None:
+            raise UserError(f"{flag}: {tag_dir} was written by {saved.world_size} rank(s), this run has {self.world}, "
+                            f"and a branch converts nothing in its parent: run `gpn-scale ckpt to-universal {tag_dir}` "
+                            f"first, or branch on {saved.world_size} rank(s)")
+        t = self.cfg.train
+        if (t.stop_at_step or t.total_steps) <= saved.step:
+            key = "stop_at_step" if t.stop_at_step else "total_steps"
+            raise UserError(f"{flag}: {tag_dir} is at step {saved.step}; train.{key}={getattr(t, key)} leaves the "
+                            "branch nothing to train")
+        self.origin = branch.origin_of(source, tag_dir, saved.step)
+        return tag_dir
+
+    def _check_loader_kind(self, saved: checkpoints.TrainerState, tag: str, flag: str = "--resume") -> None:
         """A checkpoint's data position is a step of the prep's streams (with each slot's carried
         state beside it) or an epoch of shuffled windows; neither continues as the other, whatever
         --allow-config-change allows."""
@@ -186,10 +231,10 @@ class Trainer:
             return
         then = saved.config.get("data", {}).get("train") if isinstance(saved.config.get("data"), dict) else None
         if streams:
-            raise UserError(f"--resume: {tag} was trained with train.carry_state=true (its position is a step of the "
+            raise UserError(f"{flag}: {tag} was trained with train.carry_state=true (its position is a step of the "
                             f"streams, each batch slot's state beside it); it resumes only as a carried-state run: set "
                             f"train.carry_state=true and data.train back to its streams ({then}), or start a new run.dir")
-        raise UserError(f"--resume: {tag} was trained on shuffled windows (train.carry_state=false, its position an "
+        raise UserError(f"{flag}: {tag} was trained on shuffled windows (train.carry_state=false, its position an "
                         f"epoch of {then}); it resumes only as such a run: set train.carry_state=false, or start "
                         "a new run.dir for carried-state training")
 
@@ -223,7 +268,7 @@ class Trainer:
         self.model = build_model(model_config(cfg.model, where="config: model")).to(self.device)
         spec = MODEL_FAMILIES[self.model.config.family]
 
-        saved = checkpoints.read_trainer_state(self.ckpt_root / self.resume_tag) if self.resume_tag else None
+        saved = checkpoints.read_trainer_state(self.resume_dir) if self.resume_dir else None
         universal = saved is not None and saved.world_size != self.world and saved.zero_stage > 0
 
         optimizer, scheduler = optim.build(spec.param_groups(self.model), cfg.train)
@@ -255,26 +300,33 @@ class Trainer:
             self._load(saved, universal)
 
     def _load(self, saved: checkpoints.TrainerState, universal: bool) -> None:
-        tag_dir = self.ckpt_root / self.resume_tag
+        tag_dir = self.resume_dir
         if universal:
-            if self.is_main:
+            if self.is_main and self.origin is None:  # a branch reuses its parent's conversion (_branch_choice)
                 self._say(f"world size {saved.world_size} -> {self.world}: converting {tag_dir} to universal form")
                 ckpt.to_universal(tag_dir)
             torch.distributed.barrier()
             load_dir, tag = tag_dir, ckpt.UNIVERSAL
         else:
-            load_dir, tag = self.ckpt_root, self.resume_tag
+            load_dir, tag = tag_dir.parent, tag_dir.name
         # Rank 0 checked every file of this checkpoint in _resume_choice; DeepSpeed's loads run
         # under torch's restricted unpickler (safe_load.restricted, in load_engine).
-        if ckpt.load_engine(self.engine, load_dir, tag, self.cfg.train) is None:
-            raise UserError(f"{tag_dir}: DeepSpeed could not load this checkpoint")
-        self.step, self.tokens = saved.step, saved.tokens
-        self.data.load_state_dict(saved.loader)
-        if not ckpt.load_rng(tag_dir, self.rank):
-            torch.manual_seed(self.cfg.seed + self.rank + 1000 * self.step)  # a new rank: fresh, reproducible
-        if self.carried is not None:
-            self.carried.load(tag_dir, self.device)
-        self._say(f"resumed from {tag_dir} at step {self.step} ({self.tokens:,} tokens)")
+        try:
+            if ckpt.load_engine(self.engine, load_dir, tag, self.cfg.train) is None:
+                raise UserError(f"{tag_dir}: DeepSpeed could not load this checkpoint")
+            self.step, self.tokens = saved.step, saved.tokens
+            self.data.load_state_dict(saved.loader)
+            if not ckpt.load_rng(tag_dir, self.rank):
+                torch.manual_seed(self.cfg.seed + self.rank + 1000 * self.step)  # a new rank: fresh, reproducible
+            if self.carried is not None:
+                self.carried.load(tag_dir, self.device)
+        except FileNotFoundError as e:
+            if self.origin is None:
+                raise
+            raise UserError(f"--branch-from: {e.filename or tag_dir} went while it was read (the parent's rotation, "
+                            "train.keep_last, removed the checkpoint: branch from one of its train.keep_steps)") from None
+        verb = "resumed" if self.origin is None else "branched"
+        self._say(f"{verb} from {tag_dir} at step {self.step} ({self.tokens:,} tokens)")
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -432,6 +484,15 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            if self.origin is not None:  # a branch starts: where from, and no records of an earlier start
+                branch.write_origin(self.run_dir, self.origin)
+                for name in ("metrics.jsonl", "samples.jsonl"):  # as a fresh start's: from step 0
+                    kept = truncate_jsonl(self.run_dir / name, 0)
+                    if kept is not None:
+                        self._warn(f"{self.run_dir / name}: an earlier start's records dropped; the previous file is "
+                                   f"kept as {kept}")
+            elif self.resume_dir is None:  # a fresh start: no longer the branch an earlier start may have begun
+                (self.run_dir / branch.BRANCH_FILE).unlink(missing_ok=True)
         self._write_status("running")
         self.stop_at = t.stop_at_step or t.total_steps
         self.start_step, self.start_tokens = self.step, self.tokens
@@ -447,11 +508,16 @@ class Trainer:
         )
         self.log = MetricsLog(self.run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.project,
                               cfg.run.name or self.run_dir.name, self.step, t.total_steps, self.is_main)
-        if self.config_changes:
+        changes = {k: {"checkpoint": a, "now": b} for k, a, b in self.config_changes}
+        if self.origin is not None:
+            listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in self.config_changes) or "none"
+            self._say(f"branch of {self.origin.checkpoint} (step {self.origin.step}); settings changed: {listed}")
+            self.log.log({"step": self.step, "event": "branch", "branch": dataclasses.asdict(self.origin),
+                          "changes": changes})
+        elif self.config_changes:
             listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in self.config_changes)
             self._say(f"resuming with changed settings: {listed}")
-            self.log.log({"step": self.step, "event": "config_change",
-                          "changes": {k: {"checkpoint": a, "now": b} for k, a, b in self.config_changes}})
+            self.log.log({"step": self.step, "event": "config_change", "changes": changes})
         self.samples_file = None
         if cfg.data.log_sample_ids and self.is_main:
             truncate_jsonl(self.run_dir / "samples.jsonl", self.step)
@@ -540,8 +606,16 @@ def main(argv: list[str]) -> int:
         formatter_class=HelpFormatter, prog="gpn-scale train", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="training YAML (or a name in configs/train/)")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.total_steps=100 zero.stage=3")
-    ap.add_argument("--resume", default="none",
-                    help="auto: the newest complete checkpoint of run.dir; none: start fresh; or a checkpoint dir")
+    ap.add_argument("--resume", default=None,
+                    help="auto: the newest complete checkpoint of run.dir; none (default): start fresh; or a "
+                         "checkpoint dir of run.dir")
+    ap.add_argument("--branch-from", metavar="CKPT",
+                    help="a decay branch: start from another run's checkpoint (RUN/checkpoints/step_N, or RUN for "
+                         "its newest) with its weights, optimiser, step and data position, into this run.dir, writing "
+                         "nothing into RUN. The config may differ from the checkpoint's only in schedule and length "
+                         "(total_steps, schedule, decay_steps, decay_fraction, decay_shape, min_lr_ratio, "
+                         "stop_at_step, save_every, keep_steps, keep_last), eval.*, logging.* and run.*. Run again, it "
+                         "resumes the branch's own newest checkpoint (docs/train.md, 'Schedules and decay branches')")
     ap.add_argument("--allow-config-change", action="store_true",
                     help="on resume, apply settings that differ from the checkpoint's even where they change what "
                          "the run computes (lr, model, data, ...); the change is recorded in metrics.jsonl")
@@ -550,8 +624,9 @@ def main(argv: list[str]) -> int:
                          "or 2 with the one line): what the launchers run before torchrun starts the ranks")
     args = ap.parse_intermixed_args(argv)  # key=value overrides may come after flags
     try:  # the same files and settings on every rank: the same error everywhere
+        resume = _resume_mode(args)
         cfg = load_train_config(args.config, args.overrides)
-        data = preflight.check(cfg, args.resume, resolve_config_path(args.config, "train"))
+        data = preflight.check(cfg, resume, resolve_config_path(args.config, "train"), branch_from=args.branch_from)
     except UserError as e:
         e.every_rank = True
         raise
@@ -561,7 +636,7 @@ def main(argv: list[str]) -> int:
     lock = RunLock(Path(cfg.run.dir)) if os.environ.get("RANK", "0") == "0" else None
     trainer = None
     try:
-        trainer = Trainer(cfg, args.resume, data, args.allow_config_change)
+        trainer = Trainer(cfg, resume, data, args.allow_config_change, args.branch_from)
         return trainer.run()
     except BaseException as e:
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
@@ -579,6 +654,19 @@ def main(argv: list[str]) -> int:
             lock.release()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _resume_mode(args: argparse.Namespace) -> str:
+    """--resume's value; a branch resumes by itself (its own newest checkpoint, else its parent's)."""
+    if args.branch_from is None:
+        return args.resume or "none"
+    if args.resume not in (None, "auto"):
+        raise UserError(f"--branch-from with --resume {args.resume}: a branch resumes its own newest checkpoint by "
+                        "itself (give --resume auto or nothing)")
+    if args.allow_config_change:
+        raise UserError("--branch-from with --allow-config-change: a branch differs from its parent only in schedule, "
+                        "length, checkpoint, eval, logging and run settings; other changes need a new run")
+    return "auto"
 
 
 def _interruption_under(error: BaseException) -> KeyboardInterrupt | None:

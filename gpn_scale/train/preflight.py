@@ -14,6 +14,7 @@ from pathlib import Path
 from gpn_scale.storage import checkpoints, outputs
 from gpn_scale.data import mds_index
 from gpn_scale.errors import UserError
+from gpn_scale.train import branch
 from gpn_scale.train.carry import training_layout
 from gpn_scale.train.config import TrainConfig
 from gpn_scale.train.data import resolve_location
@@ -58,11 +59,17 @@ def check_run_dir(run_dir: Path, config_file: Path | None) -> None:
                             allowed=(config_file.name,) if inside else ())
 
 
-def check(cfg: TrainConfig, resume: str, config_file: Path | None = None, world: int | None = None) -> DataInfo | None:
+def check(cfg: TrainConfig, resume: str, config_file: Path | None = None, world: int | None = None,
+          branch_from: str | None = None) -> DataInfo | None:
     """Everything that can be checked before the run starts; returns what the training data holds.
     `config_file`: the YAML the run is started from (run.dir may hold it); `world`: the ranks
-    (default: torchrun's WORLD_SIZE, else 1)."""
+    (default: torchrun's WORLD_SIZE, else 1); `branch_from`: a decay branch's parent checkpoint
+    (or run), which run.dir must be outside of."""
+    if branch_from is not None:
+        branch.check_target(cfg.run.dir, branch_from)
     check_run_dir(Path(cfg.run.dir), config_file)
+    if branch_from is not None:
+        branch.check_run_dir(cfg.run.dir, branch_from, cfg.train.total_steps)
     model_vocab = cfg.model.get("vocab_size")
     infos = {}
     for split, location in (("train", cfg.data.train), ("val", cfg.data.val)):
