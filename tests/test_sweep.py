@@ -185,3 +185,99 @@ def test_collect_names_a_metrics_record_of_the_wrong_type(tmp_path, data, capsys
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": "6.2"}\n')
     assert main(["sweep", "collect", str(out)]) == 2
     assert capsys.readouterr().err == f"error: {run_dir / 'metrics.jsonl'}: line 1: loss: expected a number or null, got '6.2'\n"
+
+
+def test_a_wsd_plan_trains_each_size_once_and_branches_its_smaller_budgets(tmp_path, data):
+    spec, out = load_spec(write_spec(tmp_path, data, schedule="wsd", decay_fraction=0.25,
+                                     tokens_per_param=[0.2, 0.05, 0.1], warmup_fraction=0.1))
+    points = plan(spec)
+    assert len(points) == 2 * 3 * 3
+    for i in range(0, len(points), 3):
+        trunk, *branches = points[i:i + 3]
+        assert trunk.tokens_per_param == 0.2 and trunk.branch_of is None and [b.tokens_per_param for b in branches] == [0.05, 0.1]
+        assert trunk.keep_steps == sorted(b.branch_step for b in branches)
+        smallest = branches[0].steps
+        for p in (trunk, *branches):
+            assert p.decay_steps == max(1, round(0.25 * p.steps)) and p.warmup_steps == max(1, round(0.1 * smallest))
+        for b in branches:
+            assert b.branch_of == trunk.name and b.branch_step == b.steps - b.decay_steps < trunk.steps - trunk.decay_steps
+            assert b.trained_steps() == b.decay_steps
+    # each point's config is its own WSD schedule: a branch's agrees with its trunk's up to its branch step
+    trunk_cfg = load_train_config(write_point(spec, points[0], out) / "train.yaml").train
+    branch_cfg = load_train_config(write_point(spec, points[1], out) / "train.yaml").train
+    assert (trunk_cfg.schedule, branch_cfg.schedule) == ("wsd", "wsd") and trunk_cfg.keep_steps == points[0].keep_steps
+    assert (branch_cfg.total_steps, branch_cfg.decay_steps) == (points[1].steps, points[1].decay_steps)
+    assert trunk_cfg.warmup_steps == branch_cfg.warmup_steps and trunk_cfg.lr == branch_cfg.lr
+
+    dry = subprocess.run([sys.executable, "-m", "gpn_scale", "sweep", str(write_spec(tmp_path, data, schedule="wsd",
+                          decay_fraction=0.25, tokens_per_param=[0.2, 0.05, 0.1], warmup_fraction=0.1)), "--dry-run"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert dry.returncode == 0, dry.stderr
+    # per size the FLOPs per token are one number: the saving is the share of tokens not trained again
+    trained = sum(p.trained_steps() for p in points)
+    separate = sum(p.steps for p in points)
+    assert f"({1 - trained / separate:.0%} saved)" in dry.stdout, dry.stdout
+    assert f"--branch-from {out / points[0].name / 'checkpoints' / f'step_{points[1].branch_step:08d}'}" in dry.stdout
+    assert not out.joinpath("sweep.jsonl").exists()
+
+
+def test_a_wsd_budget_whose_decay_would_start_inside_the_warmup_is_refused(tmp_path, data):
+    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "sweep", str(write_spec(
+        tmp_path, data, schedule="wsd", decay_fraction=0.5, tokens_per_param=[0.02, 0.2], warmup_fraction=0.9)),
+        "--dry-run"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: tokens_per_param: 0.02 is ") and \
+        "would start inside the warm-up" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def _final_val_losses(out: Path) -> dict:
+    losses = {}
+    for metrics in sorted(out.glob("*/metrics.jsonl")):
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        losses[metrics.parent.name] = [r["val_loss"] for r in rows if "val_loss" in r][-1]
+    return losses
+
+
+@pytest.mark.slow
+def test_a_wsd_sweep_branches_beside_its_trunk_and_an_interrupted_one_resumes_to_the_same_losses(tmp_path, data):
+    import signal
+    import time
+
+    def spec(name):
+        return write_spec(tmp_path / name, data, families=["gpn_m_1l"], params=["40e3"], tokens_per_param=[0.1, 0.2],
+                          schedule="wsd", decay_fraction=0.25, warmup_fraction=0.1, out=str(tmp_path / name / "sweep"),
+                          overrides={"data.train": str(data / "train"), "data.val": str(data / "val"),
+                                     "train.micro_batch": 4, "eval.batches": 2, "train.save_every": 4})
+    for name in ("whole", "interrupted"):
+        (tmp_path / name).mkdir()
+    sweep = [sys.executable, "-m", "gpn_scale", "sweep", "--slots", "2"]
+    whole = subprocess.run(sweep + [str(spec("whole"))], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    out = tmp_path / "whole" / "sweep"
+    trunk, branch = plan(load_spec(spec("whole"))[0])
+    origin = json.loads((out / branch.name / "branch.json").read_text())
+    assert origin["step"] == branch.branch_step and Path(origin["checkpoint"]) == \
+        out / trunk.name / "checkpoints" / f"step_{branch.branch_step:08d}"
+    assert (out / trunk.name / "checkpoints" / f"step_{branch.branch_step:08d}" / "manifest.json").is_file()
+    rows = [json.loads(line) for line in (out / branch.name / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert steps == list(range(branch.branch_step + 1, branch.steps + 1))  # the branch trains its decay alone
+    events = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
+    start = {e["point"]: e["time"] for e in events if e["event"] == "start"}
+    end = {e["point"]: e["time"] for e in events if e["event"] == "end"}
+    assert start[branch.name] < end[trunk.name]  # it ran beside its trunk, from the kept checkpoint
+
+    # Ctrl-C once the trunk is under way: the points checkpoint and stop; the rerun resumes them
+    proc = subprocess.Popen(sweep + [str(spec("interrupted"))], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=ROOT)
+    cut = tmp_path / "interrupted" / "sweep" / trunk.name / "checkpoints" / f"step_{branch.branch_step:08d}"
+    deadline = time.time() + 300
+    while not (cut / "manifest.json").is_file() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "rerun the same command to resume" in output, output[-3000:]
+    again = subprocess.run(sweep + [str(spec("interrupted"))], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resumed from" in (tmp_path / "interrupted" / "sweep" / trunk.name / "train.log").read_text()
+    assert _final_val_losses(tmp_path / "interrupted" / "sweep") == _final_val_losses(out)

@@ -185,7 +185,7 @@ def main(argv: list[str]) -> int:
     args = ap.parse_intermixed_args(argv)
 
     from gpn_scale.sweep.run import Launcher, local_slots, run_points, srun_slots, submit_slurm
-    from gpn_scale.sweep.spec import load_spec, plan, train_config, write_point
+    from gpn_scale.sweep.spec import load_spec, plan, plan_cost, train_config, write_point
 
     spec, out = load_spec(args.spec)
     for item in args.overrides:
@@ -215,6 +215,10 @@ def main(argv: list[str]) -> int:
         print(f"  {p.name:32s} {p.params:>13,} {p.tokens:>13,} {p.steps:>7,} {p.lr:>9.3g}")
     for p in points:  # every point's training config is validated, also in a dry run
         train_config(spec, p, out / p.name) if args.dry_run else write_point(spec, p, out)
+    if spec.schedule == "wsd":
+        scheduled, separate = plan_cost(points)
+        print(f"wsd: each size's largest budget trained once, the others its decay branches: {scheduled:.3e} "
+              f"training FLOPs against {separate:.3e} for one run per point ({1 - scheduled / separate:.0%} saved)")
     if args.backend == "slurm":
         return submit_slurm(spec, points, out, args.dry_run)
     return run_points(points, out, launcher, slots, args.retries, args.dry_run)

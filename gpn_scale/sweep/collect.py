@@ -13,20 +13,10 @@ from gpn_scale.errors import UserError, read_json
 from gpn_scale.storage.jsonl import read_jsonl
 from gpn_scale.sweep.laws import Fitted, fit_all
 from gpn_scale.sweep.run import final_val_loss, status
+from gpn_scale.sweep.spec import train_flops
 
 COLUMNS = ["name", "family", "seed", "target_params", "params", "tokens_per_param", "tokens", "flops", "lr",
            "steps", "status", "final_train_loss", "val_loss"]
-
-
-def _train_flops(point: dict, tokens: int) -> float:
-    from gpn_scale.config import model_config
-    from gpn_scale.models import build_model
-    from gpn_scale.train.metrics import flops_per_token
-    import torch
-
-    with torch.device("meta"):
-        model = build_model(model_config(point["model"], where="point.json: model"))
-    return flops_per_token(model, point["seq_len"]) * tokens
 
 
 def results(out: Path) -> list[dict]:
@@ -36,7 +26,7 @@ def results(out: Path) -> list[dict]:
         train_rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
         tokens = train_rows[-1]["tokens"] if train_rows else 0
         rows.append({**{k: point[k] for k in COLUMNS if k in point}, "tokens": tokens,
-                     "flops": _train_flops(point, tokens), "status": status(run_dir),
+                     "flops": train_flops(point, tokens), "status": status(run_dir),
                      "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
                      "val_loss": final_val_loss(run_dir)})
     if not rows:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from gpn_scale.config import BUNDLE_ROOT
 from gpn_scale.errors import UserError
+from gpn_scale.storage import checkpoints
 from gpn_scale.storage.jsonl import read_jsonl
 from gpn_scale.train.launch import torchrun_command
 from gpn_scale.sweep.spec import Point, SweepSpec
@@ -48,10 +49,27 @@ def final_val_loss(run_dir: Path) -> float | None:
     return loss
 
 
-def train_command(run_dir: Path, nproc: int) -> list[str]:
+def branch_checkpoint(out: Path, point: Point) -> Path | None:
+    """The trunk's checkpoint a WSD decay branch starts from (None for a point of its own)."""
+    if point.branch_of is None:
+        return None
+    return out / point.branch_of / "checkpoints" / checkpoints.tag_for(point.branch_step)
+
+
+def ready(out: Path, point: Point) -> bool:
+    """A point can start: it is its own run, or its trunk has saved the checkpoint it branches from."""
+    start = branch_checkpoint(out, point)
+    return start is None or (start / checkpoints.MANIFEST).is_file()
+
+
+def train_command(out: Path, point: Point, nproc: int) -> list[str]:
+    """The point's training, resumed from its newest checkpoint when it has one (a branch: from its
+    trunk's checkpoint until it has one of its own)."""
+    run_dir, start = out / point.name, branch_checkpoint(out, point)
+    how = ("--resume", "auto") if start is None else ("--branch-from", str(start))
     if nproc > 1:
-        return torchrun_command(str(run_dir / "train.yaml"), [], nproc)
-    return [sys.executable, "-m", "gpn_scale", "train", str(run_dir / "train.yaml"), "--resume", "auto"]
+        return torchrun_command(str(run_dir / "train.yaml"), [], nproc, start=how)
+    return [sys.executable, "-m", "gpn_scale", "train", str(run_dir / "train.yaml"), *how]
 
 
 @dataclass
@@ -126,11 +144,11 @@ class Launcher:
         self.backend, self.nproc = backend, nproc
         self.cpus_per_point, self.gpus_per_point = cpus_per_point, gpus_per_point
 
-    def command(self, run_dir: Path, name: str, slot: Slot) -> list[str]:
-        cmd = train_command(run_dir, self.nproc)
+    def command(self, out: Path, point: Point) -> list[str]:
+        cmd = train_command(out, point, self.nproc)
         if self.backend != "srun":
             return cmd
-        step = ["srun", "--exact", "--nodes=1", "--ntasks=1", f"--job-name={name}", "--kill-on-bad-exit=1"]
+        step = ["srun", "--exact", "--nodes=1", "--ntasks=1", f"--job-name={point.name}", "--kill-on-bad-exit=1"]
         if self.cpus_per_point:
             step.append(f"--cpus-per-task={self.cpus_per_point}")
         if self.gpus_per_point:
@@ -197,11 +215,12 @@ def run_points(points: list[Point], out: Path, launcher: Launcher, slots: list[S
     failed for good."""
     todo = []
     for i, point in enumerate(points, 1):
-        head = f"[{i}/{len(points)}] {point.name} ({point.params:,} parameters, {point.steps} steps)"
+        head = f"[{i}/{len(points)}] {point.name} ({point.params:,} parameters, {point.steps} steps" + \
+            (f"; the decay from step {point.branch_step} of {point.branch_of})" if point.branch_of else ")")
         if status(out / point.name) == "finished":
             print(f"{head}: already finished", flush=True)
         elif dry_run:
-            print(f"{head}\n  + {shlex.join(launcher.command(out / point.name, point.name, slots[0]))}")
+            print(f"{head}\n  + {shlex.join(launcher.command(out, point))}")
         else:
             todo.append(point)
     if dry_run or not todo:
@@ -212,11 +231,13 @@ def run_points(points: list[Point], out: Path, launcher: Launcher, slots: list[S
     queue, running, free = list(todo), [], list(slots)
     try:
         while queue or running:
-            while queue and free:
-                point, slot = queue.pop(0), free.pop(0)
+            while free and any(ready(out, p) for p in queue):
+                point = next(p for p in queue if ready(out, p))  # a branch waits for its trunk's checkpoint
+                queue.remove(point)
+                slot = free.pop(0)
                 attempts[point.name] += 1
                 run_dir = out / point.name
-                cmd = launcher.command(run_dir, point.name, slot)
+                cmd = launcher.command(out, point)
                 log = open(run_dir / "train.log", "a")
                 proc = launcher.start(cmd, slot, log)
                 running.append(Running(point, slot, attempts[point.name], proc, time.time(), log))
@@ -225,6 +246,13 @@ def run_points(points: list[Point], out: Path, launcher: Launcher, slots: list[S
                 print(f"{point.name}: training on {slot.describe()}{again} (log: {run_dir / 'train.log'})", flush=True)
                 _event(out, point=point.name, event="start", attempt=attempts[point.name], slot=slot.index,
                        command=shlex.join(cmd))
+            if queue and not running and not any(ready(out, p) for p in queue):
+                for p in queue:  # their trunk ended without the checkpoint they start from
+                    print(f"{p.name}: failed ({p.branch_of} ended without its step-{p.branch_step} checkpoint)",
+                          flush=True)
+                    failed.append(p.name)
+                queue.clear()
+                break
             time.sleep(POLL_SECONDS)
             for r in [r for r in running if r.proc.poll() is not None]:
                 running.remove(r)
@@ -282,7 +310,7 @@ def slurm_script(spec: SweepSpec) -> Path:
 def submit_slurm(spec: SweepSpec, points: list[Point], out: Path, dry_run: bool) -> int:
     """One `sbatch` of the training template per unfinished point; job ids go to each point's slurm_job."""
     script = slurm_script(spec)
-    previous = None
+    previous, jobs = None, {}
     for point in points:
         run_dir = out / point.name
         if status(run_dir) == "finished":
@@ -290,12 +318,17 @@ def submit_slurm(spec: SweepSpec, points: list[Point], out: Path, dry_run: bool)
             continue
         cmd = ["sbatch", "--parsable", f"--job-name={point.name}", f"--output={run_dir}/slurm-%j.out",
                *map(str, spec.slurm.sbatch_args)]
-        if spec.slurm.chain and previous:
-            cmd.append(f"--dependency=afterany:{previous}")
-        cmd += [str(script), str(run_dir / "train.yaml"), f"run.dir={run_dir}"]
+        after = [previous] if spec.slurm.chain and previous else []
+        if point.branch_of in jobs:  # a decay branch starts once its trunk has finished (and saved its checkpoint)
+            after.append(jobs[point.branch_of])
+        if after:
+            cmd.append(f"--dependency=afterany:{':'.join(dict.fromkeys(after))}")
+        start = branch_checkpoint(out, point)
+        cmd += [str(script), str(run_dir / "train.yaml"), f"run.dir={run_dir}",
+                *(["--branch-from", str(start)] if start else [])]
         if dry_run:
             print(f"+ {shlex.join(cmd)}")
-            previous = previous or "JOBID"
+            previous = jobs[point.name] = f"<job of {point.name}>"
             continue
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -303,7 +336,7 @@ def submit_slurm(spec: SweepSpec, points: list[Point], out: Path, dry_run: bool)
             raise UserError("--backend slurm: sbatch not found on PATH (run this on a SLURM login node)") from None
         if proc.returncode != 0:
             raise UserError(f"sbatch for {point.name} failed: {proc.stderr.strip().splitlines()[-1:]}")
-        previous = proc.stdout.strip().split(";")[0]
+        previous = jobs[point.name] = proc.stdout.strip().split(";")[0]
         (run_dir / "slurm_job").write_text(previous + "\n")
         print(f"{point.name}: job {previous}")
     return 0

@@ -15,6 +15,11 @@ seeds: [0]
 
 Each point gets a directory `OUT/<family>-<size>-x<tokens per param>-s<seed>/` holding `train.yaml`
 (the resolved training config, run.dir = that directory) and `point.json` (what the point is).
+
+With `schedule: wsd` (warm-up, stable, decay) the budgets of one (family, size, seed) share one
+run: the largest budget is trained in full (its *trunk*), saving a kept checkpoint where each
+smaller budget's decay starts, and each smaller budget is a decay branch from that checkpoint
+(`gpn-scale train --branch-from`): its decay alone is trained, `decay_fraction` of its steps.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
@@ -57,7 +63,10 @@ class SweepSpec:
     tokens_per_param: list = field(default_factory=lambda: [20.0])
     seq_len: int = 0
     global_batch: int = 0
-    warmup_fraction: float = 0.05
+    warmup_fraction: float = 0.05  # of each point's steps (wsd: of the size's smallest budget, shared by its points)
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    decay_fraction: float = 0.2  # wsd: each budget's decay, this share of its steps
+    decay_shape: Literal["linear", "1-sqrt"] = "1-sqrt"  # wsd
     seeds: list = field(default_factory=lambda: [0])
     vocab_size: int | None = None  # default: the base config's model's
     model: dict = field(default_factory=dict)  # per family: model keys every size shares (bptt, ...)
@@ -92,6 +101,8 @@ class SweepSpec:
         for name in ("seq_len", "global_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer (tokens per step = seq_len x global_batch)")
+        if not 0 < self.decay_fraction < 1:
+            raise ValueError(f"decay_fraction: expected a number in (0, 1), got {self.decay_fraction}")
 
 
 def load_spec(path: str | Path) -> tuple[SweepSpec, Path]:
@@ -121,6 +132,15 @@ class Point:
     seq_len: int
     lr: float
     model: dict
+    warmup_steps: int = 0
+    decay_steps: int | None = None  # wsd: the steps of this point's decay
+    keep_steps: list = field(default_factory=list)  # wsd trunk: where its branches start (kept checkpoints)
+    branch_of: str | None = None  # wsd branch: the trunk point it starts from, at step branch_step
+    branch_step: int | None = None
+
+    def trained_steps(self) -> int:
+        """The steps this point trains itself: all of them, or a branch's decay alone."""
+        return self.steps - (self.branch_step or 0)
 
 
 def _size_label(n: float) -> str:
@@ -154,16 +174,59 @@ def plan(spec: SweepSpec) -> list[Point]:
             if (family, target) not in sized:
                 sized[family, target] = sizing.size(family, target, vocab, **spec.model.get(family, {}))
             model, params = sized[family, target]
-            for tpp in spec.tokens_per_param:
-                steps = max(1, math.ceil(tpp * params / tokens_per_step))
-                for seed in spec.seeds:
-                    points.append(Point(
-                        name=f"{family}-{_size_label(target)}-x{tpp:g}-s{seed}", family=family, target_params=target,
-                        tokens_per_param=tpp, seed=seed, params=params, tokens=steps * tokens_per_step, steps=steps,
-                        seq_len=spec.seq_len,
-                        lr=spec.lr(params), model=model,
-                    ))
+            budgets = {tpp: max(1, math.ceil(tpp * params / tokens_per_step)) for tpp in spec.tokens_per_param}
+            for seed in spec.seeds:
+                same = [Point(name=f"{family}-{_size_label(target)}-x{tpp:g}-s{seed}", family=family,
+                              target_params=target, tokens_per_param=tpp, seed=seed, params=params,
+                              tokens=steps * tokens_per_step, steps=steps, seq_len=spec.seq_len, lr=spec.lr(params),
+                              model=model, warmup_steps=max(1, round(spec.warmup_fraction * steps)))
+                        for tpp, steps in budgets.items()]
+                points += _decay_branches(spec, same) if spec.schedule == "wsd" else same
     return points
+
+
+def _decay_branches(spec: SweepSpec, same: list[Point]) -> list[Point]:
+    """One size's budgets as a WSD trunk (the largest, first) and decay branches from it: every
+    point warms up as the smallest budget does, and decays over `decay_fraction` of its steps."""
+    same = sorted(same, key=lambda p: p.steps)
+    warmup = same[0].warmup_steps
+    for p in same:
+        p.warmup_steps, p.decay_steps = warmup, max(1, round(spec.decay_fraction * p.steps))
+        if p.steps - p.decay_steps < warmup:
+            raise UserError(f"tokens_per_param: {p.tokens_per_param:g} is {p.steps} steps at {p.name}: its decay of "
+                            f"{p.decay_steps} would start inside the warm-up of {warmup} (lower warmup_fraction or "
+                            f"decay_fraction, or raise the budget)")
+    trunk, branches = same[-1], same[:-1]
+    for p in branches:
+        p.branch_of, p.branch_step = trunk.name, p.steps - p.decay_steps
+    trunk.keep_steps = sorted({p.branch_step for p in branches})
+    return [trunk, *branches]
+
+
+def train_flops(point: dict, tokens: int) -> float:
+    """Training FLOPs of `tokens` tokens of a point's model (point.json's fields)."""
+    from gpn_scale.config import model_config
+    from gpn_scale.models import build_model
+    from gpn_scale.train.metrics import flops_per_token
+    import torch
+
+    with torch.device("meta"):
+        model = build_model(model_config(point["model"], where="point.json: model"))
+    return flops_per_token(model, point["seq_len"]) * tokens
+
+
+def plan_cost(points: list[Point]) -> tuple[float, float]:
+    """Training FLOPs of the plan as scheduled, and of one run per point from scratch."""
+    per_token = {}
+    scheduled = separate = 0.0
+    for p in points:
+        key = (p.family, p.params)
+        if key not in per_token:
+            per_token[key] = train_flops(asdict(p), 1)
+        tokens_per_step = p.tokens / p.steps
+        scheduled += per_token[key] * p.trained_steps() * tokens_per_step
+        separate += per_token[key] * p.tokens
+    return scheduled, separate
 
 
 def train_config(spec: SweepSpec, point: Point, run_dir: Path) -> dict:
@@ -172,7 +235,12 @@ def train_config(spec: SweepSpec, point: Point, run_dir: Path) -> dict:
 
     base, _ = _base_train_config(spec)
     train = dict(base.get("train", {}), total_steps=point.steps, global_batch=spec.global_batch, grad_accum=None,
-                 lr=point.lr, warmup_steps=max(1, round(spec.warmup_fraction * point.steps)), stop_at_step=None)
+                 lr=point.lr, warmup_steps=point.warmup_steps, stop_at_step=None)
+    if point.decay_steps is None:
+        train.update(schedule="cosine", decay_steps=None, decay_fraction=None)
+    else:
+        train.update(schedule="wsd", decay_steps=point.decay_steps, decay_fraction=None, decay_shape=spec.decay_shape,
+                     keep_steps=point.keep_steps)
     train["save_every"] = min(train.get("save_every", point.steps), point.steps)
     config = merge(base, {"model": point.model, "run": {"dir": str(run_dir), "name": point.name},
                           "train": train, "seed": point.seed})

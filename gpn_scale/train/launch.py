@@ -20,7 +20,8 @@ from gpn_scale.helptext import HelpFormatter
 
 
 def torchrun_command(config: str, overrides: list[str], nproc: int, nnodes: str | None = None,
-                     rdzv_endpoint: str | None = None, rdzv_id: str = "gpn-scale", max_restarts: int = 0) -> list[str]:
+                     rdzv_endpoint: str | None = None, rdzv_id: str = "gpn-scale", max_restarts: int = 0,
+                     start: tuple[str, ...] = ("--resume", "auto")) -> list[str]:
     cmd = [sys.executable, "-m", "gpn_scale.train.torchrun"]  # torchrun, a refusal ending as one line and exit 2
     if nnodes is None:
         cmd += ["--standalone", "--nnodes", "1"]
@@ -31,7 +32,7 @@ def torchrun_command(config: str, overrides: list[str], nproc: int, nnodes: str 
             raise UserError("--rdzv-endpoint: required with --nnodes (HOST:PORT of the rendezvous, e.g. the first node)")
         cmd += ["--nnodes", nnodes, "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
-    cmd += ["--nproc-per-node", str(nproc), "-m", "gpn_scale", "train", config, *overrides, "--resume", "auto"]
+    cmd += ["--nproc-per-node", str(nproc), "-m", "gpn_scale", "train", config, *overrides, *start]
     return cmd
 
 
