@@ -271,13 +271,17 @@ def test_reference_export_of_a_native_checkpoint_resumes_in_the_papers_trainer(s
 
 
 def test_other_families_are_refused_or_exported_native(setup, capsys, tmp_path):
+    """GDN has no transformers form (Transformer++ leaves as Llama: below); neither has the paper's format."""
     from gpn_scale.config import model_config
     from gpn_scale.models import build_model
 
     _, tok, _, _ = setup
-    for family in ("transformer", "gdn"):
+    refused = {"gdn": (("hf", "--to hf exports GPN and GPN[+]M .* and Transformer[+][+] [(]as LlamaForCausalLM[)] "
+                               "only, not a gdn model"), ("reference", "the paper's format holds GPN")),
+               "transformer": (("reference", "the paper's format holds GPN"),)}
+    for family, cases in refused.items():
         save_native(build_model(model_config(f"{family}_tiny", {"vocab_size": 300})), tmp_path / family)
-        for to, why in (("hf", "--to hf exports GPN and GPN[+]M only"), ("reference", "the paper's format holds GPN")):
+        for to, why in cases:
             code, _, err = run(capsys, "export", tmp_path / family, "--to", to, "--out", tmp_path / f"{family}_{to}",
                                "--tokenizer", tok)
             assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
@@ -288,6 +292,124 @@ def test_other_families_are_refused_or_exported_native(setup, capsys, tmp_path):
         assert code == 0, err
         assert load_native(tmp_path / f"{family}_n").config.family == family
         assert (tmp_path / f"{family}_n" / "tokenizer.json").read_bytes() == Path(tok).read_bytes()
+
+
+# ---- Transformer++ as a plain LlamaForCausalLM ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def transformer(setup):
+    """configs/models/transformer_tiny.yaml (vocabulary 512, padded beyond the tokenizer's 300), a few
+    Adam steps on the prep's windows, saved native beside the GPN models."""
+    from gpn_scale.config import model_config
+    from gpn_scale.models import build_model
+
+    root, _, prep, _ = setup
+    torch.manual_seed(0)
+    model = train(build_model(model_config("transformer_tiny")), read_windows(open_data(prep / "train")), steps=30)
+    save_native(model, root / "transformer")
+    return model
+
+
+def test_transformer_exports_as_plain_llama_with_gpn_scales_logits(setup, transformer, capsys):
+    """No remote code: transformers' own LlamaForCausalLM. Its tokenizer puts BOS first, BOS's input
+    embedding is gpn-scale's learned start vector, so the logits of [BOS] + x are gpn-scale's of x."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    root, tok, _, _ = setup
+    path = export_hf(capsys, root, "transformer", tok)
+    assert sorted(p.name for p in path.iterdir()) == [
+        "README.md", "config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+        "tokenizer.json", "tokenizer_config.json"]
+    config = json.loads((path / "config.json").read_text())
+    assert (config["architectures"], config["model_type"]) == (["LlamaForCausalLM"], "llama")
+    assert "auto_map" not in config and config["tie_word_embeddings"] is False
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()  # no trust_remote_code
+    hf_tok = AutoTokenizer.from_pretrained(path)
+    assert type(hf) is LlamaForCausalLM and hf.dtype == torch.float32
+    codec = Codec(tok)
+    (bos,) = codec.encode("<|startoftext|>")
+    assert hf.config.bos_token_id == hf_tok.bos_token_id == bos and hf.config.vocab_size == 512
+    texts = [SENTENCES[2] + " " + SENTENCES[3], SENTENCES[0] + " " + SENTENCES[1]]
+    for text in texts:
+        assert hf_tok(text).input_ids == [bos] + codec.encode(text)
+        assert hf_tok.decode(hf_tok(text).input_ids, skip_special_tokens=True) == codec.decode(codec.encode(text))
+    tokens = torch.tensor([codec.encode(t)[:20] for t in texts])
+    inputs = torch.cat([torch.full((2, 1), bos), tokens], 1)
+    with torch.no_grad():
+        theirs = hf(inputs).logits[:, :-1]
+        ours = transformer(tokens, return_logits=True)
+        loss = hf(inputs, labels=inputs).loss  # scores inputs[1:]: every token of the text
+    assert theirs.dtype == torch.float32 and theirs.shape == ours.logits.shape == (2, 20, 512)
+    torch.testing.assert_close(theirs, ours.logits, rtol=0, atol=1e-5)
+    assert float(loss) == pytest.approx(float(ours.loss), abs=1e-5)
+    # greedy generation through transformers' KV cache: gpn-scale's tokens
+    n = 16
+    prompt = hf_tok("the cat sat", return_tensors="pt")
+    out = hf.generate(**prompt, max_new_tokens=n, do_sample=False, eos_token_id=None)
+    expected = [t for t, _ in generate_tokens(transformer, codec.encode("the cat sat"), n, temperature=0)]
+    assert out[0, prompt.input_ids.shape[1]:].tolist() == expected
+    card = (path / "README.md").read_text()
+    assert "LlamaForCausalLM" in card and "trust_remote_code" not in card and f"BOS (id {bos})" in card
+
+
+def test_transformer_llama_export_refuses_what_llama_cannot_hold(setup, transformer, capsys, tmp_path):
+    """BOS must never have been an input in training (it carries the start vector), and the model must
+    have no field or parameter that Llama lacks: otherwise one line, nothing written."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from gpn_scale.eval.data import PrepData
+    from gpn_scale.export import Source, llama, write_native
+    from gpn_scale.models.blocks import RMSNorm
+    from gpn_scale.models.transformer import TransformerConfig
+
+    root, tok, _, _ = setup
+    with_bos = tmp_path / "with_bos"  # trained on documents that began with BOS (prep --bos)
+    with_bos.mkdir()
+    (bos,) = Codec(tok).encode("<|startoftext|>")
+    write_native(Source(transformer, root / "transformer"), TokenizerSource(tok, True, bos, 0), with_bos)
+    only_eos = Tokenizer(models.BPE())  # a GPT-2-like tokenizer: EOS alone
+    only_eos.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    only_eos.train_from_iterator(corpus_texts(), trainers.BpeTrainer(vocab_size=280, special_tokens=["<|endoftext|>"]))
+    only_eos.save(str(tmp_path / "eos.json"))
+    cases = [([with_bos], "every training document began with BOS (prep --bos)"),
+             ([root / "transformer", "--tokenizer", tmp_path / "eos.json"],
+              "eos.json: --to hf writes a Transformer++ as LlamaForCausalLM with its learned start vector as BOS's "
+              "input embedding, but the tokenizer has no BOS apart from its EOS (id 0)")]
+    for i, (argv, message) in enumerate(cases):
+        code, _, err = run(capsys, "export", *argv, "--to", "hf", "--out", tmp_path / f"o{i}")
+        assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+        assert message in err and err.rstrip().endswith("export it with --to native"), err
+        assert not (tmp_path / f"o{i}").exists()
+
+    # the prep's unigram counts say BOS was in the training data (e.g. its text spelled the token)
+    counts = np.zeros(300, np.int64)
+    counts[bos] = 3
+    np.save(tmp_path / "unigram.npy", counts)
+    source = Source(transformer, root / "transformer")
+    with pytest.raises(UserError, match=f"unigram.npy: .* BOS [(]id {bos}[)] occurs 3 times in the training data"):
+        llama.start_token(source, TokenizerSource(tok), PrepData(tmp_path, None, tmp_path))
+    counts[bos] = 0
+    np.save(tmp_path / "unigram.npy", counts)
+    assert llama.start_token(source, TokenizerSource(tok), PrepData(tmp_path, None, tmp_path)) == bos
+
+    # a part Llama has no counterpart for: a config field, a parameter
+    from dataclasses import make_dataclass
+
+    extended = make_dataclass("Extended", [("qk_norm", bool, True)], bases=(TransformerConfig,))
+    model = build_tiny_transformer(extended)
+    with pytest.raises(UserError, match="model.qk_norm: LlamaForCausalLM has no counterpart"):
+        llama.check_model(Source(model, tmp_path / "m"))
+    model = build_tiny_transformer(TransformerConfig)
+    model.layers[0].mixer.q_norm = RMSNorm(16)
+    with pytest.raises(UserError, match="parameter layers.0.mixer.q_norm.weight: LlamaForCausalLM has no counterpart"):
+        llama.check_model(Source(model, tmp_path / "m"))
+
+
+def build_tiny_transformer(config_cls):
+    from gpn_scale.models.transformer import Transformer
+
+    return Transformer(config_cls(vocab_size=300, d_model=64, n_layers=1, n_heads=4, d_ffn=128))
 
 
 def re_search(pattern: str, text: str) -> bool:

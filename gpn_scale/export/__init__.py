@@ -7,7 +7,8 @@ manifest). The export is written into a temporary directory beside DIR and renam
 once complete; an existing non-empty DIR is refused, never overwritten (`gpn_scale.storage.outputs`).
 
 - `hf`: Hugging Face transformers (`gpn_scale/export/hf.py`): config.json, model.safetensors, the
-  self-contained modeling file, tokenizer files.
+  self-contained modeling file, tokenizer files; a Transformer++ as a plain `LlamaForCausalLM`, no
+  modeling file (`gpn_scale/export/llama.py`).
 - `reference`: the paper's `checkpoint.pkl` (parameters, the AdamW state in the paper's optax
   structure, step, data position) and JSON config (`gpn_scale/export/reference.py`); the paper's
   trainer resumes from it and `gpn-scale convert --from-reference` reads it back bit-exactly.
@@ -103,6 +104,8 @@ def export(checkpoint: str | Path, to: str, out: str | Path, tokenizer: str | No
 
         reference.check_exportable(source)
     tok = find_tokenizer(source, tokenizer) if to in ("hf", "native") else None
+    if to == "hf":
+        hf.check_tokenizer(source, tok)  # a refusal before anything is written
     with new_directory(out, "--out", "export") as staging:
         if to == "hf":
             hf.write(source, tok, staging)

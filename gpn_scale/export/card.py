@@ -95,3 +95,36 @@ def model_card(source, tokenizer, specials) -> str:
         "", "## Training", "", *_training(source), "", "## Evaluation", "", *_evaluation(source), "",
     ]
     return "\n".join(lines)
+
+
+def llama_card(source, tokenizer, specials, window: int | None) -> str:
+    """The model card of a Transformer++ exported as a plain `LlamaForCausalLM` (export/llama.py)."""
+    model = source.model
+    cfg = model.config
+    groups = parameter_groups(model)
+    total = sum(groups.values())
+    lines = [
+        "---", "library_name: transformers", "pipeline_tag: text-generation", "tags: [llama, transformer, gpn-scale]",
+        "---", "", f"# Transformer++, {cfg.n_layers} layers, {total / 1e6:.2f}M parameters", "",
+        "The attention baseline of gpn-scale (pre-norm RMSNorm blocks, rotary position embeddings, SwiGLU MLPs, "
+        f"no biases), exported by gpn-scale from `{Path(source.path).name}` as a plain `LlamaForCausalLM`: "
+        "no remote code.", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+        "model = AutoModelForCausalLM.from_pretrained(PATH)  # dtype=torch.bfloat16 works too",
+        "tok = AutoTokenizer.from_pretrained(PATH)",
+        'out = model.generate(**tok("The river", return_tensors="pt"), max_new_tokens=50, do_sample=False)', "```",
+        "", "## Model", "", "| | |", "|---|---|",
+        f"| width | {cfg.d_model} |", f"| layers | {cfg.n_layers} |",
+        f"| attention heads | {cfg.n_heads} of {cfg.d_model // cfg.n_heads} (as many key/value heads) |",
+        f"| MLP width (SwiGLU) | {cfg.d_ffn} |", f"| RoPE theta | {cfg.rope_theta:g} |",
+        f"| vocabulary | {cfg.vocab_size:,} |",
+        f"| training window | {f'{window:,} tokens' if window else 'not recorded (a native checkpoint)'} |",
+        *(f"| parameters: {group} | {n:,} |" for group, n in groups.items()), f"| parameters | {total:,} |",
+        "", f"Start of text: the tokenizer puts BOS (id {specials.bos_id}) before every text. In gpn-scale the first "
+        "position of every training window read a learned start vector, not a token; here it is BOS's input "
+        "embedding, and `lm_head` keeps the trained embedding (`tie_word_embeddings: false`; gpn-scale ties them, so "
+        "the file holds the embedding twice). The logits of BOS followed by a text are gpn-scale's logits of the text: "
+        "position t scores the text's token t. BOS was no input in training: a BOS inside a text reads the start "
+        f"vector too. EOS: id {specials.eos_id}.",
+        "", "## Training", "", *_training(source), "", "## Evaluation", "", *_evaluation(source), "",
+    ]
+    return "\n".join(lines)

@@ -1,5 +1,7 @@
 """`export --to hf`: a directory that Hugging Face transformers loads offline with
 `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` and `AutoTokenizer.from_pretrained(DIR)`.
+This file writes GPN and GPN+M; a Transformer++ leaves as a plain `LlamaForCausalLM` (no remote
+code: `gpn_scale/export/llama.py`).
 
     config.json              the model fields, `auto_map` to the modeling file, BOS / EOS / pad ids, start_state
     generation_config.json   the same ids, for `generate`
@@ -13,8 +15,8 @@ the training data began every document with BOS) the state after BOS; the BOS to
 it wherever it appears, and the tokenizer adds no special token. A tokenizer without a BOS token
 lets EOS stand for the start (as GPT-2's `<|endoftext|>` does).
 
-Only GPN and GPN+M: the modeling file implements their recurrence. Transformer++ and GDN are
-refused rather than exported with a second, untested implementation of each.
+The modeling file implements the GPN recurrence only. GDN has no transformers architecture to
+leave as, and is refused rather than exported with a second, untested implementation of it.
 """
 
 from __future__ import annotations
@@ -48,9 +50,24 @@ class Specials:
 
 
 def check_exportable(source) -> None:
-    if source.family not in ("gpn", "gpn_m"):
-        raise UserError(f"{source.path}: --to hf exports GPN and GPN+M only (the exported modeling file implements "
-                        f"their recurrence, not a {source.family} model's layers); export it with --to native")
+    if source.family == "transformer":
+        from gpn_scale.export import llama
+
+        llama.check_model(source)
+    elif source.family not in ("gpn", "gpn_m"):
+        raise UserError(f"{source.path}: --to hf exports GPN and GPN+M (with their modeling file) and Transformer++ "
+                        f"(as LlamaForCausalLM) only, not a {source.family} model (no transformers architecture has "
+                        f"its layers); export it with --to native")
+
+
+def check_tokenizer(source, tokenizer) -> None:
+    """What can be refused only with the tokenizer in hand, before anything is written: a
+    Transformer++ needs a BOS that never was an input in training (`llama.start_token`)."""
+    if source.family == "transformer":
+        from gpn_scale.eval.data import training_prep
+        from gpn_scale.export import llama
+
+        llama.start_token(source, tokenizer, None if source.checkpoint is None else training_prep(source.checkpoint))
 
 
 def hf_weights(model) -> dict:
@@ -91,6 +108,10 @@ def hf_weights(model) -> dict:
 
 
 def write(source, tokenizer, out: Path) -> None:
+    if source.family == "transformer":
+        from gpn_scale.export import llama
+
+        return llama.write(source, tokenizer, out)
     from safetensors.torch import save_file
 
     specials = write_tokenizer(tokenizer, out)
@@ -118,18 +139,26 @@ def write(source, tokenizer, out: Path) -> None:
     (out / "README.md").write_text(model_card(source, tokenizer, specials))
 
 
-def write_tokenizer(tokenizer, out: Path) -> Specials:
-    """Tokenizer files for `AutoTokenizer`, adding no special token to text; returns the special tokens."""
+def special_ids(tokenizer) -> tuple[int | None, int]:
+    """(BOS id or None, EOS id): those the training data used where recorded, else found by their
+    usual names, as prep finds them."""
     from gpn_scale.prep.tokenizer import Tokenizer
 
     if tokenizer.eos_id is None:  # nothing recorded: EOS (required) and BOS found by their usual names, as prep does
         info = Tokenizer(str(tokenizer.path)).info
-        eos_id, bos_id = info.eos_id, info.bos_id
-    else:  # the ids the training data used (prep's --eos-token / --bos-token may name others)
-        eos_id, bos_id = tokenizer.eos_id, tokenizer.bos_id
+        return info.bos_id, info.eos_id
+    return tokenizer.bos_id, tokenizer.eos_id  # the ids the training data used (prep's --eos-token / --bos-token)
+
+
+def write_tokenizer(tokenizer, out: Path, prefix_bos: bool = False, max_length: int | None = None) -> Specials:
+    """Tokenizer files for `AutoTokenizer`; returns the special tokens. By default it adds no special
+    token to text (a GPN starts from its initial state); `prefix_bos`: it puts BOS before every text
+    and nothing else, as Llama's tokenizers do (the exported Transformer++'s start of text).
+    `max_length`: `model_max_length`, by default unlimited (a recurrent model has no context limit)."""
+    bos_id, eos_id = special_ids(tokenizer)
     specials = Specials(bos_id if bos_id is not None else eos_id, eos_id, "bos" if tokenizer.add_bos else "empty")
     config = {"clean_up_tokenization_spaces": False,
-              "model_max_length": 1 << 30,  # a recurrent model: no context limit
+              "model_max_length": max_length or 1 << 30,
               "padding_side": "left",  # padded positions leave the state as it is: left padding generates
               "model_input_names": ["input_ids", "attention_mask"]}  # no token_type_ids: `generate(**tok(text))` works
     if tokenizer.path.suffix == ".model":  # sentencepiece
@@ -139,7 +168,7 @@ def write_tokenizer(tokenizer, out: Path) -> Specials:
         token = sp.id_to_piece
         shutil.copyfile(tokenizer.path, out / "tokenizer.model")
         # legacy: text is passed to sentencepiece as it is, as gpn-scale encodes it
-        config.update(tokenizer_class="LlamaTokenizer", legacy=True, add_bos_token=False, add_eos_token=False,
+        config.update(tokenizer_class="LlamaTokenizer", legacy=True, add_bos_token=prefix_bos, add_eos_token=False,
                       sp_model_kwargs={})
         if sp.unk_id() >= 0:
             config["unk_token"] = sp.id_to_piece(sp.unk_id())
@@ -149,9 +178,14 @@ def write_tokenizer(tokenizer, out: Path) -> Specials:
         tok = HFTokenizer.from_file(str(tokenizer.path))
         token = tok.id_to_token
         # AutoTokenizer adds special tokens by default; the start of text is the model's initial state,
-        # so none is added (tokenizers like LLaMA's add BOS: their post-processor is replaced).
+        # so none is added (tokenizers like LLaMA's add BOS: their post-processor is replaced), or BOS alone.
         probe = "a b"
-        if tok.encode(probe).ids != tok.encode(probe, add_special_tokens=False).ids:
+        if prefix_bos:
+            bos = tok.id_to_token(specials.bos_id)
+            tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                               special_tokens=[(bos, specials.bos_id)])
+            tok.save(str(out / "tokenizer.json"))
+        elif tok.encode(probe).ids != tok.encode(probe, add_special_tokens=False).ids:
             tok.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B")
             tok.save(str(out / "tokenizer.json"))
         else:
