@@ -9,6 +9,7 @@ absolute) is saved as `run.dir/config.yaml`.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,15 +147,55 @@ class EvalSection:
     batches: int = 16
 
 
+WANDB_TAG_MAX = 64  # characters: wandb refuses longer tags
+
+
 @dataclass
 class LoggingSection:
     wandb: str = "disabled"  # disabled | offline | online
     project: str = "gpn-scale"
+    wandb_entity: str | None = None  # the wandb team or user the run goes to (default: wandb's own)
+    wandb_group: str | None = None  # groups runs in wandb's UI (a sweep, the ranks of an experiment)
+    wandb_tags: list[str] = field(default_factory=list)
     peak_tflops: float | None = None  # per device, for MFU; default: known GPUs, none on CPU
+    tensorboard: bool = False  # TensorBoard event files in run.dir/tensorboard with metrics.jsonl's scalars
 
     def __post_init__(self):
         if self.wandb not in ("disabled", "offline", "online"):
             raise ValueError(f"wandb: expected disabled, offline or online, got {self.wandb!r}")
+        for name in ("project", "wandb_entity", "wandb_group"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"{name}: expected a non-empty name, got {value!r}")
+        for i, tag in enumerate(self.wandb_tags):
+            if not tag.strip() or len(tag) > WANDB_TAG_MAX:
+                raise ValueError(f"wandb_tags: expected tags of 1 to {WANDB_TAG_MAX} characters, got {tag!r} "
+                                 f"(item {i})")
+        if len(set(self.wandb_tags)) != len(self.wandb_tags):
+            twice = next(t for t in self.wandb_tags if self.wandb_tags.count(t) > 1)
+            raise ValueError(f"wandb_tags: {twice!r} given twice")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ValueError(f"peak_tflops: expected a number of TFLOP/s per device > 0, got {self.peak_tflops}")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("tensorboard: needs the tensorboard package, which is not installed here "
+                             "(pip install tensorboard), or set logging.tensorboard=false")
+
+
+@dataclass
+class ProfileSection:
+    # [A, B]: a torch.profiler trace of optimiser steps A to B (both included) on each rank, as Chrome/Perfetto
+    # trace JSON in run.dir/profile (gpn_scale/train/profiling.py); [] profiles nothing
+    steps: list[int] = field(default_factory=list)
+    # CUDA only: record the allocator's history from the launch's start and dump a snapshot at the end of this
+    # optimiser step (and at an out-of-memory) into run.dir/profile; refused on a CPU run
+    memory_snapshot_step: int | None = None
+
+    def __post_init__(self):
+        if self.steps and (len(self.steps) != 2 or not 1 <= self.steps[0] <= self.steps[1]):
+            raise ValueError(f"steps: expected [first, last], two optimiser steps with 1 <= first <= last, "
+                             f"got {self.steps}")
+        if self.memory_snapshot_step is not None and self.memory_snapshot_step < 1:
+            raise ValueError(f"memory_snapshot_step: expected an optimiser step >= 1, got {self.memory_snapshot_step}")
 
 
 @dataclass
@@ -166,6 +207,7 @@ class TrainConfig:
     zero: ZeroSection = field(default_factory=ZeroSection)
     eval: EvalSection = field(default_factory=EvalSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
     precision: str = "bf16"  # fp32 | bf16 (autocast; state, M and master weights stay float32)
     seed: int = 0
 
@@ -174,7 +216,7 @@ class TrainConfig:
 
 
 _SECTIONS = {"run": RunSection, "data": DataSection, "train": TrainSection, "zero": ZeroSection,
-             "eval": EvalSection, "logging": LoggingSection}
+             "eval": EvalSection, "logging": LoggingSection, "profile": ProfileSection}
 _TOP_LEVEL = {"model", "precision", "seed", *_SECTIONS}
 
 
@@ -252,6 +294,12 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
         if getattr(cfg.train, key) and not MODEL_FAMILIES[family].carries_state:
             raise UserError(f"{OVERRIDE if key in overrides.get('train', {}) else where}: train.{key}: the {family} family "
                             f"{why}; use gpn, gpn_m or gdn, or set train.{key}=false")
+    for key, value in (("steps", cfg.profile.steps and cfg.profile.steps[1]),
+                       ("memory_snapshot_step", cfg.profile.memory_snapshot_step)):
+        if value and value > cfg.train.total_steps:
+            at = OVERRIDE if key in overrides.get("profile", {}) else where
+            raise UserError(f"{at}: profile.{key}: step {value} is past train.total_steps={cfg.train.total_steps}, "
+                            "so it would never run")
     for key, value in (("run.dir", cfg.run.dir), ("data.train", cfg.data.train)):
         if not value:
             raise UserError(f"{where}: {key}: missing")
@@ -270,7 +318,7 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
 # EXECUTION_KEYS.
 RESUMABLE = ("run.", "data.cache", "data.log_sample_ids", "train.total_steps", "train.stop_at_step",
              "train.micro_batch", "train.grad_accum", "train.global_batch", "train.save_every", "train.keep_last",
-             "train.keep_steps", "train.nonfinite_patience", "eval.", "logging.")
+             "train.keep_steps", "train.nonfinite_patience", "eval.", "logging.", "profile.")
 # What a decay branch (`gpn-scale train --branch-from`) may change besides: the schedule after the
 # checkpoint it starts from. The warm-up, the peak lr and everything that decides the run up to that
 # checkpoint stay the parent's.

@@ -39,7 +39,7 @@ from gpn_scale.storage.jsonl import JsonLines, truncate_jsonl
 from gpn_scale.storage.lock import RunLock
 from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import distributed as dist_utils
-from gpn_scale.train import loop, optim, preflight
+from gpn_scale.train import loop, optim, preflight, profiling
 from gpn_scale.train import branch
 from gpn_scale.train.config import BRANCHABLE, RESUMABLE, TrainConfig, config_changes, load_train_config
 from gpn_scale.train.gc import GarbageCollection
@@ -349,11 +349,15 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]  # what this step's update uses; the scheduler moves after it
         losses, self.step_samples = [], []
         grad_norm = None
+        waited = 0.0  # for the loader's batches
         for micro in range(self.grad_accum):
-            batch = next(self.data)
+            asked = time.perf_counter()
+            with profiling.section("data_wait"):
+                batch = next(self.data)
+            waited += time.perf_counter() - asked
             tokens = batch["tokens"].to(self.device, non_blocking=True)
             resets = self._resets(tokens)
-            with self._autocast():
+            with self._autocast(), profiling.section("forward"):
                 if self.carried is None:
                     loss = self.engine(tokens, **resets).loss
                 else:  # this micro-batch's slots go on from the state their last window ended with
@@ -362,16 +366,20 @@ class Trainer:
                     out = self.engine(tokens, state=state, **resets)
                     loss = out.loss
                     self.carried.put(batch["micro"], out.state)
-            self.engine.backward(loss)
+            with profiling.section("backward"):
+                self.engine.backward(loss)
             if micro == self.grad_accum - 1 and self.cfg.zero.stage == 0:
                 grad_norm = self._grad_norm()  # before step() clears the gradients
-            self.engine.step()
+            with profiling.section("optimizer_step"):  # DeepSpeed's: the update at the last micro-batch
+                self.engine.step()
             losses.append(loss.item())
             self.step_samples += batch["sample_id"].tolist()
         if self.cfg.zero.stage > 0:
             grad_norm = self._grad_norm()
         loss = dist_utils.all_mean(sum(losses) / len(losses))
         peak_mem = dist_utils.all_max(peak_memory_bytes(self.device))
+        wait = torch.tensor([waited], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(wait, op=torch.distributed.ReduceOp.MAX)  # the slowest rank's holds all up
         step_tokens = self.global_batch * tokens.shape[1]
         self.step += 1
         self.tokens += step_tokens
@@ -381,7 +389,8 @@ class Trainer:
                if self.peak_flops else None)
         return StepMetrics(step=self.step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=self.tokens,
                            tokens_per_s=tokens_per_s, step_time_s=step_time, peak_mem_bytes=peak_mem,
-                           elapsed_s=self.clock.elapsed(), eta_s=self.clock.eta(self.step), mfu=mfu)
+                           elapsed_s=self.clock.elapsed(), eta_s=self.clock.eta(self.step), mfu=mfu,
+                           data_wait_s=wait.item())
 
     def _resets(self, tokens: torch.Tensor) -> dict:
         """The forward's `resets` keyword: the state after each EOS is the empty one (models/resets.py)."""
@@ -463,7 +472,14 @@ class Trainer:
             outcome = Outcome.INTERRUPTED if self.stop_flag.signal_name == "SIGINT" else Outcome.PREEMPTED
         with GarbageCollection() as collector:
             while self.step < self.stop_at and outcome is Outcome.FINISHED:
-                metrics = self._train_step()
+                self.profiler.begin(self.step + 1)
+                try:
+                    metrics = self._train_step()
+                except torch.cuda.OutOfMemoryError:
+                    self.snapshots.oom(self.step + 1)
+                    raise
+                self.profiler.end(self.step)
+                self.snapshots.after_step(self.step)
                 collector.step(self.step)
                 self._log(metrics)
                 if self.audit.observe(metrics.loss, metrics.grad_norm):
@@ -500,14 +516,20 @@ class Trainer:
         self.audit = Audit(t.nonfinite_patience)
         self.clock = RunClock(self.stop_at)
         self.peak_flops = peak_flops(cfg.logging.peak_tflops)
+        cuda = self.device.type == "cuda"
+        self.profiler = profiling.StepProfiler(cfg.profile.steps, self.run_dir, self.rank, cuda)
+        self.snapshots = profiling.MemorySnapshots(cfg.profile.memory_snapshot_step, self.run_dir, self.rank)
+        self.snapshots.start()
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())
         self._say(
             f"training {cfg.model['family']} ({n_params:,} parameters) on {self.world} rank(s), ZeRO-{cfg.zero.stage}, "
             f"{cfg.precision}; global batch {self.global_batch} = {t.micro_batch} x {self.grad_accum} x {self.world}; "
             f"steps {self.step} -> {self.stop_at} of {t.total_steps}"
         )
-        self.log = MetricsLog(self.run_dir, cfg.to_dict(), cfg.logging.wandb, cfg.logging.project,
-                              cfg.run.name or self.run_dir.name, self.step, t.total_steps, self.is_main)
+        lg = cfg.logging
+        self.log = MetricsLog(self.run_dir, cfg.to_dict(), lg.wandb, lg.project, cfg.run.name or self.run_dir.name,
+                              self.step, t.total_steps, self.is_main, wandb_entity=lg.wandb_entity,
+                              wandb_group=lg.wandb_group, wandb_tags=lg.wandb_tags, tensorboard=lg.tensorboard)
         changes = {k: {"checkpoint": a, "now": b} for k, a, b in self.config_changes}
         if self.origin is not None:
             listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in self.config_changes) or "none"
@@ -563,6 +585,8 @@ class Trainer:
             if self.step >= t.total_steps:
                 self._record_eval()
             tag_dir = self.save()
+        self.profiler.close()  # a run that stopped inside profile.steps: the trace of the steps it ran
+        self.snapshots.close()
         if self.samples_file:
             self.samples_file.close()
         self.log.close()
@@ -614,8 +638,9 @@ def main(argv: list[str]) -> int:
                          "its newest) with its weights, optimiser, step and data position, into this run.dir, writing "
                          "nothing into RUN. The config may differ from the checkpoint's only in schedule and length "
                          "(total_steps, schedule, decay_steps, decay_fraction, decay_shape, min_lr_ratio, "
-                         "stop_at_step, save_every, keep_steps, keep_last), eval.*, logging.* and run.*. Run again, it "
-                         "resumes the branch's own newest checkpoint (docs/train.md, 'Schedules and decay branches')")
+                         "stop_at_step, save_every, keep_steps, keep_last), eval.*, logging.*, profile.* and run.*. "
+                         "Run again, it resumes the branch's own newest checkpoint (docs/train.md, 'Schedules and "
+                         "decay branches')")
     ap.add_argument("--allow-config-change", action="store_true",
                     help="on resume, apply settings that differ from the checkpoint's even where they change what "
                          "the run computes (lr, model, data, ...); the change is recorded in metrics.jsonl")
@@ -627,6 +652,9 @@ def main(argv: list[str]) -> int:
         resume = _resume_mode(args)
         cfg = load_train_config(args.config, args.overrides)
         data = preflight.check(cfg, resume, resolve_config_path(args.config, "train"), branch_from=args.branch_from)
+        refusal = profiling.memory_snapshot_refusal(cfg.profile.memory_snapshot_step, torch.cuda.is_available())
+        if refusal:
+            raise UserError(refusal)
     except UserError as e:
         e.every_rank = True
         raise

@@ -1,5 +1,6 @@
-"""What a run measures at each step, and where it goes: `metrics.jsonl`, wandb, and a progress
-bar or progress lines, then a closing summary (all on rank 0).
+"""What a run measures at each step, and where it goes: `metrics.jsonl`, wandb, TensorBoard event
+files (`logging.tensorboard`), and a progress bar or progress lines, then a closing summary (all on
+rank 0).
 
 Progress goes to stdout, where DeepSpeed's log goes too, so `gpn-scale train ... | tee train.log`
 and a SLURM output file keep it: on a terminal a redrawn bar, elsewhere (a pipe, a file) a plain
@@ -23,6 +24,10 @@ from gpn_scale.errors import read_text
 
 # Off a terminal (a SLURM log, nohup) a redrawn bar is unreadable: a plain line this often instead.
 LINE_EVERY_S = 30.0
+# A plain progress line is followed by a data-wait line when the steps since the previous line spent
+# at least this share of their time waiting for the loader.
+DATA_WAIT_SHARE = 0.1
+TENSORBOARD_DIR = "tensorboard"
 
 # Dense bf16 peak per device, for MFU when `logging.peak_tflops` is not set.
 _PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
@@ -114,6 +119,8 @@ class StepMetrics:
     elapsed_s: float
     eta_s: float | None
     mfu: float | None  # model FLOPs utilisation, where a peak is known or configured
+    # seconds the step waited for its batches from the loader (part of step_time_s), the largest over ranks
+    data_wait_s: float | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -159,17 +166,38 @@ def progress_line(m: StepMetrics, total_steps: int) -> str:
             f"{m.peak_mem_bytes / 2**30:.1f} GiB | {duration(m.elapsed_s)} elapsed{eta}")
 
 
+def data_wait_line(waited: float, stepped: float, first: int, last: int) -> str | None:
+    """The line that follows a plain progress line when the loader held the steps `first`..`last`
+    up for DATA_WAIT_SHARE of their time or more; None otherwise."""
+    if stepped <= 0 or waited < DATA_WAIT_SHARE * stepped:
+        return None
+    steps = f"step {last}" if first == last else f"steps {first}-{last}"
+    return (f"data wait {waited / stepped:.0%} of the step time over {steps} ({waited:.1f}s of {stepped:.1f}s): "
+            "the loader is behind the model")
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """The numbers of a metrics.jsonl record, as TensorBoard scalars (not its step, events or nulls)."""
+    return {k: float(v) for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 class MetricsLog:
     def __init__(self, run_dir: Path, config: dict, wandb_mode: str, project: str, name: str,
-                 start_step: int, total_steps: int, enabled: bool, out=None):
-        """`out`: where progress and messages go (default: stdout)."""
+                 start_step: int, total_steps: int, enabled: bool, out=None, *, wandb_entity: str | None = None,
+                 wandb_group: str | None = None, wandb_tags: list[str] | tuple = (), tensorboard: bool = False):
+        """`out`: where progress and messages go (default: stdout). `tensorboard`: the records' scalars
+        also go to TensorBoard event files in run_dir/tensorboard (a resumed run's steps after
+        `start_step` that an earlier launch wrote there are purged, as metrics.jsonl's are)."""
         self.enabled = enabled
         self.out = sys.stdout if out is None else out
         self.path = run_dir / "metrics.jsonl"
         self.wandb = None
+        self.tensorboard = None
         self.bar = None
         self.total_steps = total_steps
         self.last_line = time.monotonic()
+        self.waited, self.stepped, self.line_from = 0.0, 0.0, start_step + 1  # since the last plain line
         if not enabled:
             return
         kept = truncate_jsonl(self.path, start_step)
@@ -183,8 +211,14 @@ class MetricsLog:
             id_file = run_dir / "wandb_id"
             run_id = read_text(id_file).strip() if id_file.is_file() else secrets.token_hex(6)
             id_file.write_text(run_id)
-            self.wandb = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(run_dir),
-                                    mode=wandb_mode, config=config)
+            self.wandb = wandb.init(project=project, entity=wandb_entity, group=wandb_group,
+                                    tags=list(wandb_tags) or None, name=name, id=run_id, resume="allow",
+                                    dir=str(run_dir), mode=wandb_mode, config=config)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR),
+                                             purge_step=start_step + 1 if start_step else None)
         if not self.out.isatty():
             return
         from tqdm import tqdm
@@ -198,16 +232,27 @@ class MetricsLog:
         self.file.write(record)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
+        if self.tensorboard is not None:
+            for tag, value in scalars(record).items():
+                self.tensorboard.add_scalar(tag, value, global_step=record["step"])
 
     def progress(self, m: StepMetrics) -> None:
         if self.bar is not None:  # tqdm shows the elapsed time and the ETA itself
             self.bar.n = m.step
+            wait = {} if m.data_wait_s is None else {"data_wait": f"{m.data_wait_s:.2f}s"}
             self.bar.set_postfix(loss=f"{m.loss:.4f}", tok_s=f"{m.tokens_per_s:,.0f}",
-                                 mem=f"{m.peak_mem_bytes / 2**30:.1f}G", refresh=False)
+                                 mem=f"{m.peak_mem_bytes / 2**30:.1f}G", **wait, refresh=False)
             self.bar.refresh()
-        elif self.enabled and (time.monotonic() - self.last_line >= LINE_EVERY_S or m.step == self.total_steps):
+            return
+        self.waited += m.data_wait_s or 0.0
+        self.stepped += m.step_time_s
+        if self.enabled and (time.monotonic() - self.last_line >= LINE_EVERY_S or m.step == self.total_steps):
             self.last_line = time.monotonic()
             print(progress_line(m, self.total_steps), file=self.out, flush=True)
+            wait = data_wait_line(self.waited, self.stepped, self.line_from, m.step)
+            if wait is not None:
+                print(wait, file=self.out, flush=True)
+            self.waited, self.stepped, self.line_from = 0.0, 0.0, m.step + 1
 
     def write(self, message: str) -> None:
         """A line of the run's report, beside the progress (above a bar, which is redrawn under it)."""
@@ -225,5 +270,8 @@ class MetricsLog:
             self.bar.close()
             self.bar = None
         self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
         if self.wandb is not None:
             self.wandb.finish()
