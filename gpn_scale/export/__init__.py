@@ -95,19 +95,22 @@ def export(checkpoint: str | Path, to: str, out: str | Path, tokenizer: str | No
     out = Path(out)
     check_new(out, "--out", "export")  # before the checkpoint is read: a refusal costs nothing
     source = load_source(checkpoint)
+    llama = to == "hf" and source.family == "transformer"  # a Transformer++ leaves as LlamaForCausalLM
     if to == "hf":
-        from gpn_scale.export import hf
+        from gpn_scale.export import hf, llama as to_llama
 
-        hf.check_exportable(source)
+        (to_llama.check_model if llama else hf.check_exportable)(source)
     elif to == "reference":
         from gpn_scale.export import reference
 
         reference.check_exportable(source)
     tok = find_tokenizer(source, tokenizer) if to in ("hf", "native") else None
-    if to == "hf":
-        hf.check_tokenizer(source, tok)  # a refusal before anything is written
+    if llama:
+        to_llama.check_tokenizer(source, tok)  # a refusal before anything is written
     with new_directory(out, "--out", "export") as staging:
-        if to == "hf":
+        if llama:
+            to_llama.write(source, tok, staging)
+        elif to == "hf":
             hf.write(source, tok, staging)
         elif to == "reference":
             reference.write(source, staging, batch_size)

@@ -50,24 +50,11 @@ class Specials:
 
 
 def check_exportable(source) -> None:
-    if source.family == "transformer":
-        from gpn_scale.export import llama
-
-        llama.check_model(source)
-    elif source.family not in ("gpn", "gpn_m"):
+    """GPN and GPN+M; a Transformer++ goes to `llama.py` (export/__init__.py), anything else is refused."""
+    if source.family not in ("gpn", "gpn_m"):
         raise UserError(f"{source.path}: --to hf exports GPN and GPN+M (with their modeling file) and Transformer++ "
                         f"(as LlamaForCausalLM) only, not a {source.family} model (no transformers architecture has "
                         f"its layers); export it with --to native")
-
-
-def check_tokenizer(source, tokenizer) -> None:
-    """What can be refused only with the tokenizer in hand, before anything is written: a
-    Transformer++ needs a BOS that never was an input in training (`llama.start_token`)."""
-    if source.family == "transformer":
-        from gpn_scale.eval.data import training_prep
-        from gpn_scale.export import llama
-
-        llama.start_token(source, tokenizer, None if source.checkpoint is None else training_prep(source.checkpoint))
 
 
 def hf_weights(model) -> dict:
@@ -108,10 +95,6 @@ def hf_weights(model) -> dict:
 
 
 def write(source, tokenizer, out: Path) -> None:
-    if source.family == "transformer":
-        from gpn_scale.export import llama
-
-        return llama.write(source, tokenizer, out)
     from safetensors.torch import save_file
 
     specials = write_tokenizer(tokenizer, out)

@@ -50,6 +50,14 @@ def check_model(source) -> None:
                             f"cannot write this Transformer++ as Llama; {HOW}")
 
 
+def check_tokenizer(source, tokenizer) -> None:
+    """What can be refused only with the tokenizer in hand, before anything is written: BOS must
+    never have been an input in training (`start_token`), the run's prep's counts read where there."""
+    from gpn_scale.eval.data import training_prep
+
+    start_token(source, tokenizer, None if source.checkpoint is None else training_prep(source.checkpoint))
+
+
 def _expected(cfg) -> set[str]:
     return {"embedding", "start", "norm.weight"} | {f"layers.{i}.{k}" for i in range(cfg.n_layers) for k in _LAYER}
 
