@@ -185,28 +185,52 @@ def test_top_k_1_samples_the_greedy_text(eos_model, capsys):
     assert "--top-k: expected >= 0" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_a_run_trained_with_relative_paths_evaluates_from_another_directory(tmp_path):
-    """Trained from its own directory with relative data and run paths, overrides after --resume;
-    evaluated from elsewhere, where those relative paths mean nothing."""
-    home = tmp_path / "project"
-    prep = make_prep(home, make_tokenizer(tmp_path / "tok.json"))
+@pytest.fixture(scope="module")
+def relative_run(tmp_path_factory):
+    """A 2-step run of the tiny GPN+M (ZeRO-2), trained from its own directory with relative data and run
+    paths, overrides after --resume: (its directory, the prep output, the environment it ran in)."""
+    home = tmp_path_factory.mktemp("relative") / "project"
+    prep = make_prep(home, make_tokenizer(home.parent / "tok.json"))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     proc = subprocess.run([sys.executable, "-m", "gpn_scale", "train", str(TINY), "--resume", "auto",
                            f"data.train={prep.name}/train", f"data.val={prep.name}/val", "run.dir=run",
                            "train.total_steps=2", "train.save_every=2", "model.vocab_size=300"],
                           cwd=home, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    saved = yaml.safe_load((home / "run" / "config.yaml").read_text())
+    return home / "run", prep, env
+
+
+@pytest.mark.slow
+def test_a_run_trained_with_relative_paths_evaluates_from_another_directory(relative_run, tmp_path):
+    """Evaluated from elsewhere, where the run's relative paths mean nothing."""
+    run, prep, env = relative_run
+    saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["data"]["train"] == str(prep / "train") and saved["data"]["val"] == str(prep / "val")
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "lambada.jsonl").write_text(json.dumps({"text": "the cat sat on the mat"}) + "\n")
-    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "eval", str(home / "run"), "--lambada", "lambada.jsonl",
+    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "eval", str(run), "--lambada", "lambada.jsonl",
                            "--json"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert json.loads(proc.stdout.splitlines()[-1])["lambada_examples"] == 1
+    assert json.loads(proc.stdout)["lambada_examples"] == 1
+
+
+@pytest.mark.slow
+def test_eval_json_is_json_alone_on_stdout(relative_run, tmp_path):
+    """`gpn-scale eval RUN --json | jq`: loading a ZeRO checkpoint imports DeepSpeed, whose logger prints
+    "Setting accelerator to CPU ..." on a machine without a GPU (DS_ACCELERATOR unset); that goes to
+    stderr, and stdout is the metrics object alone, the one metrics.json holds."""
+    run, prep, env = relative_run
+    env = {k: v for k, v in env.items() if k != "DS_ACCELERATOR"}
+    proc = subprocess.run([sys.executable, "-m", "gpn_scale", "eval", str(run), "--data", str(prep), "--windows", "4",
+                           "--json", "--out", str(tmp_path / "out")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metrics = json.loads(proc.stdout)  # the whole of stdout
+    assert metrics == json.loads((tmp_path / "out" / "metrics.json").read_text()) and metrics["windows"] == 4
+    if not torch.cuda.is_available():  # the case this is about: DeepSpeed's warning was printed, on stderr
+        assert "Setting accelerator to CPU" in proc.stderr
 
 
 @pytest.mark.parametrize("command", [["train"], ["model-info"], ["sweep", "--dry-run"]])

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from gpn_scale.errors import UserError
-from gpn_scale.helptext import HelpFormatter
+from gpn_scale.helptext import HelpFormatter, json_stdout
 from gpn_scale.eval.codec import Codec
 from gpn_scale.eval.loading import DATA_OR_TOKENIZER, check_device, load_checkpoint
 from gpn_scale.eval.data import (PrepData, check_model_fits, choose_tokenizer, open_data, open_streams, read_windows,
@@ -62,9 +62,17 @@ def eval_main(argv: list[str]) -> int:
     ap.add_argument("--batch", type=int, default=16, help="windows (or LAMBADA examples) per forward")
     ap.add_argument("--out", default=None, help="a new directory for metrics.json and the loss-by-position curve "
                     "(default: ./eval, or the first free ./eval-N when that is taken)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object with the metrics")
+    ap.add_argument("--json", action="store_true", help="print one JSON object with the metrics, alone on stdout "
+                    "(what libraries print goes to stderr)")
     _device_flag(ap)
     args = ap.parse_args(argv)
+    with json_stdout(args.json) as stdout:
+        return _eval(ap, args, stdout)
+
+
+def _eval(ap, args, stdout) -> int:
+    """eval_main's work; `stdout`: where --json's object goes (everything else printed meanwhile
+    goes to stderr with --json)."""
     if not args.data and not args.lambada and not args.passkey:
         ap.error("nothing to evaluate: pass --data, --lambada and/or --passkey")
     _check_positive(args, "windows", "batch", "context", "streams", "passkey", "passkey_trials")
@@ -146,7 +154,7 @@ def eval_main(argv: list[str]) -> int:
             long_context.plot_passkey(passkeys, staging / "passkey.png", f"Passkey ({args.passkey_trials} keys per distance)")
         (staging / "metrics.json").write_text(json.dumps(metrics, indent=1))
     if args.json:
-        print(json.dumps(metrics))
+        print(json.dumps(metrics), file=stdout)
     else:
         if "ppl" in metrics:
             print(f"held-out: loss {metrics['loss']:.4f} nats, PPL {metrics['ppl']:.3f} over {metrics['tokens']:,} tokens "
