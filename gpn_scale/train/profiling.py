@@ -12,6 +12,7 @@ https://pytorch.org/memory_viz reads (`torch.cuda.memory._dump_snapshot`).
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -60,6 +61,8 @@ class StepProfiler:
             from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
             self.out.mkdir(parents=True, exist_ok=True)
+            if not self.cuda:  # torch built for CUDA on a machine without a GPU: no "gpuGetDeviceCount failed" line
+                os.environ.setdefault("KINETO_LOG_LEVEL", "5")
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
             self.profiler = profile(activities=activities, record_shapes=True, profile_memory=True,
                                     on_trace_ready=tensorboard_trace_handler(str(self.out),
