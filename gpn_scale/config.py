@@ -155,7 +155,9 @@ def merge(base: dict, overrides: dict) -> dict:
 
 
 def resolve_config_path(path: str | Path, kind: str) -> Path:
-    """A path as given, or a bare name looked up in configs/<kind>/ (`gpn_m_tiny` -> configs/models/gpn_m_tiny.yaml)."""
+    """A path as given, or a bare name looked up in configs/<kind>/ (`gpn_m_tiny` -> configs/models/gpn_m_tiny.yaml).
+    A name found in neither place is refused in one line with the nearest bundled name
+    (`did you mean gpn_m_tiny?`), or the bundled names when none is near."""
     p = Path(path)
     if p.exists():
         return p
@@ -164,7 +166,23 @@ def resolve_config_path(path: str | Path, kind: str) -> Path:
     candidate = CONFIG_ROOT / kind / (p.name if p.suffix else f"{p.name}.yaml")
     if candidate.exists():
         return candidate
-    raise UserError(f"{path}: no such config file (nor {candidate})")
+    raise UserError(f"{path}: no such config file (nor {candidate}); {_nearest_bundled(p, kind)}")
+
+
+def bundled_names(kind: str) -> list[str]:
+    """The names of the bundled configs of a kind (`train`, `models`, `sweeps`): configs/<kind>/*.yaml."""
+    return sorted(f.stem for f in (CONFIG_ROOT / kind).glob("*.yaml"))
+
+
+def _nearest_bundled(name: Path, kind: str) -> str:
+    names = bundled_names(kind)
+    if not names:
+        return f"no bundled configs in {CONFIG_ROOT / kind}"
+    stem = name.stem if name.suffix in (".yaml", ".yml") else name.name
+    nearest = difflib.get_close_matches(stem, names, n=1, cutoff=0.6)
+    if nearest:
+        return f"did you mean {nearest[0]}?"
+    return f"the bundled {kind} configs are: {', '.join(names)}"
 
 
 def model_config(source: str | Path | dict, overrides: dict | None = None, where: str | None = None,

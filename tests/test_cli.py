@@ -56,6 +56,36 @@ def test_overrides_after_flags(capsys):
     assert out.startswith("+ ") and out.rstrip().endswith("train.total_steps=7 run.dir=r --resume auto")
 
 
+@pytest.mark.parametrize("argv, kind, given, nearest", [
+    (["train", "gpn_m_tin"], "train", "gpn_m_tin", "gpn_m_tiny"),
+    (["train", "transformer_tiny.yml"], "train", "transformer_tiny.yml", "transformer_tiny"),
+    (["train", "gpn_m_tiny", "model=gpn_m_tin"], "models", "gpn_m_tin", "gpn_m_tiny"),
+    (["launch", "gpn_m_tiny", "--dry-run", "model=transfomer_tiny"], "models", "transfomer_tiny", "transformer_tiny"),
+    (["model-info", "gdn_tinyy"], "models", "gdn_tinyy", "gdn_tiny"),
+    (["sweep", "--dry-run", "cpu_tin"], "sweeps", "cpu_tin", "cpu_tiny"),
+])
+def test_a_mistyped_bundled_config_name_gets_the_nearest_name(argv, kind, given, nearest, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no file of that name here: the name is a bundled config's
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert (ROOT / "configs" / kind / f"{nearest}.yaml").is_file()
+    assert err == (f"error: {given}: no such config file (nor {ROOT / 'configs' / kind / Path(given).name}"
+                   f"{'' if Path(given).suffix else '.yaml'}); did you mean {nearest}?\n"), err
+
+
+@pytest.mark.parametrize("argv, kind", [(["train", "nothing_like_it"], "train"),
+                                        (["model-info", "nothing_like_it"], "models"),
+                                        (["sweep", "--dry-run", "nothing_like_it"], "sweeps")])
+def test_a_config_name_near_no_bundled_one_lists_them(argv, kind, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    names = sorted(p.stem for p in (ROOT / "configs" / kind).glob("*.yaml"))
+    assert len(names) >= 3 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: nothing_like_it: no such config file (nor ") and "did you mean" not in err
+    assert err.endswith(f"; the bundled {kind} configs are: {', '.join(names)}\n"), err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["train", str(TINY), "--resume", "auto", "train.total_stepz=10"],
      "error: command-line override: train.total_stepz: unknown key; did you mean train.total_steps? expected one of:"),
