@@ -132,6 +132,26 @@ def test_tensorboard_event_files_hold_the_metrics_scalars(run):
             assert seen[step] == pytest.approx(value, rel=1e-6, abs=1e-12), (tag, step)
 
 
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed")
+def test_a_resume_replaces_the_steps_after_its_checkpoint_in_tensorboard(tmp_path):
+    """As metrics.jsonl drops the records after the step a launch resumes from, TensorBoard's reader
+    no longer shows the earlier launch's values of those steps."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def launch(start: int, losses: dict[int, float]) -> None:
+        log = MetricsLog(tmp_path, {}, "disabled", "p", "n", start_step=start, total_steps=4, enabled=True,
+                         tensorboard=True)
+        for step, loss in losses.items():
+            log.log({"step": step, "loss": loss})
+        log.close()
+
+    launch(0, {1: 4.0, 2: 3.0, 3: 2.0, 4: 1.0})  # then stopped; resumed from its step-2 checkpoint:
+    launch(2, {3: 2.5, 4: 1.5})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 4.0), (2, 3.0), (3, 2.5), (4, 1.5)]
+
+
 @pytest.mark.skipif(HAS_TENSORBOARD, reason="tensorboard is installed")
 def test_tensorboard_without_the_package_is_refused_in_one_line():
     with pytest.raises(UserError) as e:
