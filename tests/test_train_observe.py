@@ -235,3 +235,17 @@ def test_the_run_reports_its_steps_on_the_console(run):
     _, rows, proc = run
     final = _steps(rows)[-1]
     assert f"step {STEPS}/{STEPS} | loss {final['loss']:.4f} | " in proc.stdout, proc.stdout[-3000:]
+
+
+def test_every_logging_and_profile_key_has_a_row_in_the_config_table():
+    import dataclasses
+
+    from gpn_scale.train.config import LoggingSection, ProfileSection
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "train.md").read_text()
+    rows = [line for line in docs.splitlines() if line.startswith("| `")]
+    for section, cls in (("logging", LoggingSection), ("profile", ProfileSection)):
+        for f in dataclasses.fields(cls):
+            key = f"`{section}.{f.name}`"
+            assert any(row.split(" | ")[0].count(key) for row in rows), key
+    assert "## Looking inside a run" in docs
