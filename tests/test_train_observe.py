@@ -158,7 +158,7 @@ def test_tensorboard_without_the_package_is_refused_in_one_line():
         load_train_config(CONFIG, ["run.dir=unused", "data.train=unused", "logging.tensorboard=true"])
     message = str(e.value)
     assert message.startswith("command-line override: logging.tensorboard: needs the tensorboard package")
-    assert "pip install tensorboard" in message and "\n" not in message
+    assert "pip install gpn-scale[tensorboard]" in message and "\n" not in message
 
 
 def test_memory_snapshot_on_a_cpu_is_refused_in_one_line_before_anything_runs(tmp_path):

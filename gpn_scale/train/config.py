@@ -178,7 +178,7 @@ class LoggingSection:
             raise ValueError(f"peak_tflops: expected a number of TFLOP/s per device > 0, got {self.peak_tflops}")
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise ValueError("tensorboard: needs the tensorboard package, which is not installed here "
-                             "(pip install tensorboard), or set logging.tensorboard=false")
+                             "(pip install gpn-scale[tensorboard]), or set logging.tensorboard=false")
 
 
 @dataclass
