@@ -517,6 +517,40 @@ def test_a_jobs_ranks_attach_to_their_leaders_prefix_while_another_job_registers
     assert len(prefixes) == 1 and other._shm_prefix_int not in prefixes
 
 
+def test_a_short_wait_for_the_nodes_lock_is_quiet_and_a_long_one_is_said(capsys, monkeypatch):
+    """Another job holds the node's lock for the second or two it takes to open a dataset: waiting
+    for it adds no line to a command's output (a refusal stays one line when two jobs start
+    together); a wait past QUIET_WAIT_S is said on stderr."""
+    import fcntl
+    import threading
+    import time
+
+    from gpn_scale.data import streams
+
+    monkeypatch.delenv("RANK", raising=False)
+
+    def hold(seconds):
+        fd = os.open(streams.lock_path(), os.O_RDONLY | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        held.set()
+        time.sleep(seconds)
+        os.close(fd)
+
+    for seconds, quiet_wait, said in ((0.5, 10.0, False), (0.5, 0.1, True)):
+        monkeypatch.setattr(streams, "QUIET_WAIT_S", quiet_wait)
+        held = threading.Event()
+        other = threading.Thread(target=hold, args=(seconds,))
+        other.start()
+        held.wait()
+        began = time.monotonic()
+        with streams.registering():
+            waited = time.monotonic() - began
+        other.join()
+        err = capsys.readouterr().err
+        assert waited > 0.3  # it did wait for the other holder
+        assert ("another process on this node is opening a Streaming dataset" in err) is said, err
+
+
 def test_datasets_read_one_after_another_give_their_shared_memory_back(tmp_path):
     """Streaming keeps each dataset's shared memory, and each new dataset attaches to every prefix
     registered on the node before it: read in turn without `streams.reading`, a process's open

@@ -38,6 +38,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +47,7 @@ from gpn_scale.data import mds_index
 from gpn_scale.errors import UserError
 
 LOCK_NAME = "gpn_scale_streaming_prefix.lock"  # in the temp dir, beside Streaming's own file locks
+QUIET_WAIT_S = 10.0  # the lock waited for this long before the wait is said
 
 
 def lock_path() -> Path:
@@ -66,17 +68,30 @@ def registering():
     # Read-only is enough for flock, and lets every user of the node open the one file.
     fd = os.open(lock_path(), os.O_RDONLY | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # another job on this node is opening a dataset: a second or two, normally
-            print(f"waiting for {lock_path()}: another process on this node is opening a Streaming dataset",
-                  file=sys.stderr, flush=True)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        _lock(fd)
         if group:
             group.barrier()
         yield
     finally:
         os.close(fd)  # releases the lock (so does the process's end)
+
+
+def _lock(fd: int) -> None:
+    """The node's lock. Another job opening a dataset holds it for a second or two: waited for
+    quietly, and said on stderr only when the wait goes on (a command's output is not cluttered
+    whenever two jobs start together)."""
+    deadline = time.monotonic() + QUIET_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    print(f"waiting for {lock_path()}: another process on this node is opening a Streaming dataset",
+          file=sys.stderr, flush=True)
+    fcntl.flock(fd, fcntl.LOCK_EX)
 
 
 def _job_group():
