@@ -187,6 +187,20 @@ class Running:
     log: object
 
 
+class Stopped(Exception):
+    """Ctrl-C or SIGTERM (a job's end, a scheduler's preemption) reached the sweep."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum, frame):
+    # installed rather than inherited: a parent that ignores SIGINT (a job launcher, a test
+    # runner's worker) would otherwise leave Ctrl-C without effect
+    raise Stopped(signum)
+
+
 def _event(out: Path, **record) -> None:
     """One line of OUT/sweep.jsonl, appended in one write."""
     line = json.dumps({"time": round(time.time(), 3), **record}) + "\n"
@@ -229,6 +243,7 @@ def run_points(points: list[Point], out: Path, launcher: Launcher, slots: list[S
     failed: list[str] = []
     attempts = {p.name: 0 for p in todo}
     queue, running, free = list(todo), [], list(slots)
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         while queue or running:
             while free and any(ready(out, p) for p in queue):
@@ -279,17 +294,24 @@ def run_points(points: list[Point], out: Path, launcher: Launcher, slots: list[S
                     print(f"{r.point.name}: {_exit_reason(code)}; starting it again from its newest checkpoint",
                           flush=True)
                     queue.insert(0, r.point)
-    except KeyboardInterrupt:
-        for r in running:  # each trainer checkpoints at its next step boundary and exits 75 or 130
+    except Stopped as stop:
+        for sig in previous:  # a second Ctrl-C would leave the points' processes behind, unwaited for
+            signal.signal(sig, signal.SIG_IGN)
+        print(f"sweep: {signal.Signals(stop.signum).name}: {len(running)} running points checkpoint and stop",
+              file=sys.stderr, flush=True)
+        for r in running:  # each trainer checkpoints at its next step boundary and exits 75
             try:
                 os.killpg(r.proc.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
         for r in running:
             r.proc.wait()
-        print(f"sweep: interrupted; rerun the same command to resume {len(running) + len(queue)} points",
-              file=sys.stderr)
-        return 130
+        print(f"sweep: stopped by {signal.Signals(stop.signum).name}; rerun the same command to resume "
+              f"{len(running) + len(queue)} points", file=sys.stderr)
+        return 128 + stop.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print(f"sweep: {len(todo) - len(failed)}/{len(todo)} points finished in {time.time() - began:.0f} s; "
           f"next: gpn-scale sweep collect {out}")
     if failed:
