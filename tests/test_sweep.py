@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from gpn_scale.errors import UserError
 from gpn_scale.sweep import sizing
@@ -16,6 +15,7 @@ from gpn_scale.sweep.fit import fit_power_law
 from gpn_scale.sweep.spec import load_spec, plan, write_point
 from gpn_scale.train.config import load_train_config
 from mds_fixture import write_windows
+from sweep_spec import write_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,20 +73,6 @@ def test_fit_recovers_a_known_law_and_its_interval_covers_it():
     assert accelerating.warning and accelerating.E >= 0
     with pytest.raises(ValueError, match="3 distinct"):
         fit_power_law([1, 1, 2], [3, 3, 2])
-
-
-def write_spec(tmp_path, data, **extra) -> Path:
-    spec = {
-        "train": str(ROOT / "configs" / "train" / "gpn_m_tiny.yaml"),
-        "overrides": {"data.train": str(data / "train"), "data.val": str(data / "val"), "train.micro_batch": 4,
-                      "eval.batches": 2},
-        "families": ["gpn_m_1l", "transformer"], "params": ["40e3", 60000, 90000], "tokens_per_param": [0.05],
-        "seq_len": 32, "global_batch": 4, "lr": {"base": 3.0e-3, "ref_params": 6.0e4, "power": 0.5},
-        "seeds": [0], "out": str(tmp_path / "sweep"), **extra,
-    }
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -246,8 +232,7 @@ def test_a_wsd_sweep_branches_beside_its_trunk_and_an_interrupted_one_resumes_to
     def spec(name):
         return write_spec(tmp_path / name, data, families=["gpn_m_1l"], params=["40e3"], tokens_per_param=[0.1, 0.2],
                           schedule="wsd", decay_fraction=0.25, warmup_fraction=0.1, out=str(tmp_path / name / "sweep"),
-                          overrides={"data.train": str(data / "train"), "data.val": str(data / "val"),
-                                     "train.micro_batch": 4, "eval.batches": 2, "train.save_every": 4})
+                          overrides={"train.save_every": 4})
     for name in ("whole", "interrupted"):
         (tmp_path / name).mkdir()
     sweep = [sys.executable, "-m", "gpn_scale", "sweep", "--slots", "2"]

@@ -12,24 +12,17 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from mds_fixture import write_windows
+from sweep_spec import write_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def write_spec(tmp_path: Path, data: Path, steps_tokens_per_param: float, save_every: int) -> Path:
-    spec = {
-        "train": str(ROOT / "configs" / "train" / "gpn_m_tiny.yaml"),
-        "overrides": {"data.train": str(data / "train"), "data.val": str(data / "val"), "train.micro_batch": 4,
-                      "eval.batches": 1, "train.save_every": save_every},
-        "families": ["gpn_m_1l"], "params": ["40e3", "60e3"], "tokens_per_param": [steps_tokens_per_param],
-        "seq_len": 32, "global_batch": 4, "seeds": [0], "out": str(tmp_path / "sweep"),
-    }
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
+def write_slots_spec(tmp_path: Path, data: Path, tokens_per_param: float, save_every: int) -> Path:
+    """Two sizes of GPN+M 1L, one budget each."""
+    return write_spec(tmp_path, data, {"eval.batches": 1, "train.save_every": save_every}, families=["gpn_m_1l"],
+                      params=["40e3", "60e3"], tokens_per_param=[tokens_per_param])
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +38,7 @@ def events(out: Path) -> list[dict]:
 
 
 def training_pid(train_yaml: Path) -> int | None:
-    """The process training from `train_yaml` (the sweep starts it in a session of its own)."""
+    """The process training from `train_yaml` (the sweep starts it as the leader of its own process group)."""
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
@@ -60,7 +53,7 @@ def training_pid(train_yaml: Path) -> int | None:
 @pytest.mark.slow
 def test_two_slots_run_points_at_once_and_a_killed_point_resumes_from_its_checkpoint(tmp_path, data):
     # 40K parameters x 0.3 tokens each at 128 tokens per step: ~95 steps, a checkpoint every 5
-    spec = write_spec(tmp_path, data, 0.3, save_every=5)
+    spec = write_slots_spec(tmp_path, data, 0.3, save_every=5)
     out = tmp_path / "sweep"
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
     sweep = subprocess.Popen([sys.executable, "-m", "gpn_scale", "sweep", str(spec), "--slots", "2"],
@@ -104,7 +97,7 @@ def test_two_slots_run_points_at_once_and_a_killed_point_resumes_from_its_checkp
 
 
 def test_more_slots_than_cores_or_srun_outside_an_allocation_is_one_line(tmp_path, data):
-    spec = write_spec(tmp_path, data, 0.05, save_every=5)
+    spec = write_slots_spec(tmp_path, data, 0.05, save_every=5)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     cores = len(os.sched_getaffinity(0))
     for args, message in (
