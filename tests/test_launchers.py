@@ -158,6 +158,59 @@ def test_a_refusal_in_the_ranks_is_one_line_once_with_exit_status_2(data, tmp_pa
     assert [line for line in lines if line.startswith("error: ")] == [lines[-1]] and "nope" in lines[-1], proc.stderr
 
 
+_MEMBER = """
+import json, os, pathlib, sys, time
+out = pathlib.Path(sys.argv[1])
+(out / f"worker{os.getpid()}.json").write_text(json.dumps({k: os.environ[k] for k in ("RANK", "WORLD_SIZE")}))
+while not (out / "stop").exists():
+    time.sleep(0.1)
+"""
+
+
+def _agent_logs(tmp_path) -> str:
+    """Both agents' logs, the end of each: a failed round is explained by the member that did not answer."""
+    return "\n".join(f"== agent{i}.log ==\n" + (tmp_path / f"agent{i}.log").read_text(errors="replace")[-3000:]
+                     for i in range(2))
+
+
+def test_a_node_joining_a_running_elastic_job_is_admitted(tmp_path):
+    """Scale-up through the launchers' torchrun: a second node arrives after the first one's round
+    closed and its worker runs. The agents must restart as a world of 2. With torch's shared
+    rendezvous store the newcomer waits for an address that rank 0 wrote in the earlier round only,
+    and both agents end in a store timeout instead (gpn_scale/train/torchrun.py turns sharing off)."""
+    (tmp_path / "member.py").write_text(_MEMBER)
+    port = _port()
+    cmd = [sys.executable, "-m", "gpn_scale.train.torchrun", "--nnodes", "1:2", "--nproc-per-node", "1",
+           "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--rdzv-id", "scale-up", "--rdzv-conf", "last_call_timeout=1", "--monitor-interval", "0.5",
+           str(tmp_path / "member.py"), str(tmp_path)]
+
+    def worlds() -> list[tuple[str, str]]:
+        rows = [json.loads(p.read_text()) for p in tmp_path.glob("worker*.json")]
+        return sorted((r["RANK"], r["WORLD_SIZE"]) for r in rows)
+
+    logs = [open(tmp_path / f"agent{i}.log", "w") for i in range(2)]
+    agents = [subprocess.Popen(cmd, env=env(), stdout=logs[0], stderr=subprocess.STDOUT, cwd=ROOT)]
+    try:
+        deadline = time.time() + 600  # hang guards only: each wait ends on what the members wrote
+        while worlds() != [("0", "1")]:
+            assert time.time() < deadline and agents[0].poll() is None, _agent_logs(tmp_path)
+            time.sleep(0.2)
+        agents.append(subprocess.Popen(cmd, env=env(), stdout=logs[1], stderr=subprocess.STDOUT, cwd=ROOT))
+        while not {("0", "2"), ("1", "2")} <= set(worlds()):
+            assert time.time() < deadline and all(a.poll() is None for a in agents), _agent_logs(tmp_path)
+            time.sleep(0.2)
+        (tmp_path / "stop").touch()
+        assert [a.wait(timeout=300) for a in agents] == [0, 0], _agent_logs(tmp_path)
+    finally:
+        (tmp_path / "stop").touch()
+        for a in agents:
+            if a.poll() is None:
+                kill_tree(a.pid)
+        for log in logs:
+            log.close()
+
+
 @pytest.mark.slow
 def test_elastic_survivor_finishes_from_the_last_checkpoint(data, tmp_path):
     steps = 12
@@ -179,12 +232,11 @@ def test_elastic_survivor_finishes_from_the_last_checkpoint(data, tmp_path):
     try:
         deadline = time.time() + 600
         while not ckpt.committed(run_dir / "checkpoints"):
-            assert time.time() < deadline and survivor.poll() is None and victim.poll() is None, \
-                (tmp_path / "agent0.log").read_text(errors="replace")[-4000:]
+            assert time.time() < deadline and survivor.poll() is None and victim.poll() is None, _agent_logs(tmp_path)
             time.sleep(0.2)
         kill_tree(victim.pid)  # the node is gone: its agent and its worker
         killed_at = len(rows(run_dir, "samples"))
-        assert survivor.wait(timeout=600) == 0, (tmp_path / "agent0.log").read_text(errors="replace")[-6000:]
+        assert survivor.wait(timeout=600) == 0, _agent_logs(tmp_path)
     finally:
         for proc in (survivor, victim):
             if proc.poll() is None:

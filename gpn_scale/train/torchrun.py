@@ -7,11 +7,18 @@ ChildFailedError traceback and exit status 1. Here, when the first worker to fai
 (bad input: rank 0 printed the one line; the others refused alike or were stopped by the agent),
 it exits with 2 and adds nothing: neither the traceback nor the agent's log lines about that
 failure. Every other outcome is torchrun's own, its output included.
+
+It also turns off torch's sharing of the rendezvous store with the workers
+(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, unless set): with sharing, rank 0 publishes the workers'
+store address in the first round only, so a node that joins a running elastic job (a scale-up,
+or a replaced node rejoining after the round closed) waits for it forever and both agents end in a
+store timeout. Without it rank 0 publishes a fresh address every round, as torch did before 2.5.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 REFUSED = 2  # gpn_scale.cli's exit status for a UserError
@@ -50,6 +57,7 @@ class _HeldForTheVerdict(logging.Filter):
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
