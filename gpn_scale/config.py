@@ -50,8 +50,19 @@ def _check_type(value, annotation, where: str):
             try:
                 return _check_type(value, option, where)
             except UserError as e:
-                errors.append(e)
-        raise errors[0]
+                errors.append((option, e))
+        # the option the value's own kind belongs to (a list for a list, a mapping for a dataclass)
+        # says what is wrong inside it; otherwise the first option's error
+        matching = [e for option, e in errors if _same_kind(value, option)]
+        raise (matching or [e for _, e in errors])[0]
+    if dataclasses.is_dataclass(annotation):  # a nested section, e.g. a data source in a list
+        if isinstance(value, annotation):  # built already (a section of TrainConfig)
+            return value
+        if not isinstance(value, dict):
+            raise UserError(f"{where}: expected a mapping of {', '.join(sorted(dataclass_keys(annotation)))}, "
+                            f"got {type(value).__name__} {value!r}")
+        at, _, key = where.rpartition(": ")
+        return build_dataclass(annotation, value, at, prefix=f"{key}.")
     if origin is typing.Literal:  # an enumerated key: its allowed values are listed
         options = typing.get_args(annotation)
         if not any(type(value) is type(option) and value == option for option in options):
@@ -75,6 +86,14 @@ def _check_type(value, annotation, where: str):
     if annotation is float and not math.isfinite(value):  # YAML's .nan / .inf: no setting means them
         raise UserError(f"{where}: expected a finite number, got {value!r}")
     return value
+
+
+def _same_kind(value, annotation) -> bool:
+    if isinstance(value, list):
+        return typing.get_origin(annotation) is list
+    if isinstance(value, dict):
+        return dataclasses.is_dataclass(annotation)
+    return False
 
 
 def yaml_number(text: str) -> float | None:

@@ -131,10 +131,20 @@ def dataset_class():
     return importlib.import_module("streaming.base.dataset").StreamingDataset
 
 
+def stream_class():
+    """streaming.Stream (one source of a mixture), loaded as `dataset_class` loads the dataset."""
+    dataset_class()
+    return importlib.import_module("streaming.base.stream").Stream
+
+
 def open_dataset(cls=None, **kwargs):
-    """`cls(**kwargs)` (default `StreamingDataset`), its index checked, constructed under the node's lock."""
+    """`cls(**kwargs)` (default `StreamingDataset`), its index checked (each stream's, for a
+    mixture's `streams`), constructed under the node's lock."""
     cls = dataset_class() if cls is None else cls
-    check_index(kwargs["local"], kwargs.get("remote"))
+    for stream in kwargs.get("streams") or ():
+        check_index(stream.local, stream.remote)
+    if not kwargs.get("streams"):
+        check_index(kwargs["local"], kwargs.get("remote"))
     with registering(), _scan_leaves_nothing_open():
         return cls(**kwargs)
 

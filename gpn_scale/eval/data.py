@@ -114,6 +114,8 @@ def training_prep(checkpoint: str | Path) -> PrepData | None:
         return None
     data = checkpoints.read_trainer_state(path).config.get("data")
     train_dir = data.get("train") if isinstance(data, dict) else None
+    if isinstance(train_dir, list) and train_dir and isinstance(train_dir[0], dict):
+        train_dir = train_dir[0].get("path")  # a mixture: its sources share one tokenizer (checked at the start)
     if not train_dir or not isinstance(train_dir, str):
         return None
     root = prep_root(Path(train_dir))  # OUT/train, or a carried-state run's OUT/streams/train

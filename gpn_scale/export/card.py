@@ -31,9 +31,19 @@ def _training(source) -> list[str]:
     lines.append(f"| ZeRO stage, ranks | {state.zero_stage}, {state.world_size} |")
     data = cfg.get("data", {}).get("train")
     out = ["| | |", "|---|---|", *lines, ""]
-    if data:
+    if isinstance(data, list):  # a mixture: its sources and their weights (each a prep output of its own)
+        parts = [f"`{s.get('path')}` ({_weight(s)})" for s in data if isinstance(s, dict)]
+        out.append(f"Training data: a mixture of {len(parts)} `gpn-scale prep` outputs: {', '.join(parts)}.")
+    elif data:
         out.append(f"Training data: `{data}` (a `gpn-scale prep` output)" + _data_stats(source) + ".")
     return out
+
+
+def _weight(saved_source: dict) -> str:
+    for key in ("proportion", "repeat", "choose"):
+        if saved_source.get(key) is not None:
+            return f"{key} {saved_source[key]}"
+    return "all samples once per epoch"
 
 
 def _data_stats(source) -> str:

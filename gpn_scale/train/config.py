@@ -27,9 +27,65 @@ class RunSection:
 
 
 @dataclass
+class DataSource:
+    """One source of a mixture (`data.train` or `data.val` given as a list of these)."""
+
+    path: str = ""  # a prep output's split (OUT/train, OUT/val) or a remote URL, as data.train takes one
+    # in the metrics (mix/NAME, val_loss/NAME); default: the prep output's directory name (OUT of OUT/train)
+    name: str = ""
+    # the source's weight, one kind for all of data.train's sources (MosaicML Streaming's Stream weights):
+    proportion: float | None = None  # its share of each epoch's samples (normalised over the sources), or
+    repeat: float | None = None  # its samples each epoch, times this (2.0 upsamples, 0.5 subsamples), or
+    choose: int | None = None  # this many of its samples each epoch; none: all of its samples once
+
+    def __post_init__(self):
+        if not self.path:
+            raise ValueError("path: missing (a prep output's split directory or URL)")
+        given = [k for k in ("proportion", "repeat", "choose") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: give one of proportion, repeat or choose, not {' and '.join(given)}")
+        for key in ("proportion", "repeat"):
+            value = getattr(self, key)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{key}: expected a finite number > 0, got {value}")
+        if self.choose is not None and self.choose < 1:
+            raise ValueError(f"choose: expected a number of samples >= 1, got {self.choose}")
+        if not self.name:
+            self.name = default_source_name(self.path)
+
+    def weight(self) -> str:
+        """How it is weighted, for the start-up line: `proportion 0.7`, `repeat 2.0`, `choose 1000`, `all once`."""
+        for key in ("proportion", "repeat", "choose"):
+            if getattr(self, key) is not None:
+                return f"{key} {getattr(self, key)}"
+        return "all once"
+
+
+def default_source_name(path: str) -> str:
+    """OUT for a prep output's OUT/train or OUT/val (OUT/streams/train too), else the last path element."""
+    parts = [p for p in path.rstrip("/").split("/") if p]
+    while len(parts) > 1 and parts[-1] in ("train", "val", "streams"):
+        parts.pop()
+    return parts[-1] if parts else path
+
+
+def sources(location: str | list[DataSource] | None) -> list[DataSource]:
+    """data.train or data.val as a list of sources: one for a single directory or URL."""
+    if location is None:
+        return []
+    if isinstance(location, str):
+        return [DataSource(path=location)]
+    return list(location)
+
+
+@dataclass
 class DataSection:
-    train: str = ""  # MDS directory (the prep's OUT/train) or a remote URL (then `cache` is the local copy)
-    val: str | None = None
+    # MDS directory (the prep's OUT/train) or a remote URL (then `cache` is the local copy); or a mixture, a
+    # list of sources [{path, name, proportion | repeat | choose}, ...] sharing one tokenizer (DataSource)
+    train: str | list[DataSource] = ""
+    # the held-out windows: a directory or URL, or a list of sources (weights unused), each scored on its
+    # own (val_loss/NAME) besides val_loss over all of them
+    val: str | list[DataSource] | None = None
     cache: str | None = None  # local cache root for remote datasets
     shuffle: bool = True
     num_canonical_nodes: int = 1  # fixes the global sample order whatever the world size
@@ -266,6 +322,11 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
     else:
         raise UserError(f"{where}: model: expected a path or a mapping, got {type(model).__name__}")
 
+    data_section = data.get("data")
+    if isinstance(data_section, dict):  # a source listed as its path alone is {path: ...}
+        data = dict(data, data={k: [{"path": s} if isinstance(s, str) else s for s in v]
+                                if k in ("train", "val") and isinstance(v, list) else v
+                                for k, v in data_section.items()})
     sections = {}
     for name, section_cls in _SECTIONS.items():
         value = data.get(name, {})
@@ -303,13 +364,54 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
     for key, value in (("run.dir", cfg.run.dir), ("data.train", cfg.data.train)):
         if not value:
             raise UserError(f"{where}: {key}: missing")
+    _check_mixtures(cfg, OVERRIDE if "data" in overrides else where)
     # Local data paths are recorded absolute (config.yaml, trainer_state.json), so eval, generate and
     # analyze find the data and the tokenizer beside it from any directory; URLs stay as given.
     for key in ("train", "val", "cache"):
         value = getattr(cfg.data, key)
-        if value and "://" not in value:
-            setattr(cfg.data, key, str(Path(value).resolve()))
+        if isinstance(value, list):
+            for source in value:
+                source.path = _absolute(source.path)
+        elif value:
+            setattr(cfg.data, key, _absolute(value))
     return cfg
+
+
+def _absolute(location: str) -> str:
+    return location if "://" in location else str(Path(location).resolve())
+
+
+def _check_mixtures(cfg: TrainConfig, where: str) -> None:
+    """What a list of sources must hold besides each source's own checks (DataSource): names that
+    tell the sources apart in the metrics, one kind of weight for all of data.train (Streaming
+    weighs them either relatively or absolutely), none in data.val, and no carried state."""
+    for split in ("train", "val"):
+        listed = getattr(cfg.data, split)
+        if not isinstance(listed, list):
+            continue
+        if not listed:
+            raise UserError(f"{where}: data.{split}: expected a directory, a URL or a non-empty list of sources, got []")
+        names = [s.name for s in listed]
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if twice is not None:
+            raise UserError(f"{where}: data.{split}: two sources are named {twice!r}: give each its own name "
+                            f"(data.{split}[i].name)")
+        if split == "val":
+            weighted = next((i for i, s in enumerate(listed) if s.weight() != "all once"), None)
+            if weighted is not None:
+                raise UserError(f"{where}: data.val[{weighted}]: {listed[weighted].weight()}: validation scores each "
+                                "source's first windows, unweighted; weights belong to data.train's sources")
+            continue
+        relative = [s.proportion is not None for s in listed]
+        if any(relative) and not all(relative):
+            i = relative.index(not relative[0], 1) if len(set(relative)) > 1 else 0
+            raise UserError(f"{where}: data.train[{i}]: {listed[i].weight()}, but data.train[0] has {listed[0].weight()}: "
+                            "give every source a proportion, or none of them (repeat, choose or all once)")
+        if cfg.train.carry_state:
+            raise UserError(f"{where}: data.train: a mixture of {len(listed)} sources with train.carry_state=true: a "
+                            "carried-state run reads one prep --streams layout (each slot one document stream after "
+                            "another); mix the documents at prep time (several inputs to one `gpn-scale prep --streams`), "
+                            "or set train.carry_state=false")
 
 
 # What may differ between a checkpoint's run and its resumption: how the run is executed, observed
@@ -334,8 +436,11 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def _normalised(key: str, value):
-    if key in ("data.train", "data.val") and isinstance(value, str) and "://" not in value:
-        return str(Path(value).resolve())
+    if key in ("data.train", "data.val"):
+        if isinstance(value, str):
+            return _absolute(value)
+        if isinstance(value, list):  # a mixture's sources, as saved: mappings
+            return [dict(s, path=_absolute(s["path"])) if isinstance(s, dict) and "path" in s else s for s in value]
     return value
 
 

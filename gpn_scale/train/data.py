@@ -18,7 +18,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from gpn_scale.errors import UserError
-from gpn_scale.data.streams import dataset_class, open_dataset
+from gpn_scale.data.streams import dataset_class, open_dataset, stream_class
+from gpn_scale.train.config import DataSource
 
 TOKENS = "tokens"  # the MDS column written by the prep
 
@@ -51,16 +52,38 @@ def indexed_dataset_class():
     return IndexedStream
 
 
-class TrainStream:
-    """An endless iterator of micro-batches whose position can be saved and restored."""
-
-    def __init__(self, location: str, cache: str | None, micro_batch: int, world_size: int, *,
-                 shuffle: bool, seed: int, num_canonical_nodes: int, split_name: str = "train"):
+def where_to_read(location: str | list[DataSource], cache: str | None, split_name: str) -> dict:
+    """StreamingDataset's keywords for a directory or URL (`local`, `remote`) or for a mixture's
+    sources (`streams`: Streaming's own Stream per source, with its weight)."""
+    if isinstance(location, str):
         local, remote = resolve_location(location, cache, split_name)
+        return {"local": local, "remote": remote}
+    streams = []
+    for i, source in enumerate(location):
+        try:
+            local, remote = resolve_location(source.path, cache, split_name)
+        except UserError as e:  # which source of the list
+            raise UserError(str(e).replace(f"data.{split_name}:", f"data.{split_name}[{i}] ({source.name}):", 1)) from None
+        weights = {k: getattr(source, k) for k in ("proportion", "repeat", "choose") if getattr(source, k) is not None}
+        streams.append(stream_class()(local=local, remote=remote, **weights))
+    return {"streams": streams}
+
+
+class TrainStream:
+    """An endless iterator of micro-batches whose position can be saved and restored. A mixture's
+    samples come from its sources in their weights, in one global order (Streaming's own mixing:
+    which samples of each source an epoch takes, and their order, follow from the seed and the
+    epoch alone); a sample's source follows from its id (`source_of`)."""
+
+    def __init__(self, location: str | list[DataSource], cache: str | None, micro_batch: int, world_size: int, *,
+                 shuffle: bool, seed: int, num_canonical_nodes: int, split_name: str = "train"):
+        self.source_names = [s.name for s in location] if isinstance(location, list) else None
         self.dataset = open_dataset(
-            indexed_dataset_class(), local=local, remote=remote, shuffle=shuffle, shuffle_seed=seed,
-            num_canonical_nodes=num_canonical_nodes, batch_size=micro_batch,
+            indexed_dataset_class(), **where_to_read(location, cache, split_name), shuffle=shuffle,
+            shuffle_seed=seed, num_canonical_nodes=num_canonical_nodes, batch_size=micro_batch,
         )
+        # samples read from each source so far, over all ranks (`record_mix`); kept with the position
+        self.source_samples = [0] * len(self.source_names) if self.source_names else None
         self.micro_batch, self.world_size = micro_batch, world_size
         self.seed, self.num_canonical_nodes = seed, num_canonical_nodes
         # Streaming derives its shuffle blocks from the node count of the first run: keep it.
@@ -71,8 +94,29 @@ class TrainStream:
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def count_sources(self, sample_ids: list[int]) -> list[int]:
+        """How many of these samples came from each source (in data.train's order): Streaming
+        numbers the sources' samples one source after another."""
+        source = np.searchsorted(self.dataset.sample_offset_per_stream, sample_ids, side="right") - 1
+        return np.bincount(source, minlength=len(self.source_names)).tolist()
+
+    def record_mix(self, step_counts: list[int]) -> dict[str, float]:
+        """Adds a step's samples per source (over all ranks); returns each source's share of all the
+        samples the run has read so far: the realised mix, against the configured weights."""
+        self.source_samples = [a + int(b) for a, b in zip(self.source_samples, step_counts)]
+        total = sum(self.source_samples)
+        return {name: n / total for name, n in zip(self.source_names, self.source_samples)}
+
+    def epoch_plan(self) -> list[tuple[str, int, int]]:
+        """(name, samples held, samples drawn per epoch) for each source of a mixture."""
+        return [(name, int(held), int(stream.choose)) for name, held, stream in
+                zip(self.source_names, self.dataset.samples_per_stream, self.dataset.streams)]
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "sample_in_epoch": self.sample_in_epoch, "initial_nodes": self.initial_nodes}
+        state = {"epoch": self.epoch, "sample_in_epoch": self.sample_in_epoch, "initial_nodes": self.initial_nodes}
+        if self.source_samples is not None:
+            state["source_samples"] = dict(zip(self.source_names, self.source_samples))
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if "epoch" not in state:  # the engine refuses a carried-state checkpoint before this (_check_loader_kind)
@@ -80,6 +124,9 @@ class TrainStream:
                             "shuffled windows; resume it with train.carry_state=true")
         self.epoch, self.sample_in_epoch = state["epoch"], state["sample_in_epoch"]
         self.initial_nodes = state["initial_nodes"]
+        if self.source_samples is not None:  # a source new to the run (a changed mixture) has read nothing yet
+            read = state.get("source_samples") or {}
+            self.source_samples = [int(read.get(name, 0)) for name in self.source_names]
         self._iter = None
 
     def _start_epoch(self):

@@ -41,7 +41,7 @@ from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import distributed as dist_utils
 from gpn_scale.train import loop, optim, preflight, profiling
 from gpn_scale.train import branch
-from gpn_scale.train.config import BRANCHABLE, RESUMABLE, TrainConfig, config_changes, load_train_config
+from gpn_scale.train.config import BRANCHABLE, RESUMABLE, TrainConfig, config_changes, load_train_config, sources
 from gpn_scale.train.gc import GarbageCollection
 from gpn_scale.train.loop import Audit, Outcome
 from gpn_scale.train.metrics import (MetricsLog, RunClock, RunSummary, StepMetrics, flops_per_token, peak_flops,
@@ -380,6 +380,11 @@ class Trainer:
         peak_mem = dist_utils.all_max(peak_memory_bytes(self.device))
         wait = torch.tensor([waited], dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(wait, op=torch.distributed.ReduceOp.MAX)  # the slowest rank's holds all up
+        mix = None
+        if self.carried is None and self.data.source_names:  # a mixture: which source each sample came from
+            counts = torch.tensor(self.data.count_sources(self.step_samples), dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(counts)
+            mix = self.data.record_mix(counts.tolist())
         step_tokens = self.global_batch * tokens.shape[1]
         self.step += 1
         self.tokens += step_tokens
@@ -390,7 +395,7 @@ class Trainer:
         return StepMetrics(step=self.step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=self.tokens,
                            tokens_per_s=tokens_per_s, step_time_s=step_time, peak_mem_bytes=peak_mem,
                            elapsed_s=self.clock.elapsed(), eta_s=self.clock.eta(self.step), mfu=mfu,
-                           data_wait_s=wait.item())
+                           data_wait_s=wait.item(), mix=mix)
 
     def _resets(self, tokens: torch.Tensor) -> dict:
         """The forward's `resets` keyword: the state after each EOS is the empty one (models/resets.py)."""
@@ -401,26 +406,37 @@ class Trainer:
         if not self.cfg.data.val:
             return {}
         self.model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for tokens, rows in self._val_windows().batches():  # this rank's block of the same windows at any world size
-            tokens = tokens.to(self.device)
-            with self._autocast():  # read as the run trains: the state reset at EOS with train.reset_on_eos
-                out = self.engine(tokens, **self._resets(tokens))
-            total += torch.tensor([out.token_losses[:rows].double().sum().item(), out.token_losses[:rows].numel()],
-                                  dtype=torch.float64, device=self.device)
+        windows = self._val_windows()
+        totals = torch.zeros(len(windows), 2, dtype=torch.float64, device=self.device)  # (loss sum, tokens) per source
+        for i, source in enumerate(windows.values()):
+            for tokens, rows in source.batches():  # this rank's block of the same windows at any world size
+                tokens = tokens.to(self.device)
+                with self._autocast():  # read as the run trains: the state reset at EOS with train.reset_on_eos
+                    out = self.engine(tokens, **self._resets(tokens))
+                totals[i] += torch.tensor([out.token_losses[:rows].double().sum().item(),
+                                           out.token_losses[:rows].numel()], dtype=torch.float64, device=self.device)
         self.model.train()
-        torch.distributed.all_reduce(total)
-        loss = (total[0] / total[1]).item() if total[1] > 0 else float("nan")
-        return {"val_loss": loss, "val_ppl": math.exp(loss) if loss < 50 else float("inf"), "val_tokens": int(total[1])}
+        torch.distributed.all_reduce(totals)
 
-    def _val_windows(self):
-        """The first eval.batches x train.micro_batch windows of data.val, split across the ranks."""
+        def mean(loss_sum, tokens) -> float:
+            return (loss_sum / tokens).item() if tokens > 0 else float("nan")
+
+        total = totals.sum(0)
+        loss = mean(*total)
+        result = {"val_loss": loss, "val_ppl": math.exp(loss) if loss < 50 else float("inf"), "val_tokens": int(total[1])}
+        if isinstance(self.cfg.data.val, list):  # a mixture's sources, each on its own too
+            result.update({f"val_loss/{name}": mean(*totals[i]) for i, name in enumerate(windows)})
+        return result
+
+    def _val_windows(self) -> dict:
+        """For each source of data.val (one for a directory or URL), by name: its first eval.batches x
+        train.micro_batch windows, split across the ranks."""
         if not hasattr(self, "_val"):
             from gpn_scale.train.validation import ValWindows
 
             mb = self.cfg.train.micro_batch
-            self._val = ValWindows(self.cfg.data.val, self.cfg.data.cache, self.cfg.eval.batches * mb, mb, self.rank,
-                                   self.world)
+            self._val = {source.name: ValWindows(source.path, self.cfg.data.cache, self.cfg.eval.batches * mb, mb,
+                                                 self.rank, self.world) for source in sources(self.cfg.data.val)}
         return self._val
 
     def save(self) -> Path:
@@ -526,6 +542,10 @@ class Trainer:
             f"{cfg.precision}; global batch {self.global_batch} = {t.micro_batch} x {self.grad_accum} x {self.world}; "
             f"steps {self.step} -> {self.stop_at} of {t.total_steps}"
         )
+        if self.carried is None and self.data.source_names:
+            plan = ", ".join(f"{name} {drawn:,} of its {held:,} ({source.weight()})" for (name, held, drawn), source
+                             in zip(self.data.epoch_plan(), cfg.data.train))
+            self._say(f"data: a mixture of {len(cfg.data.train)} sources; samples per epoch: {plan}")
         lg = cfg.logging
         self.log = MetricsLog(self.run_dir, cfg.to_dict(), lg.wandb, lg.project, cfg.run.name or self.run_dir.name,
                               self.step, t.total_steps, self.is_main, wandb_entity=lg.wandb_entity,
@@ -651,7 +671,10 @@ def main(argv: list[str]) -> int:
     try:  # the same files and settings on every rank: the same error everywhere
         resume = _resume_mode(args)
         cfg = load_train_config(args.config, args.overrides)
-        data = preflight.check(cfg, resume, resolve_config_path(args.config, "train"), branch_from=args.branch_from)
+        # warnings once, by the rank that will train (a launcher's --check beforehand leaves them to it)
+        warn = None if args.check or os.environ.get("RANK", "0") != "0" else lambda line: print(line, file=sys.stderr)
+        data = preflight.check(cfg, resume, resolve_config_path(args.config, "train"), branch_from=args.branch_from,
+                               warn=warn)
         refusal = profiling.memory_snapshot_refusal(cfg.profile.memory_snapshot_step, torch.cuda.is_available())
         if refusal:
             raise UserError(refusal)

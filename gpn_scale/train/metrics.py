@@ -121,9 +121,15 @@ class StepMetrics:
     mfu: float | None  # model FLOPs utilisation, where a peak is known or configured
     # seconds the step waited for its batches from the loader (part of step_time_s), the largest over ranks
     data_wait_s: float | None = None
+    # a mixture (data.train a list of sources): each source's share of the samples read so far, by name
+    mix: dict[str, float] | None = None
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The record, a mixture's shares as flat `mix/NAME` scalars (as wandb and TensorBoard take them)."""
+        record = dataclasses.asdict(self)
+        mix = record.pop("mix")
+        record.update({f"mix/{name}": share for name, share in (mix or {}).items()})
+        return record
 
 
 def clock_time(seconds: float) -> str:
