@@ -16,10 +16,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 _SHARED_WORKER = {"test_gpu_check.py": "gpu_check", "test_bench_gpu.py": "gpu_check"}
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under `pytest -n N --dist loadgroup` (scripts/test.sh) a file's tests stay on one worker, so a
     module-scoped fixture (a trained run, a cluster) is built once, not once per worker; the files
-    with the most slow (multi-process) tests go out first, so that no long file starts last."""
+    with the most slow (multi-process) tests go out first, so that no long file starts last.
+    First among the hooks: xdist's own, on each worker, reads the group markers into the test ids
+    the scheduler groups by, and a marker added after it does nothing."""
     if not config.pluginmanager.hasplugin("xdist"):  # a machine with pytest alone (scripts/gpu_check.sh)
         return
     slow = {}
