@@ -630,7 +630,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         formatter_class=HelpFormatter, prog="gpn-scale train", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="training YAML (or a name in configs/train/)")
-    ap.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.total_steps=100 zero.stage=3")
+    ap.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.total_steps=100 zero.stage=3 (every key, "
+                                                 "its type, default and meaning: gpn-scale config keys)")
     ap.add_argument("--resume", default=None,
                     help="auto: the newest complete checkpoint of run.dir; none (default): start fresh; or a "
                          "checkpoint dir of run.dir")
