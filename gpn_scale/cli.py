@@ -20,6 +20,7 @@ COMMANDS = {
     "export": ("gpn_scale.export:main", "export a checkpoint to Hugging Face transformers, the paper's format or native"),
     "prep": ("gpn_scale.prep.cli:main", "tokenize and pack text into MDS shards"),
     "train": ("gpn_scale.train.engine:main", "train with DeepSpeed ZeRO from MDS shards (resumable)"),
+    "config": ("gpn_scale.train.config_view:main", "list the training config's keys: type, default and meaning"),
     "launch": ("gpn_scale.train.launch:main", "print and run the torchrun command for a training run"),
     "sweep": ("gpn_scale.sweep.cli:main", "scaling sweeps: size, run (local or SLURM), collect and fit"),
     "ckpt": ("gpn_scale.train.checkpoint:main", "checkpoint tools: verify, to-universal"),

@@ -6,9 +6,13 @@ dotted overrides (`d_state=256`) are applied before validation.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import inspect
+import io
 import math
+import tokenize
 import types
 import typing
 from pathlib import Path
@@ -118,6 +122,111 @@ def dataclass_keys(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if f.init}
 
 
+def field_meanings(cls) -> dict[str, str]:
+    """What each field of dataclass `cls` means, from the comments of its declaration in the source:
+    the comment ending its line, else the comment lines right above it ("" when it has neither).
+    The comments stay the one place a key is explained, for readers of the code and of
+    `gpn-scale config keys` alike."""
+    source = inspect.getsource(cls)
+    comments: dict[int, str] = {}  # line number -> the comment's text
+    code_lines: set[int] = set()
+    quiet = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = token.string.lstrip("#").strip()
+        elif token.type not in quiet:
+            code_lines.update(range(token.start[0], token.end[0] + 1))
+    (class_def,) = [node for node in ast.parse(source).body if isinstance(node, ast.ClassDef)]
+    meanings = {}
+    for node in class_def.body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        trailing = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+        above, line = [], node.lineno - 1
+        while line in comments and line not in code_lines:
+            above.insert(0, comments[line])
+            line -= 1
+        meanings[node.target.id] = " ".join(trailing or above)
+    return meanings
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyInfo:
+    """One key of a config as `gpn-scale config keys` lists it."""
+
+    key: str  # dotted: `train.lr`; a field of a list's items: `data.train[].path`
+    type: str  # as a YAML writer sees it: `int | null`, `list[int]`; an enumerated key's allowed values: `a | b`
+    allowed: tuple | None  # an enumerated key's values, else None
+    default: object  # the value a config without the key has (YAML-ready: None, lists, scalars)
+    required: bool  # no usable default: a config without the key is refused
+    meaning: str
+
+
+def type_name(annotation) -> str:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(option) for option in typing.get_args(annotation))
+    if origin is typing.Literal:
+        return " | ".join(map(str, typing.get_args(annotation)))
+    if origin is list:
+        return f"list[{type_name(typing.get_args(annotation)[0])}]"
+    if annotation is type(None):
+        return "null"
+    if dataclasses.is_dataclass(annotation) or annotation is dict:
+        return "mapping"
+    return annotation.__name__
+
+
+def _allowed_values(annotation) -> tuple | None:
+    """The values of an enumerated (Literal) key, also inside `X | None`."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for option in typing.get_args(annotation):
+            if _allowed_values(option):
+                return _allowed_values(option)
+    return None
+
+
+def _list_item_dataclasses(annotation) -> list[type]:
+    """The dataclasses a list of this type holds as items (also a union's list option)."""
+    origin = typing.get_origin(annotation)
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        return [item] if dataclasses.is_dataclass(item) else []
+    if origin in (typing.Union, types.UnionType):
+        return [cls for option in typing.get_args(annotation) for cls in _list_item_dataclasses(option)]
+    return []
+
+
+def describe_keys(cls, prefix: str = "", required: frozenset = frozenset()) -> list[KeyInfo]:
+    """Every key of dataclass `cls` (spelled with `prefix`), in declaration order, from what
+    `build_dataclass` validates against: the field's type, its default and its meaning (the comment
+    on its declaration). A field holding a dataclass lists that one's keys under `field.`; one
+    holding a list of them, under `field[].`, after the list itself. `required`: the dotted keys
+    whose default a config must not keep."""
+    hints = typing.get_type_hints(cls)
+    meanings = field_meanings(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        annotation, key = hints[f.name], prefix + f.name
+        if dataclasses.is_dataclass(annotation):
+            keys += describe_keys(annotation, f"{key}.", required)
+            continue
+        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            default = f.default_factory() if has_default else None
+        keys.append(KeyInfo(key, type_name(annotation), _allowed_values(annotation), default,
+                            key in required or not has_default, meanings[f.name]))
+        for item_cls in _list_item_dataclasses(annotation):
+            keys += describe_keys(item_cls, f"{key}[].", required)
+    return keys
+
+
 def build_dataclass(cls, data: dict, where: str, prefix: str = "", overridden=frozenset(), override_prefix: str = ""):
     """Instantiate dataclass `cls` from `data`; errors read `WHERE: PREFIXkey: problem`. A key in
     `overridden` came from a key=value argument (spelled with `override_prefix`, e.g. `model.`): its
@@ -171,6 +280,35 @@ def merge(base: dict, overrides: dict) -> dict:
     for k, v in overrides.items():
         out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+DEFAULT = "default"  # the origin of a value no layer set: its dataclass's default
+OVERRIDDEN = "override"  # the origin of a value a key=value argument set
+
+
+@dataclasses.dataclass
+class Origins:
+    """Where each value of a config merged from layers (a YAML file, then key=value overrides) came
+    from: the last layer that set it, as `merge` lets the last one win. A value is a leaf of the
+    layers' nested mappings (a list is one value: its origin is the whole list's); a key no layer set
+    has its default."""
+
+    by_key: dict[str, str] = dataclasses.field(default_factory=dict)  # dotted key -> a file's path or OVERRIDDEN
+
+    def add(self, layer: dict, origin: str, prefix: str = "") -> None:
+        """Records `layer`, set by `origin`, as merged over the layers added before it (its keys
+        spelled with `prefix`, e.g. `model.`)."""
+        for key, value in layer.items():
+            dotted = prefix + key
+            if isinstance(value, dict):  # merged into what is there, key by key
+                self.by_key.pop(dotted, None)
+                self.add(value, origin, f"{dotted}.")
+            else:  # replaces what is there, all of a mapping's values included
+                self.by_key = {k: v for k, v in self.by_key.items() if not k.startswith(f"{dotted}.")}
+                self.by_key[dotted] = origin
+
+    def of(self, key: str) -> str:
+        return self.by_key.get(key, DEFAULT)
 
 
 def resolve_config_path(path: str | Path, kind: str) -> Path:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from kernels.graph import GraphFactory, factory_for
 from kernels.memory import MemoryOps
@@ -24,7 +25,8 @@ from kernels.memory_chunk import ChunkOps
 from kernels.step import StepOps
 from kernels.streams import Lanes, lanes_for
 
-KERNELS = ("auto", "triton", "cpp", "torch")
+Kernel = Literal["auto", "triton", "cpp", "torch"]  # a config key: its values are listed and checked from this
+KERNELS = get_args(Kernel)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ def test_version(capsys):
 
 
 SUBPARSERS = [[name] for name in COMMANDS] + [["prep", "train-tokenizer"], ["prep", "merge"], ["ckpt", "verify"],
-                                              ["ckpt", "to-universal"], ["sweep", "collect"]]
+                                              ["ckpt", "to-universal"], ["sweep", "collect"],
+                                              ["config", "keys"]]
 
 
 @pytest.mark.parametrize("argv", SUBPARSERS, ids=" ".join)

@@ -304,8 +304,8 @@ def test_lr_schedule_is_warmup_then_cosine_to_ten_percent():
     [
         ("train.totl_steps=5", "train.totl_steps: unknown key"),
         ("train.total_steps=ten", "train.total_steps: expected int, got str"),
-        ("zero.stage=4", "zero.stage: expected 0, 1, 2 or 3"),
-        ("precision=fp16", "precision: expected fp32 or bf16"),
+        ("zero.stage=4", "zero.stage: expected one of 0, 1, 2, 3, got 4"),
+        ("precision=fp16", "precision: expected one of fp32, bf16, got 'fp16'"),
         ("optimizer.lr=1", "optimizer: unknown key"),
         ("model.d_state=wide", "command-line override: model.d_state: expected int"),  # not the YAML file
         ("model.checkpoint_every=128", "model.checkpoint_every: 128 has no effect with model.core=fused"),

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, Literal, NamedTuple, get_args
 
 import torch
 import torch.nn as nn
@@ -38,25 +38,27 @@ from gpn_scale.models.ops import at_least_f32, l2_normalize, rms_norm
 from gpn_scale.models.resets import check as check_resets, pieces, where_rows
 from gpn_scale.models.spec import ModelSpec, matrices_decay, no_external_params
 
-CORES = ("chunk", "recurrent")
-KERNELS = ("auto", "torch")
+# The enumerated keys of GDNConfig: a config's value is checked against these, and its refusal lists them.
+Core = Literal["chunk", "recurrent"]
+Kernel = Literal["auto", "torch"]
+CORES, KERNELS = get_args(Core), get_args(Kernel)
 
 
 @dataclass
 class GDNConfig:
-    family: str = "gdn"
-    vocab_size: int = 32000
-    d_model: int = 768
-    n_layers: int = 10
-    n_heads: int = 6
+    family: Literal["gdn"] = "gdn"  # Gated DeltaNet: delta-rule linear attention and SwiGLU, pre-norm
+    vocab_size: int = 32000  # the tied embedding's rows: at least the tokenizer's vocabulary
+    d_model: int = 768  # the residual stream's width
+    n_layers: int = 10  # blocks of gated delta-rule mixing and SwiGLU
+    n_heads: int = 6  # delta-rule heads, each with a d_key x d_val state
     d_key: int = 160  # per head; 6 x 160 puts 10 x 768 at GPN+M 1L's parameter count
     d_val: int = 320  # per head (2 x d_key, the published expansion)
     d_ffn: int = 2048  # SwiGLU width (8/3 x d_model)
-    conv_size: int = 4
+    conv_size: int = 4  # the causal depthwise convolution's width over q, k and v
     # Execution only: none of these change the math.
-    core: str = "chunk"  # the torch delta-rule form: "chunk" or "recurrent"
-    chunk_size: int = 64
-    kernel: str = "auto"  # "auto": flash-linear-attention's chunk kernel on CUDA when installed; "torch"
+    core: Core = "chunk"  # the torch delta-rule form: "chunk" or "recurrent"
+    chunk_size: int = 64  # chunk core: tokens per chunk, whose updates are one triangular solve
+    kernel: Kernel = "auto"  # "auto": flash-linear-attention's chunk kernel on CUDA when installed; "torch"
     ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once
     EXECUTION_KEYS: ClassVar[tuple[str, ...]] = ("core", "chunk_size", "kernel", "ce_chunk")  # may change when a run resumes
 

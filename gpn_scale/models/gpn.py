@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, Literal, NamedTuple, get_args
 
 import torch
 import torch.nn as nn
@@ -26,44 +26,47 @@ from gpn_scale.models.ops import at_least_f32, l2_normalize, lecun_normal_, line
 from gpn_scale.models.resets import check as resets_check, pieces, where_rows
 from gpn_scale.models.spec import ModelSpec, matrices_decay
 import kernels
-from kernels import KERNELS, Backend
+from kernels import KERNELS, Backend, Kernel
 from kernels.step.reference import OPS as ce_twin
 
-FAMILIES = ("gpn", "gpn_m")
-CORES = ("fused", "naive")
-MEMORY_FORMS = ("auto", "step", "chunk")
-MEMORY_READS = ("state", "compute")
-PROJECTIONS = ("recompute", "keep")
+# The enumerated keys of GPNConfig: a config's value is checked against these, and its refusal lists them.
+Family = Literal["gpn", "gpn_m"]
+Core = Literal["fused", "naive"]
+MemoryForm = Literal["auto", "step", "chunk"]
+MemoryReads = Literal["state", "compute"]
+Projections = Literal["recompute", "keep"]
+FAMILIES, CORES, MEMORY_FORMS = get_args(Family), get_args(Core), get_args(MemoryForm)
+MEMORY_READS, PROJECTIONS = get_args(MemoryReads), get_args(Projections)
 
 
 @dataclass
 class GPNConfig:
-    family: str = "gpn_m"  # "gpn" (no memory) or "gpn_m" (one shared matrix memory)
-    vocab_size: int = 32000
-    d_state: int = 2496
-    d_emb: int = 768
-    d_ffn: int = 6656
-    n_layers: int = 1
-    n_heads: int = 15  # memory shape (H, d_key, d_val); ignored by "gpn"
-    d_key: int = 128
-    d_val: int = 256
-    use_decoder_bias: bool = False
+    family: Family = "gpn_m"  # "gpn" (no memory) or "gpn_m" (one shared matrix memory)
+    vocab_size: int = 32000  # the embedding's and the decoder's rows: at least the tokenizer's vocabulary
+    d_state: int = 2496  # the state's width d (docs/model.md)
+    d_emb: int = 768  # the token embedding's width E
+    d_ffn: int = 6656  # the SwiGLU FFN's width F in each predict layer
+    n_layers: int = 1  # predict layers N
+    n_heads: int = 15  # memory heads H: the memory M has shape (H, d_key, d_val); ignored by "gpn"
+    d_key: int = 128  # the memory's key width per head
+    d_val: int = 256  # the memory's value width per head
+    use_decoder_bias: bool = False  # the decoder's bias (decode_bias, E zeros at start)
     # Execution only: none of these change the math.
-    core: str = "fused"  # the time loop: "fused" (custom backward, see core.py) or "naive" (autograd)
+    core: Core = "fused"  # the time loop: "fused" (custom backward, see core.py) or "naive" (autograd)
     core_chunk: int = 32  # fused core: M is kept every this many steps and rebuilt in between
     # fused core's memory: "step" (M read and written every step), "chunk" (M read once per step and written once
     # per chunk: docs/core.md), or "auto" (chunk on CUDA, where M's traffic sets the speed; step elsewhere)
-    memory_form: str = "auto"
+    memory_form: MemoryForm = "auto"
     # chunk form under autocast: its per-step products read M_c in the state's dtype (float32), or in the compute
     # dtype (bf16; a copy made once per chunk: half the traffic of the step's largest read). M itself stays float32.
-    memory_reads: str = "state"
+    memory_reads: MemoryReads = "state"
     # fused core's backward: each layer's fused projection "recompute"d per chunk (one GEMM, nothing kept), or
     # "keep": the forward keeps every step's (its width per token, in the GEMM's dtype) and the backward reads it
-    core_projections: str = "recompute"
+    core_projections: Projections = "recompute"
     checkpoint_every: int = 0  # naive core: recompute activations in time segments of this length (0: off)
     bptt: int = 0  # truncate backprop through time every this many steps (0: full window)
     ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once
-    kernel: str = "auto"  # fused core's memory step, step groups and the decoder's cross-entropy: "triton", "cpp" (CPU), "torch", or "auto" (triton on CUDA, cpp on CPU)
+    kernel: Kernel = "auto"  # fused core's memory step, step groups and the decoder's cross-entropy: "triton", "cpp" (CPU), "torch", or "auto" (triton on CUDA, cpp on CPU)
     cuda_graphs: bool = True  # fused core on CUDA: capture its time loops once per shape, then replay
     # May change when a run resumes: how the same math is executed (bptt is not: it cuts gradients).
     EXECUTION_KEYS: ClassVar[tuple[str, ...]] = ("core", "core_chunk", "memory_form", "checkpoint_every", "ce_chunk", "kernel",

@@ -12,7 +12,7 @@ back continues the stream exactly as one longer window would (incremental decodi
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, Literal, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -26,13 +26,13 @@ from gpn_scale.models.spec import ModelSpec, matrices_decay, no_external_params
 
 @dataclass
 class TransformerConfig:
-    family: str = "transformer"
-    vocab_size: int = 32000
-    d_model: int = 768
-    n_layers: int = 12
-    n_heads: int = 12
+    family: Literal["transformer"] = "transformer"  # Transformer++: RoPE attention and SwiGLU, pre-norm
+    vocab_size: int = 32000  # the tied embedding's rows: at least the tokenizer's vocabulary
+    d_model: int = 768  # the residual stream's width
+    n_layers: int = 12  # blocks of attention and SwiGLU
+    n_heads: int = 12  # attention heads of d_model / n_heads (an even number) each
     d_ffn: int = 2752  # SwiGLU width; 2752 puts 12 x 768 at GPN+M 1L's parameter count
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # the rotary embedding's base
     ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once
     EXECUTION_KEYS: ClassVar[tuple[str, ...]] = ("ce_chunk",)  # may change when a run resumes
 

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from gpn_scale.config import (OVERRIDE, build_dataclass, dataclass_keys, merge, model_config, parse_overrides,
-                              read_yaml, resolve_config_path, unknown_key)
+from gpn_scale.config import (OVERRIDDEN, OVERRIDE, Origins, build_dataclass, dataclass_keys, merge, model_config,
+                              parse_overrides, read_yaml, resolve_config_path, unknown_key)
 from gpn_scale.errors import UserError
 
 
 @dataclass
 class RunSection:
-    dir: str = ""  # where checkpoints, metrics.jsonl, config.yaml and wandb go
+    dir: str = ""  # where checkpoints, metrics.jsonl, config.yaml and wandb go: a new or empty directory, or this run's
     name: str = ""  # for wandb; default: the directory's name
 
 
@@ -87,7 +87,7 @@ class DataSection:
     # own (val_loss/NAME) besides val_loss over all of them
     val: str | list[DataSource] | None = None
     cache: str | None = None  # local cache root for remote datasets
-    shuffle: bool = True
+    shuffle: bool = True  # Streaming's shuffle of the sample order, seeded by seed
     num_canonical_nodes: int = 1  # fixes the global sample order whatever the world size
     log_sample_ids: bool = False  # write samples.jsonl: the global sample ids of every optimiser step
 
@@ -100,28 +100,28 @@ class TrainSection:
     total_steps: int = 10_000  # optimiser steps; the LR schedule follows this
     stop_at_step: int | None = None  # end early (with a checkpoint) exactly as a preemption would
     micro_batch: int = 8  # windows per rank per forward
-    grad_accum: int | None = None  # micro-batches per optimiser step and rank
-    global_batch: int | None = None  # or: windows per optimiser step; grad_accum follows the world size
-    save_every: int = 500
+    grad_accum: int | None = None  # micro-batches per optimiser step and rank (give this or global_batch; default 1)
+    global_batch: int | None = None  # windows per optimiser step, kept at any world size (grad_accum follows it)
+    save_every: int = 500  # a checkpoint every this many optimiser steps
     keep_last: int = 3  # complete checkpoints kept (the newest ones)
     # optimiser steps also checkpointed, never removed by keep_last's rotation: the stable phase's
     # checkpoints that decay branches start from (`gpn-scale train --branch-from`)
     keep_steps: list[int] = field(default_factory=list)
-    lr: float = 6e-4
+    lr: float = 6e-4  # the peak learning rate, reached at the end of the linear warm-up
     # the learning rate after the linear warm-up (gpn_scale/train/optim.py: lr_factor): a cosine to
     # lr * min_lr_ratio at total_steps; wsd: constant, then a decay over the last decay_steps steps to
     # lr * min_lr_ratio at the last step; constant: lr to the end
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    decay_steps: int | None = None  # wsd: optimiser steps of the decay, or
-    decay_fraction: float | None = None  # wsd: that share of total_steps (default 0.2); give one or neither
-    decay_shape: Literal["linear", "1-sqrt"] = "1-sqrt"  # wsd: 1-sqrt as Hagele et al. 2024
-    weight_decay: float = 0.1  # matrices only (ndim >= 2)
-    beta1: float = 0.9
-    beta2: float = 0.95
+    min_lr_ratio: float = 0.1  # the schedule's floor: lr * min_lr_ratio
+    warmup_steps: int = 100  # optimiser steps of the linear warm-up to lr
+    decay_steps: int | None = None  # wsd: optimiser steps of the decay (give this, decay_fraction or neither)
+    decay_fraction: float | None = None  # wsd: the decay as a share of total_steps (default 0.2)
+    decay_shape: Literal["linear", "1-sqrt"] = "1-sqrt"  # wsd: the decay's shape (1-sqrt as Hagele et al. 2024)
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay, on matrices only (ndim >= 2)
+    beta1: float = 0.9  # AdamW's decay of the gradient's running mean
+    beta2: float = 0.95  # AdamW's decay of the squared gradient's running mean
     adam_eps: float = 1e-8  # AdamW's epsilon
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # the global gradient norm is clipped to this before each update (0: no clipping)
     nonfinite_patience: int = 0  # non-finite loss or grad norm: steps tolerated in a row before the run stops
     # each batch slot reads one of the prep's streams window after window (data.train: OUT/streams/train), and
     # the recurrent state ending a window starts the next (gradients stop at the boundary): gpn_scale/train/carry.py
@@ -188,11 +188,9 @@ class TrainSection:
 
 @dataclass
 class ZeroSection:
-    stage: int = 2
-
-    def __post_init__(self):
-        if self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage: expected 0, 1, 2 or 3, got {self.stage}")
+    # DeepSpeed ZeRO's stage: 0 replicates everything; 1 shards the optimiser state across the ranks, 2 also the
+    # gradients, 3 also the parameters
+    stage: Literal[0, 1, 2, 3] = 2
 
 
 @dataclass
@@ -208,17 +206,16 @@ WANDB_TAG_MAX = 64  # characters: wandb refuses longer tags
 
 @dataclass
 class LoggingSection:
-    wandb: str = "disabled"  # disabled | offline | online
-    project: str = "gpn-scale"
+    # online: a wandb run synced as it goes; offline: a wandb run inside run.dir/wandb, synced later (`wandb sync`)
+    wandb: Literal["online", "offline", "disabled"] = "disabled"
+    project: str = "gpn-scale"  # the wandb project the run goes to (its name there is run.name)
     wandb_entity: str | None = None  # the wandb team or user the run goes to (default: wandb's own)
     wandb_group: str | None = None  # groups runs in wandb's UI (a sweep, the ranks of an experiment)
-    wandb_tags: list[str] = field(default_factory=list)
+    wandb_tags: list[str] = field(default_factory=list)  # the run's wandb tags: distinct, 1 to 64 characters each
     peak_tflops: float | None = None  # per device, for MFU; default: known GPUs, none on CPU
     tensorboard: bool = False  # TensorBoard event files in run.dir/tensorboard with metrics.jsonl's scalars
 
     def __post_init__(self):
-        if self.wandb not in ("disabled", "offline", "online"):
-            raise ValueError(f"wandb: expected disabled, offline or online, got {self.wandb!r}")
         for name in ("project", "wandb_entity", "wandb_group"):
             value = getattr(self, name)
             if value is not None and not value.strip():
@@ -256,7 +253,9 @@ class ProfileSection:
 
 @dataclass
 class TrainConfig:
-    model: dict = field(default_factory=dict)  # resolved model config (a path in the YAML is inlined)
+    # the model: a model YAML path (relative to this file), a configs/models name, or a mapping with its family;
+    # `gpn-scale config keys model.FAMILY` lists its keys
+    model: dict = field(default_factory=dict)
     run: RunSection = field(default_factory=RunSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -264,12 +263,16 @@ class TrainConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
-    precision: str = "bf16"  # fp32 | bf16 (autocast; state, M and master weights stay float32)
-    seed: int = 0
+    # bf16: autocast, while master weights, optimiser, state and M stay float32; fp32: float32 throughout
+    precision: Literal["fp32", "bf16"] = "bf16"
+    seed: int = 0  # initial weights and data order
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+
+# Keys without a usable default: a config that leaves one out is refused (`KEY: missing`).
+REQUIRED = ("model", "run.dir", "data.train")
 
 _SECTIONS = {"run": RunSection, "data": DataSection, "train": TrainSection, "zero": ZeroSection,
              "eval": EvalSection, "logging": LoggingSection, "profile": ProfileSection}
@@ -290,11 +293,29 @@ def _check_override_keys(overrides: dict) -> None:
 
 def load_train_config(source: str | Path | dict, overrides: list[str] | dict | None = None) -> TrainConfig:
     """Validated config from a YAML path (or dict) plus `dotted.key=value` overrides."""
+    return resolve_train_config(source, overrides).config
+
+
+@dataclass
+class ResolvedConfig:
+    """A validated training config and where each of its values came from (`--print-config`)."""
+
+    config: TrainConfig
+    origins: Origins  # keys spelled as in config.to_dict(); the model's under `model.`
+    model_named_in: str | None  # where the model's name or path was given; None for an inline mapping
+
+
+def resolve_train_config(source: str | Path | dict, overrides: list[str] | dict | None = None) -> ResolvedConfig:
+    """`load_train_config`, with the origin of every value: the layers merged are the YAML file, the
+    key=value overrides, the model's YAML file where a name or path chose it, and the `model.FIELD=`
+    overrides; a value none of them set is its dataclass's default."""
     if isinstance(source, dict):
         data, where, base_dir = dict(source), "config", Path.cwd()
     else:
         path = resolve_config_path(source, "train")
         data, where, base_dir = read_yaml(path), str(path), path.parent
+    origins = Origins()
+    origins.add(data, where)
     choices = []
     if isinstance(overrides, list):
         # `model=NAME` chooses the model and `model.FIELD=V` overrides its fields, in either order.
@@ -306,6 +327,7 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
         overrides["model"] = parse_overrides(choices[-1:])["model"]
     _check_override_keys(overrides)
     data = merge(data, overrides)
+    origins.add(overrides, OVERRIDDEN)
     unknown = sorted(set(data) - _TOP_LEVEL)
     if unknown:
         raise unknown_key(where, unknown[0], _TOP_LEVEL)
@@ -313,14 +335,19 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
     model = data.get("model")
     if model is None:
         raise UserError(f"{where}: model: missing (a model YAML path, a configs/models name, or a mapping)")
+    model_named_in = None
     if isinstance(model, str):  # relative to the config file, or a configs/models name
         model_path = Path(model) if Path(model).is_absolute() or Path(model).exists() else base_dir / model
-        model_cfg = model_config(model_path if model_path.exists() else model, model_overrides,
-                                 override_prefix="model.")
+        model_file = resolve_config_path(model_path if model_path.exists() else model, "models")
+        model_data = read_yaml(model_file)
+        model_cfg = model_config(model_data, model_overrides, where=str(model_file), override_prefix="model.")
+        model_named_in = origins.of("model")
+        origins.add({"model": model_data}, str(model_file))  # the file's mapping in place of its name
     elif isinstance(model, dict):
         model_cfg = model_config(model, model_overrides, where=f"{where}: model", override_prefix="model.")
     else:
         raise UserError(f"{where}: model: expected a path or a mapping, got {type(model).__name__}")
+    origins.add(model_overrides, OVERRIDDEN, "model.")
 
     data_section = data.get("data")
     if isinstance(data_section, dict):  # a source listed as its path alone is {path: ...}
@@ -339,9 +366,6 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
     top = {k: data[k] for k in ("precision", "seed") if k in data}
     cfg = build_dataclass(TrainConfig, dict(top, model=model_cfg.to_dict(), **sections), where,
                           overridden=frozenset(k for k in top if k in overrides))
-    if cfg.precision not in ("fp32", "bf16"):
-        raise UserError(f"{OVERRIDE if 'precision' in overrides else where}: precision: expected fp32 or bf16, "
-                        f"got {cfg.precision!r}")
     core, segments = cfg.model.get("core"), cfg.model.get("checkpoint_every")
     if segments and core != "naive":  # GPN families only: the others have no checkpoint_every
         raise UserError(f"{where}: model.checkpoint_every: {segments} has no effect with model.core={core} (it segments "
@@ -361,8 +385,9 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
             at = OVERRIDE if key in overrides.get("profile", {}) else where
             raise UserError(f"{at}: profile.{key}: step {value} is past train.total_steps={cfg.train.total_steps}, "
                             "so it would never run")
-    for key, value in (("run.dir", cfg.run.dir), ("data.train", cfg.data.train)):
-        if not value:
+    for key in REQUIRED[1:]:  # model: refused above, where it is resolved
+        section, name = key.split(".")
+        if not getattr(getattr(cfg, section), name):
             raise UserError(f"{where}: {key}: missing")
     _check_mixtures(cfg, OVERRIDE if "data" in overrides else where)
     # Local data paths are recorded absolute (config.yaml, trainer_state.json), so eval, generate and
@@ -374,7 +399,7 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | dict | N
                 source.path = _absolute(source.path)
         elif value:
             setattr(cfg.data, key, _absolute(value))
-    return cfg
+    return ResolvedConfig(cfg, origins, model_named_in)
 
 
 def _absolute(location: str) -> str:

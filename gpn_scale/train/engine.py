@@ -41,7 +41,8 @@ from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import distributed as dist_utils
 from gpn_scale.train import loop, optim, preflight, profiling
 from gpn_scale.train import branch
-from gpn_scale.train.config import BRANCHABLE, RESUMABLE, TrainConfig, config_changes, load_train_config, sources
+from gpn_scale.train.config import (BRANCHABLE, RESUMABLE, TrainConfig, config_changes, load_train_config,
+                                    resolve_train_config, sources)
 from gpn_scale.train.gc import GarbageCollection
 from gpn_scale.train.loop import Audit, Outcome
 from gpn_scale.train.metrics import (MetricsLog, RunClock, RunSummary, StepMetrics, flops_per_token, peak_flops,
@@ -649,7 +650,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         formatter_class=HelpFormatter, prog="gpn-scale train", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="training YAML (or a name in configs/train/)")
-    ap.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.total_steps=100 zero.stage=3")
+    ap.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.total_steps=100 zero.stage=3 (every key, "
+                                                 "its type, default and meaning: gpn-scale config keys)")
     ap.add_argument("--resume", default=None,
                     help="auto: the newest complete checkpoint of run.dir; none (default): start fresh; or a "
                          "checkpoint dir of run.dir")
@@ -664,10 +666,25 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--allow-config-change", action="store_true",
                     help="on resume, apply settings that differ from the checkpoint's even where they change what "
                          "the run computes (lr, model, data, ...); the change is recorded in metrics.jsonl")
-    ap.add_argument("--check", action="store_true",
-                    help="check the config, the data and run.dir as each rank does before it starts, then exit (0, "
-                         "or 2 with the one line): what the launchers run before torchrun starts the ranks")
+    look = ap.add_mutually_exclusive_group()
+    look.add_argument("--check", action="store_true",
+                      help="check the config, the data and run.dir as each rank does before it starts, then exit (0, "
+                           "or 2 with the one line): what the launchers run before torchrun starts the ranks")
+    look.add_argument("--print-config", action="store_true",
+                      help="print the resolved config as YAML, each value with its origin (default, the YAML file, "
+                           "or override), then exit; the config is validated as for a run, the data and run.dir are "
+                           "not looked at (--check does that) and nothing is written")
+    ap.add_argument("--json", action="store_true",
+                    help="with --print-config: one JSON object {config, origins, model_chosen_in}, alone on stdout")
     args = ap.parse_intermixed_args(argv)  # key=value overrides may come after flags
+    if args.json and not args.print_config:
+        raise UserError("--json: prints the config of --print-config; pass --print-config too")
+    if args.print_config:
+        from gpn_scale.train.config_view import print_config
+
+        _resume_mode(args)  # refuses flags that cannot go together, as a run would
+        print_config(resolve_train_config(args.config, args.overrides), args.json)
+        return 0
     try:  # the same files and settings on every rank: the same error everywhere
         resume = _resume_mode(args)
         cfg = load_train_config(args.config, args.overrides)
