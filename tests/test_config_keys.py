@@ -132,7 +132,15 @@ def test_every_key_has_a_meaning_and_the_validators_keys_are_listed():
     validated = {f"{section}.{key}" if isinstance(values, dict) else section
                  for section, values in built.items() if section != "model"
                  for key in (values if isinstance(values, dict) else [None])}
-    assert {k.key for k in training_keys()} == validated | {"model"}
+    listed = {k.key for k in training_keys()}
+    assert {k for k in listed if "[]" not in k} == validated | {"model"}
+    # a list of sections (a mixture's sources) lists its items' keys
+    from dataclasses import fields
+
+    from gpn_scale.train.config import DataSource
+
+    for key in ("data.train", "data.val"):
+        assert {k.split("[].")[1] for k in listed if k.startswith(f"{key}[].")} == {f.name for f in fields(DataSource)}
     assert {k.key for k in model_keys("gpn_m")} == {f"model.{key}" for key in built["model"]}
     assert {k.key for k in training_keys() if k.required} == {"model", "run.dir", "data.train"}
 
