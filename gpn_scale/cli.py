@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader stopped early (`| head`): the output ends there, without a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # for the interpreter's own flush at exit
+        return 128 + 13  # as a shell reports a command that SIGPIPE ended
     finally:
         leases.release_all()  # the checkpoints the command read: rotation may remove them now
         if name == "train":

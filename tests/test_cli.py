@@ -284,3 +284,19 @@ def test_json_state_files_that_are_not_utf8_are_one_line_naming_them(tmp_path):
 
     with pytest.raises(UserError, match=r"stats.json: not UTF-8 text \(at byte offset 16\)"):
         open_data(tmp_path)
+
+
+def test_a_reader_that_stops_early_ends_the_output_without_a_traceback():
+    """`gpn-scale config keys | head -3`: the pipe closes while the command still writes; the
+    command ends quietly with the status a shell gives a command SIGPIPE ended (141)."""
+    import fcntl
+
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, 1031, 4096)  # F_SETPIPE_SZ, before the command starts: the listing (7 KB) cannot fit
+    proc = subprocess.Popen([sys.executable, "-m", "gpn_scale", "config", "keys"], stdout=write_end,
+                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+    os.close(write_end)
+    first = os.read(read_end, 200)  # unbuffered: the rest (over 2 KB more than the pipe holds) stays unread
+    os.close(read_end)
+    _, err = proc.communicate(timeout=120)
+    assert first.startswith(b"model: ") and proc.returncode == 141 and err == b"", err.decode()[-3000:]

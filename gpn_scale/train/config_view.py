@@ -14,8 +14,6 @@ import dataclasses
 import difflib
 import json
 import math
-import os
-import sys
 import textwrap
 
 import yaml
@@ -135,18 +133,10 @@ def main(argv: list[str]) -> int:
                       help="print a JSON list of {key, type, allowed, default, required, meaning}, alone on stdout")
     args = ap.parse_args(argv)
     listed = keys_in(args.section)
-    _print_all(json.dumps([dataclasses.asdict(k) for k in listed], indent=1) if args.json else keys_text(listed))
+    print(json.dumps([dataclasses.asdict(k) for k in listed], indent=1) if args.json else keys_text(listed))
     return 0
 
 
 def print_config(resolved: ResolvedConfig, as_json: bool) -> None:
     """`gpn-scale train ... --print-config [--json]`: what it prints is the whole of stdout."""
-    _print_all(json.dumps(config_json(resolved), indent=1) if as_json else config_text(resolved))
-
-
-def _print_all(text: str) -> None:
-    """Prints `text` to stdout; a reader that stops early (`| head`) ends the listing, not in a traceback."""
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:  # and the interpreter's own flush at exit would hit the closed pipe again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print(json.dumps(config_json(resolved), indent=1) if as_json else config_text(resolved))
