@@ -15,10 +15,10 @@ backward), with torch.cuda.max_memory_allocated as the peak:
                 reported as tokens/s "extrapolated" to --seq-len: a sequential loop's cost per
                 token does not shrink with T, and at T 2048 its graph would not fit
   transformer   Transformer++ (--transformer, 12L 130M) with torch SDPA, timed eager and then
-                under torch.compile (--no-compile: eager only; the default on CPU, where
-                compiling the tiny model takes ~50 s); the row, and so the ratio table, use the
-                faster of the two, and say which. Where compile is unavailable or fails, the
-                row is eager and says why
+                with its blocks compiled as `model.compile: true` trains them (compile_blocks;
+                --no-compile: eager only; the default on CPU, where compiling takes tens of
+                seconds); the row, and so the ratio table, use the faster of the two, and say
+                which. Where compile is unavailable or fails, the row is eager and says why
 Each row's batch fills the GPU: one probe step at batch 2 measures the memory per sequence,
 and the batch is what fits in --fill of the free memory (`--batch name=N` sets it).
 
@@ -152,12 +152,16 @@ def fastest(eager_s: float, compiled_s: float | None, note: str) -> CompileTimin
 
 
 def compiled_step_s(model, opt, tokens, device, steps: int, bf16: bool) -> tuple[float | None, str]:
-    """Seconds per training step of torch.compile(model) (after one untimed step that
-    compiles), or None and one line saying why it could not run."""
+    """Seconds per training step of the model with its blocks compiled, in place, as the trainer
+    compiles them (after one untimed step that compiles), or None and one line saying why it could
+    not run."""
+    from gpn_scale.models.blocks import compile_blocks
+
     if not hasattr(torch, "compile"):
         return None, f"torch {torch.__version__} has no torch.compile; eager used"
     try:
-        step = train_step_fn(torch.compile(model), opt, tokens, device, bf16)
+        compile_blocks(model)
+        step = train_step_fn(model, opt, tokens, device, bf16)
         step()
         sync(device)
         return timed(step, device, steps, warmup=False), "eager and compiled timed"

@@ -28,8 +28,10 @@ from pathlib import Path
 from gpn_scale.errors import UserError
 
 HOW = "export it with --to native"
-# TransformerConfig's fields and where each goes; ce_chunk is how the loss is computed, not the model.
-_FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "d_ffn", "rope_theta", "ce_chunk")
+# TransformerConfig's fields and where each goes; ce_chunk, compile and recompute are how the loss is
+# computed and the model trained, not the model.
+_FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "d_ffn", "rope_theta", "ce_chunk", "compile",
+           "recompute")
 _LAYER = {"mixer_norm.weight": "input_layernorm.weight", "mixer.q_proj.weight": "self_attn.q_proj.weight",
           "mixer.k_proj.weight": "self_attn.k_proj.weight", "mixer.v_proj.weight": "self_attn.v_proj.weight",
           "mixer.o_proj.weight": "self_attn.o_proj.weight", "mlp_norm.weight": "post_attention_layernorm.weight",

@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from gpn_scale.models.ops import at_least_f32, linear_cross_entropy, rms_norm
 
@@ -48,19 +49,40 @@ class Block(nn.Module):
     """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x)).
 
     The mixer (attention or the gated delta rule) takes and returns a per-layer cache, or None.
+    With `recompute`, a forward that records gradients keeps only the block's input: the backward
+    runs the block again for the activations it needs (the config key `recompute`).
     """
 
-    def __init__(self, d_model: int, d_ffn: int, mixer: nn.Module):
+    def __init__(self, d_model: int, d_ffn: int, mixer: nn.Module, recompute: bool = False):
         super().__init__()
         self.mixer_norm = RMSNorm(d_model)
         self.mixer = mixer
         self.mlp_norm = RMSNorm(d_model)
         self.mlp = SwiGLU(d_model, d_ffn)
+        self.recompute = recompute
 
     def forward(self, x: torch.Tensor, cache=None):
+        if self.recompute and torch.is_grad_enabled():  # without gradients nothing is kept to save
+            # Non-reentrant: the form torch.compile traces (the recomputation becomes part of the
+            # compiled backward) and the one that accepts a cache of nested tensors or None.
+            return checkpoint(self._residual_branches, x, cache, use_reentrant=False)
+        return self._residual_branches(x, cache)
+
+    def _residual_branches(self, x: torch.Tensor, cache):
         h, cache = self.mixer(self.mixer_norm(x), cache)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), cache
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """torch.compile each of a layered model's blocks, in place (`nn.Module.compile`), as torchtitan
+    compiles its TransformerBlocks: the blocks share one code path, so one compiled graph serves
+    every layer whatever the depth (a deeper model compiles no longer); a block sees only tensors
+    of fixed rank, while the model's own forward (state checks, GDN's document pieces, the chunked
+    loss) stays eager; a recomputed block is compiled with its recomputation; and the weights keep
+    their names, so a checkpoint of a compiled run loads into an eager model and back."""
+    for layer in model.layers:
+        layer.compile()
 
 
 def init_weights(model: nn.Module, n_layers: int, residual_out: tuple[str, ...]) -> None:

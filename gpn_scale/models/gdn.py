@@ -32,7 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpn_scale.models.blocks import Block, RMSNorm, check_tokens, init_weights, shifted_inputs, tied_lm_loss
+from gpn_scale.models.blocks import (Block, RMSNorm, check_tokens, compile_blocks, init_weights, shifted_inputs,
+                                     tied_lm_loss)
 from gpn_scale.models.gpn import ModelOutput
 from gpn_scale.models.ops import at_least_f32, l2_normalize, rms_norm
 from gpn_scale.models.resets import check as check_resets, pieces, where_rows
@@ -60,7 +61,10 @@ class GDNConfig:
     chunk_size: int = 64  # chunk core: tokens per chunk, whose updates are one triangular solve
     kernel: Kernel = "auto"  # "auto": flash-linear-attention's chunk kernel on CUDA when installed; "torch"
     ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once
-    EXECUTION_KEYS: ClassVar[tuple[str, ...]] = ("core", "chunk_size", "kernel", "ce_chunk")  # may change when a run resumes
+    compile: bool = False  # `gpn-scale train` runs each block through torch.compile (docs/baselines.md)
+    recompute: bool = False  # each block's activations are recomputed in the backward instead of kept
+    EXECUTION_KEYS: ClassVar[tuple[str, ...]] = ("core", "chunk_size", "kernel", "ce_chunk", "compile",
+                                                 "recompute")  # may change when a run resumes
 
     def __post_init__(self):
         if self.family != "gdn":
@@ -238,7 +242,7 @@ class GatedDeltaNet(nn.Module):
         self.config = cfg
         self.embedding = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
         self.start = nn.Parameter(torch.empty(cfg.d_model))  # the empty context, read at position 0
-        self.layers = nn.ModuleList(Block(cfg.d_model, cfg.d_ffn, GatedDeltaMixer(cfg)) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg.d_model, cfg.d_ffn, GatedDeltaMixer(cfg), cfg.recompute) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model)
         if initialise:
             self.reset_parameters()
@@ -287,4 +291,4 @@ class GatedDeltaNet(nn.Module):
                         tuple(layer.mixer.initial_state(batch, like) for layer in self.layers))
 
 
-SPEC = ModelSpec(GDNConfig, GatedDeltaNet, no_external_params, matrices_decay)
+SPEC = ModelSpec(GDNConfig, GatedDeltaNet, no_external_params, matrices_decay, compile_forward=compile_blocks)

@@ -27,6 +27,9 @@ class ModelSpec:
     # whether the state a window ends with can start the next window (train.carry_state): a recurrent
     # state of fixed size, not a cache that grows with the context
     carries_state: bool = True
+    # torch.compile the model's forward in place, for a config with `compile: true`; None: the family
+    # has no such key (GPN's fused core launches kernels of its own)
+    compile_forward: Callable[[nn.Module], None] | None = None
 
 
 def matrices_decay(model: nn.Module) -> ParamGroups:

@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpn_scale.models.blocks import Block, RMSNorm, check_tokens, init_weights, shifted_inputs, tied_lm_loss
+from gpn_scale.models.blocks import (Block, RMSNorm, check_tokens, compile_blocks, init_weights, shifted_inputs,
+                                     tied_lm_loss)
 from gpn_scale.models.gpn import ModelOutput
 from gpn_scale.models.ops import at_least_f32
 from gpn_scale.models.spec import ModelSpec, matrices_decay, no_external_params
@@ -34,7 +35,10 @@ class TransformerConfig:
     d_ffn: int = 2752  # SwiGLU width; 2752 puts 12 x 768 at GPN+M 1L's parameter count
     rope_theta: float = 10000.0  # the rotary embedding's base
     ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once
-    EXECUTION_KEYS: ClassVar[tuple[str, ...]] = ("ce_chunk",)  # may change when a run resumes
+    # Execution only (docs/baselines.md, "Compiling and recomputing"):
+    compile: bool = False  # `gpn-scale train` runs each block through torch.compile
+    recompute: bool = False  # each block's activations are recomputed in the backward instead of kept
+    EXECUTION_KEYS: ClassVar[tuple[str, ...]] = ("ce_chunk", "compile", "recompute")  # may change when a run resumes
 
     def __post_init__(self):
         if self.family != "transformer":
@@ -111,7 +115,7 @@ class Transformer(nn.Module):
         self.config = cfg
         self.embedding = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
         self.start = nn.Parameter(torch.empty(cfg.d_model))  # the empty context, read at position 0
-        self.layers = nn.ModuleList(Block(cfg.d_model, cfg.d_ffn, Attention(cfg)) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg.d_model, cfg.d_ffn, Attention(cfg), cfg.recompute) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model)
         if initialise:
             self.reset_parameters()
@@ -137,4 +141,5 @@ class Transformer(nn.Module):
 
 
 
-SPEC = ModelSpec(TransformerConfig, Transformer, no_external_params, matrices_decay, carries_state=False)
+SPEC = ModelSpec(TransformerConfig, Transformer, no_external_params, matrices_decay, carries_state=False,
+                 compile_forward=compile_blocks)

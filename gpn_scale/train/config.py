@@ -371,6 +371,11 @@ def resolve_train_config(source: str | Path | dict, overrides: list[str] | dict 
         raise UserError(f"{where}: model.checkpoint_every: {segments} has no effect with model.core={core} (it segments "
                         "the naive core's recomputation; the fused core's memory follows model.core_chunk): remove it, "
                         "or set model.core=naive")
+    if cfg.model.get("compile") and cfg.zero.stage == 3:  # the baselines only: the others have no compile key
+        at = OVERRIDE if "compile" in model_overrides or "stage" in overrides.get("zero", {}) else where
+        raise UserError(f"{at}: model.compile: true does not work with zero.stage=3 (ZeRO-3 gathers each layer's "
+                        "weights in module hooks that split the compiled blocks into dozens of graphs, past torch's "
+                        "recompile limit, the rest running eager): use zero.stage 0, 1 or 2, or model.compile=false")
     from gpn_scale.models import MODEL_FAMILIES
 
     family = cfg.model.get("family")

@@ -268,6 +268,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.model = build_model(model_config(cfg.model, where="config: model")).to(self.device)
         spec = MODEL_FAMILIES[self.model.config.family]
+        if getattr(self.model.config, "compile", False):  # the baselines' model.compile (docs/baselines.md)
+            spec.compile_forward(self.model)
 
         saved = checkpoints.read_trainer_state(self.resume_dir) if self.resume_dir else None
         universal = saved is not None and saved.world_size != self.world and saved.zero_stage > 0
