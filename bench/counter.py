@@ -350,7 +350,7 @@ def save_launches(path: str, runs: dict, steps) -> None:
 
 
 def load_launches(path: str) -> tuple[dict, tuple[int, int]]:
-    from gpn_scale.errors import read_json
+    from data_prep.errors import read_json
 
     data = read_json(path)
 

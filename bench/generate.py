@@ -120,7 +120,7 @@ class HFGenerate:
     def __init__(self, model, prompt, new_tokens: int):
         from transformers import AutoModelForCausalLM
 
-        from gpn_scale.prep.tokenizer import train_bpe
+        from data_prep.tokenizer import train_bpe
         from gpn_scale.export import export
         from gpn_scale.storage.native import save_native
 

@@ -37,8 +37,8 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the baseline is one thread, li
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpn_scale.prep import cli, embedded, run  # noqa: E402,F401  (run imports streaming and torch: not timed)
-from gpn_scale.prep.sources import BATCH  # noqa: E402
+from data_prep import cli, embedded, run# noqa: E402,F401  (run imports streaming and torch: not timed)
+from data_prep.sources import BATCH  # noqa: E402
 
 FILES, ROW_GROUPS = 8, 4
 CHARS_PER_TOKEN = 4.2  # of this BPE on this text, to size the corpus
@@ -100,9 +100,9 @@ def _status_kib(field: str) -> int:
 def _measure_unit(out: Path, src: Path, tokenizer: Path, conn) -> None:
     """In a forked process, as a prep worker is: load the tokenizer, prepare the one unit of `src`;
     send back how far the peak resident set rose above the resident set before the unit."""
-    from gpn_scale.prep.sources import Filters, plan_units
-    from gpn_scale.prep.tokenizer import Tokenizer
-    from gpn_scale.prep.unit import Settings, prepare_unit
+    from data_prep.sources import Filters, plan_units
+    from data_prep.tokenizer import Tokenizer
+    from data_prep.unit import Settings, prepare_unit
 
     settings = Settings(out=str(out), tokenizer_path=str(tokenizer), eos_token=None, bos_token=None,
                         filters=Filters(), seq_len=128, add_bos=False, val_fraction=0.0, val_files=frozenset(),

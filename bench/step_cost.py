@@ -483,7 +483,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.kernel == "triton" and args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
-    from gpn_scale.errors import UserError
+    from data_prep.errors import UserError
     from kernels.streams import CPU_STREAMS_ENV
 
     # On CPU the fused core's streams as on a GPU, in the stand-in the counter observes (for this

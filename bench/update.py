@@ -133,7 +133,7 @@ def exposed_allreduce(seconds: float, backward_s: float, last_share: float) -> f
 
 def per_gpu_batch(token_batch: int, window: int, gpus: int) -> int:
     """B = token_batch / (W N) sequences per GPU: refused unless a whole number, at least 1."""
-    from gpn_scale.errors import UserError
+    from data_prep.errors import UserError
 
     if token_batch % (window * gpus) or token_batch < window * gpus:
         raise UserError(f"--token-batch {token_batch} on {gpus} GPU(s) in windows of {window}: "

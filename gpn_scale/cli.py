@@ -12,13 +12,13 @@ import os
 import sys
 
 from gpn_scale.storage import leases
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 
 COMMANDS = {
     "model-info": ("gpn_scale.model_info:main", "print a model config's parameter breakdown"),
     "convert": ("gpn_scale.export.convert:main", "convert a reference (paper) checkpoint to a native one"),
     "export": ("gpn_scale.export:main", "export a checkpoint to Hugging Face transformers, the paper's format or native"),
-    "prep": ("gpn_scale.prep.cli:main", "tokenize and pack text into MDS shards"),
+    "prep": ("data_prep.cli:main", "tokenize and pack text into MDS shards"),
     "train": ("gpn_scale.train.engine:main", "train with DeepSpeed ZeRO from MDS shards (resumable)"),
     "config": ("gpn_scale.train.config_view:main", "list the training config's keys: type, default and meaning"),
     "launch": ("gpn_scale.train.launch:main", "print and run the torchrun command for a training run"),

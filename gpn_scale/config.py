@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from gpn_scale.errors import UserError, read_text
+from data_prep.errors import UserError, read_text
 
 # The bundled configs/ and launchers/: in a checkout the package's symlinks to the repository's
 # own, in a wheel their copies, so a name like `gpn_m_tiny` resolves either way.

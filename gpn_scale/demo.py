@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from gpn_scale.config import CONFIG_ROOT
-from gpn_scale.helptext import HelpFormatter
+from data_prep.helptext import HelpFormatter
 from gpn_scale.storage.jsonl import read_jsonl
-from gpn_scale.storage.outputs import DEMO, check_resumable
-from gpn_scale.errors import read_json
+from data_prep.outputs import DEMO, check_resumable
+from data_prep.errors import read_json
 
 DEMO_CONFIG = CONFIG_ROOT / "train" / "demo.yaml"
 ANALYSIS_WINDOWS = 32  # 4,096 states: the analysis and its ablations in seconds
@@ -52,8 +52,8 @@ def main(argv: list[str]) -> int:
     check_resumable(out, "--out", "demo", (DEMO,))  # a rerun resumes every stage; nothing else is written into
     began = time.time()
 
-    from gpn_scale.prep.cli import main as prep
-    from gpn_scale.prep.embedded import write_embedded_corpus
+    from data_prep.cli import main as prep
+    from data_prep.embedded import write_embedded_corpus
 
     _stage("1/5 corpus: CPython's documentation topics as FineWeb-Edu-schema parquet")
     files = [str(p) for p in write_embedded_corpus(out / "corpus")]

@@ -7,7 +7,7 @@ import argparse
 import torch
 
 from gpn_scale.config import model_config, parse_overrides
-from gpn_scale.helptext import HelpFormatter
+from data_prep.helptext import HelpFormatter
 from gpn_scale.models import build_model
 
 # Which part of a GPN each top-level parameter name belongs to; everything else is the loop.

@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 export DS_ACCELERATOR=cpu WANDB_MODE=disabled
 
 if [ ! -f "$OUT/data/stats.json" ]; then
-  python -c "import sys; from pathlib import Path; from gpn_scale.prep.embedded import write_embedded_corpus; write_embedded_corpus(Path(sys.argv[1]))" "$OUT/corpus"
+  python -c "import sys; from pathlib import Path; from data_prep.embedded import write_embedded_corpus; write_embedded_corpus(Path(sys.argv[1]))" "$OUT/corpus"
   files=("$OUT"/corpus/*.parquet)
   [ -f "$OUT/tokenizer.json" ] || python -m gpn_scale prep train-tokenizer "${files[@]}" --vocab-size 2048 --out "$OUT/tokenizer.json"
   python -m gpn_scale prep "${files[@]}" --out "$OUT/data" --tokenizer "$OUT/tokenizer.json" --seq-len 256 \

@@ -2,7 +2,7 @@
 its fits (docs/sweep.md, "A CPU study").
 
 Stages, each kept and skipped when a rerun finds it done:
-1. the corpus: the running Python's standard library source (`gpn_scale.prep.embedded`), 16
+1. the corpus: the running Python's standard library source (`data_prep.embedded`), 16
    parquet files, the last one held out;
 2. a byte-level BPE tokenizer of the spec's vocabulary, and MDS windows of its `seq_len`;
 3. the check that the largest point's tokens fit in the training split once (no repetition);
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpn_scale.prep.embedded import stdlib_documents, stdlib_fingerprint, write_documents  # noqa: E402
+from data_prep.embedded import stdlib_documents, stdlib_fingerprint, write_documents  # noqa: E402
 
 N_FILES = 16  # the last file is the held-out split
 

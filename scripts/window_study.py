@@ -10,7 +10,7 @@ several seeds each, then scores every run on held-out text:
 - recall by distance: a key's value stated d tokens before a query for it, d from W/4 to 8W,
   scored as the share of queries whose value is the model's top prediction.
 
-The corpus is the running Python's standard library source (`gpn_scale.prep.embedded`), with
+The corpus is the running Python's standard library source (`data_prep.embedded`), with
 key-value facts written into every file: a line `# key = V` and then lines `# recall key = V`
 at log-uniform gaps of 8 to 2W tokens (`--fact-gap-max`), V one of 16 words, a new key after one
 to four recalls. Every stage keeps its output and a rerun goes on where the last one stopped.
@@ -38,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpn_scale.prep.embedded import stdlib_documents, stdlib_fingerprint, write_documents  # noqa: E402
+from data_prep.embedded import stdlib_documents, stdlib_fingerprint, write_documents  # noqa: E402
 
 VALUES = ("alfa", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliett", "kilo",
           "lima", "mike", "november", "oscar", "papa")
@@ -303,8 +303,8 @@ def score(study: Study, arm: Arm, seed: int, run: Path) -> dict:
     from gpn_scale.eval.data import open_data, open_streams, read_windows
     from gpn_scale.eval.heldout import evaluate_windows
     from gpn_scale.eval.long_context import PositionBins, carried_losses, stream_tokens
-    from gpn_scale.prep.streams import StreamLayout
-    from gpn_scale.prep.tokenizer import Tokenizer
+    from data_prep.document_streams import StreamLayout
+    from data_prep.tokenizer import Tokenizer
     from gpn_scale.storage.checkpoints import load_model
 
     torch.set_num_threads(study.threads)

@@ -42,7 +42,7 @@ def corpus_texts(n: int = 200, seed: int = 0) -> list[str]:
 
 
 def make_tokenizer(out: Path, vocab: int = 300) -> Path:
-    from gpn_scale.prep.tokenizer import train_bpe
+    from data_prep.tokenizer import train_bpe
 
     train_bpe(corpus_texts(), vocab, str(out))
     return out

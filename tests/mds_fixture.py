@@ -23,14 +23,14 @@ def write_windows(out: Path, n: int, seq_len: int, vocab: int, seed: int = 0) ->
 
 def write_streams(out: Path, streams: int, windows: int, seq_len: int, vocab: int, seed: int = 0,
                   eos: int | None = None) -> Path:
-    """The prep's stream layout (gpn_scale/prep/streams.py): window-major samples with their stream and
+    """The prep's stream layout (data_prep/document_streams.py): window-major samples with their stream and
     window, and streams.json. Each stream repeats its own pattern, so a state carried from window to
     window knows where the next window begins. With `eos`, documents end (that token, found nowhere
     else) a third of the way into every window, and the even streams' at each window's last token
     too; the prep's stats.json with that EOS id goes two levels up (OUT of OUT/streams/train)."""
     from streaming import MDSWriter
 
-    from gpn_scale.prep.streams import StreamStats
+    from data_prep.document_streams import StreamStats
 
     rng = np.random.default_rng(seed)
     period = 3 * seq_len // 2  # never a whole number of windows: each window starts elsewhere in it

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from gpn_scale.cli import main as cli
 from gpn_scale.config import model_config
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.models import (MODEL_FAMILIES, GatedDeltaNet, GDNConfig, Transformer, TransformerConfig, build_model,
                               param_count)
 from gpn_scale.models.gdn import _fla_chunk_kernel, chunk_gated_delta_rule, recurrent_gated_delta_rule

@@ -13,7 +13,7 @@ import torch._inductor.config
 from torch._dynamo.utils import counters
 
 from gpn_scale.config import model_config
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.models import MODEL_FAMILIES, GDNConfig, TransformerConfig, build_model
 from gpn_scale.models.blocks import compile_blocks
 from gpn_scale.train.config import load_train_config

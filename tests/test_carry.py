@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.models import GPN, GatedDeltaNet, GDNConfig, GPNConfig
-from gpn_scale.prep.streams import StreamLayout
+from data_prep.document_streams import StreamLayout
 from gpn_scale.train.carry import CarriedStates, plain, sample_at, training_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

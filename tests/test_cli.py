@@ -276,7 +276,7 @@ def test_a_config_that_is_not_utf8_is_one_line_naming_it(command, tmp_path, caps
 def test_json_state_files_that_are_not_utf8_are_one_line_naming_them(tmp_path):
     from gpn_scale.eval.data import open_data
 
-    from gpn_scale.errors import UserError
+    from data_prep.errors import UserError
 
     (tmp_path / "val").mkdir()
     (tmp_path / "val" / "index.json").write_text('{"version": 2, "shards": []}')

@@ -8,7 +8,7 @@ import reference_checkpoint
 import reference_gpn
 from gpn_scale.cli import main as cli
 from gpn_scale.export.convert import from_reference
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.storage.checkpoints import load_native
 from gpn_scale.storage.native import add_manifest, save_native
 

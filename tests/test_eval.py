@@ -11,7 +11,7 @@ from eval_fixtures import make_prep, make_tokenizer, tiny_model, train
 from tokenizers import Tokenizer
 
 from gpn_scale.cli import main
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.eval.data import check_model_fits, open_data, read_windows
 from gpn_scale.eval.lambada import split_last_word
 from gpn_scale.storage.native import save_native

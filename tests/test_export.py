@@ -20,7 +20,7 @@ from eval_fixtures import SENTENCES, corpus_texts, make_prep, make_tokenizer, ti
 from gpn_scale.storage.checkpoints import load_native, load_trained_model, read_trainer_state
 from gpn_scale.cli import main
 from gpn_scale.export.convert import load_reference_pickle, reference_name
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.eval.codec import Codec
 from gpn_scale.eval.data import open_data, read_windows
 from gpn_scale.eval.generate import generate_tokens

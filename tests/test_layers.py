@@ -1,4 +1,4 @@
-"""The direction of imports (docs/architecture.md): kernels is a leaf, the models import only
+"""The direction of imports (docs/architecture.md): kernels and data_prep are leaves, the models import only
 kernels, inference (eval, generate, analyze, native checkpoints, conversion) never the trainer,
 and no import cycle anywhere: not between modules, not between gpn_scale's packages.
 
@@ -108,7 +108,7 @@ def test_kernels_import_and_run_where_gpn_scale_cannot_be_found(tmp_path):
     assert int(proc.stdout.split()[-2]) >= 10
 
 
-def module_graph(root: Path = ROOT, packages=("gpn_scale", "kernels")) -> dict[str, set[str]]:
+def module_graph(root: Path = ROOT, packages=("gpn_scale", "kernels", "data_prep")) -> dict[str, set[str]]:
     """{module: the project's modules it imports}, a package named by its `__init__`; an import of
     a name inside a module (`from a.b import f`) is an edge to that module."""
     files = {}
@@ -165,9 +165,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def parts_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """The module graph seen from gpn_scale's root: each of its packages and loose modules one node,
-    kernels one node."""
+    kernels one node, data_prep one node."""
     def part(m: str) -> str:
-        return "kernels" if m.split(".")[0] == "kernels" else ".".join(m.split(".")[:2])
+        return m.split(".")[0] if m.split(".")[0] in ("kernels", "data_prep") else ".".join(m.split(".")[:2])
 
     parts: dict[str, set[str]] = {}
     for m, targets in graph.items():
@@ -177,12 +177,13 @@ def parts_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 def test_no_import_cycle_between_modules_nor_between_packages():
     graph = module_graph()
-    assert len(graph) > 100 and "gpn_scale.prep.cli" in graph and "gpn_scale.storage.safe_load" in graph
+    assert len(graph) > 100 and "data_prep.cli" in graph and "gpn_scale.storage.safe_load" in graph
     assert cycles(graph) == []
     parts = parts_graph(graph)
-    assert {"gpn_scale.storage", "gpn_scale.prep", "gpn_scale.train", "kernels"} <= set(parts)
+    assert {"gpn_scale.storage", "data_prep", "gpn_scale.train", "kernels"} <= set(parts)
     assert cycles(parts) == []
     assert all(not t.startswith("gpn_scale") for t in parts["kernels"])
+    assert parts["data_prep"] == set()  # a leaf: gpn_scale imports data_prep, never the reverse
 
 
 def test_a_cycle_added_anywhere_is_found(tmp_path):
@@ -191,7 +192,7 @@ def test_a_cycle_added_anywhere_is_found(tmp_path):
     trainer's config, while the trainer reads prep's stream layout)."""
     import shutil
 
-    for package in ("gpn_scale", "kernels"):
+    for package in ("gpn_scale", "kernels", "data_prep"):
         shutil.copytree(ROOT / package, tmp_path / package, symlinks=True,
                         ignore=shutil.ignore_patterns("__pycache__", "configs", "launchers"))
     assert cycles(module_graph(tmp_path)) == []
@@ -199,10 +200,10 @@ def test_a_cycle_added_anywhere_is_found(tmp_path):
     harness.write_text(harness.read_text() + "\n\ndef _cli():\n    from gpn_scale.eval.cli import eval_main\n")
     assert ["gpn_scale.eval.cli", "gpn_scale.eval.lm_eval_model"] in cycles(module_graph(tmp_path))
     harness.write_text(harness.read_text().replace("from gpn_scale.eval.cli import eval_main", "pass"))
-    streams = tmp_path / "gpn_scale/prep/streams.py"
+    streams = tmp_path / "data_prep/document_streams.py"
     streams.write_text(streams.read_text() + "\n\ndef _config():\n    from gpn_scale.train.config import load_train_config\n")
     assert cycles(module_graph(tmp_path)) == []  # no module cycle ...
-    assert any({"gpn_scale.prep", "gpn_scale.train"} <= set(c) for c in cycles(parts_graph(module_graph(tmp_path))))
+    assert any({"data_prep", "gpn_scale.train"} <= set(c) for c in cycles(parts_graph(module_graph(tmp_path))))
 
 
 def test_the_root_holds_the_cli_config_and_packages():
@@ -211,9 +212,11 @@ def test_the_root_holds_the_cli_config_and_packages():
     assert {"cli.py", "config.py"} <= set(loose)
 
 
-def test_prep_and_data_import_nothing_of_training_or_evaluation():
-    assert offending(py_files("gpn_scale/prep", "gpn_scale/data"), ["gpn_scale.train", "gpn_scale.eval", "gpn_scale.cli"]) == []
-    assert offending(py_files("gpn_scale/data"), ["gpn_scale.prep"]) == []
+def test_data_prep_imports_nothing_of_gpn_scale_and_data_nothing_of_training_or_evaluation():
+    files = py_files("data_prep")
+    assert len(files) >= 10
+    assert offending(files, ["gpn_scale", "kernels"]) == []
+    assert offending(py_files("gpn_scale/data"), ["gpn_scale.train", "gpn_scale.eval", "gpn_scale.cli"]) == []
 
 
 def test_the_trainer_imports_nothing_of_eval():

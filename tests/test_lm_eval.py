@@ -15,7 +15,7 @@ from eval_fixtures import SENTENCES, corpus_texts, make_prep, make_tokenizer, ti
 pytest.importorskip("lm_eval")
 
 from gpn_scale.cli import main  # noqa: E402
-from gpn_scale.errors import UserError  # noqa: E402
+from data_prep.errors import UserError  # noqa: E402
 from gpn_scale.eval import harness  # noqa: E402
 from gpn_scale.eval.codec import Codec  # noqa: E402
 from gpn_scale.eval.data import open_data, read_windows  # noqa: E402

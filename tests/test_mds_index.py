@@ -1,4 +1,4 @@
-"""A dataset's index.json cannot make a reader leave the dataset's directory (gpn_scale/data/mds_index.py):
+"""A dataset's index.json cannot make a reader leave the dataset's directory (data_prep/mds_index.py):
 each escape is first shown to work against Streaming itself, then refused by every way gpn-scale
 opens a dataset (the training loader, its remote cache, eval's reader, prep's resume, train's
 preflight), with the marker file never written."""
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from mds_fixture import write_windows
 
-from gpn_scale.data import mds_index
-from gpn_scale.errors import UserError
+from data_prep import mds_index
+from data_prep.errors import UserError
 from gpn_scale.eval.data import open_data, read_windows
 from gpn_scale.data.streams import dataset_class, open_dataset
 from gpn_scale.train.data import TrainStream

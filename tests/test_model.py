@@ -8,7 +8,7 @@ import torch
 
 from gpn_scale.cli import main as cli
 from gpn_scale.config import model_config
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.models import GPN, GPNConfig
 from gpn_scale.models.ops import linear_cross_entropy, rms_norm, rms_norm_rows
 

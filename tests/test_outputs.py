@@ -1,6 +1,6 @@
 """No command writes into an output that is not its own: each refuses, in one line and before
 writing anything, an existing directory that is neither new, empty, nor its own resumable output
-(gpn_scale/storage/outputs.py). Driven through the CLI as a user would, against a real training run, a real
+(data_prep/outputs.py). Driven through the CLI as a user would, against a real training run, a real
 prep output, a native checkpoint and a plain MDS dataset; each refused directory is compared file
 by file (bytes) before and after.
 """
@@ -128,7 +128,7 @@ def test_run_dir_naming_a_file_is_one_line(outputs, tmp_path, capsys):
 
 
 def test_a_run_dir_may_hold_its_config_file_and_a_sweep_point_is_trains_own(outputs, tmp_path):
-    from gpn_scale.errors import UserError
+    from data_prep.errors import UserError
     from gpn_scale.train.preflight import check_run_dir
 
     run = tmp_path / "run"

@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from gpn_scale.prep.embedded import SCHEMA, write_embedded_corpus
-from gpn_scale.prep.pack import Packer
+from data_prep.embedded import SCHEMA, write_embedded_corpus
+from data_prep.pack import Packer
 from gpn_scale.cli import main as gpn_main
 
 SEQ_LEN = 64
@@ -96,7 +96,7 @@ def expected_stream(corpus: Path, tokenizer: Path, val_fraction: float) -> dict[
     Returns, per split, the kept token stream and the dropped-tail total."""
     from tokenizers import Tokenizer
 
-    from gpn_scale.prep.unit import is_val
+    from data_prep.unit import is_val
 
     tok = Tokenizer.from_file(str(tokenizer))
     eos = tok.token_to_id("<|endoftext|>")

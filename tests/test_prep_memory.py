@@ -1,7 +1,7 @@
 """A prep worker's memory does not grow with one document's size beyond a small multiple of it, and
 a long document, encoded in pieces cut where the tokenizer splits anyway, gets exactly the ids of
 the whole document encoded at once: with a byte-level BPE tokenizer.json and a sentencepiece BPE
-model, the real libraries, on real text (gpn_scale/prep/tokenizer.py). Tokenizers whose pieces could
+model, the real libraries, on real text (data_prep/tokenizer.py). Tokenizers whose pieces could
 differ (a unigram model among them) encode documents whole, with the same ids."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpn_scale.prep import embedded, tokenizer as tokenizer_module
-from gpn_scale.prep.tokenizer import Tokenizer, train_bpe
+from data_prep import embedded, tokenizer as tokenizer_module
+from data_prep.tokenizer import Tokenizer, train_bpe
 
 ROOT = Path(__file__).resolve().parent.parent
 

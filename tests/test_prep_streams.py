@@ -20,7 +20,7 @@ def expected_documents(corpus_dir: Path, tokenizer_file: Path, val_fraction: flo
     row groups, rows."""
     from tokenizers import Tokenizer
 
-    from gpn_scale.prep.unit import is_val
+    from data_prep.unit import is_val
 
     tok = Tokenizer.from_file(str(tokenizer_file))
     eos = tok.token_to_id("<|endoftext|>")

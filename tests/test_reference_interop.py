@@ -11,7 +11,7 @@ import torch
 import reference_checkpoint
 import reference_gpn
 from gpn_scale.export.convert import from_reference, load_reference_pickle, to_reference
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 
 TINY = dict(vocab_size=37, d_state=24, d_emb=12, d_ffn=20)
 MEM = dict(n_heads=3, d_key=6, d_val=5)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.sweep import sizing
 from gpn_scale.sweep.fit import fit_power_law
 from gpn_scale.sweep.spec import load_spec, plan, write_point

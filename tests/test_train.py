@@ -21,7 +21,7 @@ import pytest
 
 from gpn_scale.storage.checkpoints import step_of
 from gpn_scale.config import model_config
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.models import build_model
 from gpn_scale.train.config import load_train_config
 from gpn_scale.train.engine import EXIT_PREEMPTED

@@ -318,8 +318,8 @@ def test_disk_full_during_a_save_keeps_every_checkpoint(data, run, tmp_path):
 
 
 def test_a_lock_from_another_host_is_stale_only_without_heartbeat(tmp_path, monkeypatch):
-    from gpn_scale.errors import UserError
-    from gpn_scale.storage import lock
+    from data_prep.errors import UserError
+    from data_prep import lock
 
     path = tmp_path / lock.LOCK
     path.write_text(json.dumps({"host": "node-7", "pid": 1, "started": "then"}))

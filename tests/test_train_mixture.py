@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gpn_scale.data.streams import release
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.train import preflight
 from gpn_scale.train.config import DataSource, load_train_config
 from gpn_scale.train.data import TrainStream

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpn_scale.config import model_config
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.models import build_model
 from gpn_scale.train.config import load_train_config
 from gpn_scale.train.metrics import MetricsLog, StepMetrics, data_wait_line, flops_per_token, peak_flops, scalars

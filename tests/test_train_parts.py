@@ -170,7 +170,7 @@ def test_the_engines_load_goes_through_the_restricted_unpickler(one_rank, tmp_pa
     the check every command makes first), on an optimiser state whose second central directory
     Python's zipfile does not see: torch's restricted unpickler refuses it, and nothing runs."""
     from gadgets import plant_second_directory
-    from gpn_scale.errors import UserError
+    from data_prep.errors import UserError
 
     engine, _ = tiny_engine(one_rank, "zero.stage=1")
     engine.save_checkpoint(str(tmp_path), tag="step_1", save_latest=False)

@@ -92,7 +92,7 @@ def test_decay_steps_or_a_fraction_of_total_steps():
     (["train.adam_eps=0"], "train.adam_eps: expected a finite number > 0, got 0.0"),
 ])
 def test_schedule_keys_are_checked_naming_the_key(overrides, message):
-    from gpn_scale.errors import UserError
+    from data_prep.errors import UserError
     from gpn_scale.train.config import load_train_config
 
     with pytest.raises(UserError) as e:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpn_scale.prep.embedded import STDLIB_EXCLUDED, stdlib_documents, stdlib_fingerprint
+from data_prep.embedded import STDLIB_EXCLUDED, stdlib_documents, stdlib_fingerprint
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -60,7 +60,7 @@ def test_facts_set_a_key_then_recall_it_at_log_uniform_gaps():
 
 
 def test_the_recall_filler_is_the_held_out_text_without_the_corpus_facts(tmp_path):
-    from gpn_scale.prep.embedded import write_documents
+    from data_prep.embedded import write_documents
 
     texts = ["\n".join(f"def f{i}_{k}(): return {k}" for k in range(300)) for i in range(4)]
     rng = random.Random(0)

@@ -1,3 +1,2 @@
-"""Reading prepared MDS datasets: each dataset's index checked before MosaicML Streaming trusts it
-(`mds_index`, also used by prep when it writes one), and datasets opened fast and safely when
-several jobs start at once on a node (`streams`). Prep (`gpn_scale.prep`) writes what this reads."""
+"""Reading prepared MDS datasets: opened fast and safely when several jobs start at once on a node
+(`streams`), each index checked first (`data_prep.mds_index`). Prep (`data_prep`) writes what this reads."""

@@ -1,12 +1,7 @@
 """Opening MosaicML Streaming datasets: fast to import, and safe when several jobs start at once.
 
-**Importing.** `import streaming` runs the package's `__init__` files, which import Streaming's
-text, vision and multimodal datasets and its DataLoader, and with them transformers,
-scikit-learn and torchvision: about 7 s of CPU in every process that reads data, every rank of
-every training. `dataset_class` loads `streaming.base.dataset` alone (2 s, mostly torch): the two
-package modules are created without running their `__init__`, which runs, in full, the first
-time anything asks either package for a name it does not hold yet (`from streaming import
-MDSWriter` elsewhere in the process works as ever, and finds the same `StreamingDataset`).
+**Importing.** Streaming's dataset module alone, without the package's heavy `__init__`
+(`data_prep.lazy_streaming`): about 2 s (mostly torch) instead of 7 s in every rank.
 
 **Opening.** Each `StreamingDataset` registers its shared memory under the first free prefix on
 the node: it scans /dev/shm for the first prefix nobody holds, then creates that prefix's
@@ -24,7 +19,7 @@ job's other nodes register on their own nodes without the lock.
 
 **Checking.** Streaming trusts the index: each shard's file name is joined to the dataset's
 directory and read, fetched or decompressed there. `open_dataset` checks the index first
-(`gpn_scale.data.mds_index`); a remote dataset's index is fetched into the cache by the node's leader
+(`data_prep.mds_index`); a remote dataset's index is fetched into the cache by the node's leader
 under a temporary name, checked, then renamed into place, where Streaming finds it and fetches no
 index of its own. The node's other ranks check a cached index too (names and sizes; hashes are the
 leader's), and wait in Streaming for one that is still being fetched: it only appears checked.
@@ -34,7 +29,6 @@ from __future__ import annotations
 
 import fcntl
 import importlib
-import importlib.util
 import os
 import sys
 import tempfile
@@ -43,8 +37,9 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from gpn_scale.data import mds_index
-from gpn_scale.errors import UserError
+from data_prep import mds_index
+from data_prep.lazy_streaming import streaming_module
+from data_prep.errors import UserError
 
 LOCK_NAME = "gpn_scale_streaming_prefix.lock"  # in the temp dir, beside Streaming's own file locks
 QUIET_WAIT_S = 10.0  # the lock waited for this long before the wait is said
@@ -103,38 +98,14 @@ def _job_group():
     return None
 
 
-def _deferred_package(name: str) -> None:
-    """The package `name` in sys.modules with its `__init__` not run yet: a submodule asked for is
-    imported; any other name runs the `__init__` (once) and is looked up again."""
-    spec = importlib.util.find_spec(name)
-    module = importlib.util.module_from_spec(spec)
-
-    def __getattr__(attr):
-        if importlib.util.find_spec(f"{name}.{attr}") is not None:
-            return importlib.import_module(f"{name}.{attr}")
-        del module.__getattr__
-        spec.loader.exec_module(module)
-        return getattr(module, attr)
-
-    module.__getattr__ = __getattr__
-    sys.modules[name] = module
-    parent, _, child = name.rpartition(".")
-    if parent:
-        setattr(sys.modules[parent], child, module)
-
-
 def dataset_class():
     """streaming.StreamingDataset, without importing the rest of the package if it is not yet."""
-    if "streaming" not in sys.modules:
-        _deferred_package("streaming")
-        _deferred_package("streaming.base")
-    return importlib.import_module("streaming.base.dataset").StreamingDataset
+    return streaming_module("base.dataset").StreamingDataset
 
 
 def stream_class():
     """streaming.Stream (one source of a mixture), loaded as `dataset_class` loads the dataset."""
-    dataset_class()
-    return importlib.import_module("streaming.base.stream").Stream
+    return streaming_module("base.stream").Stream
 
 
 def open_dataset(cls=None, **kwargs):
@@ -228,7 +199,7 @@ def fetch_remote_index(remote: str, local: Path, timeout: float = 60.0) -> None:
     # A name of this process's own: two jobs sharing a cache (or two nodes' leaders on one host) may
     # fetch at once, and each renames only what it checked itself.
     tmp = local / f"{mds_index.INDEX}.gpn-scale.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    dataset_class()  # Streaming's packages, without their heavy __init__
+    streaming_module("base")  # Streaming's packages, without their heavy __init__
     from streaming.base.storage.download import CloudDownloader
 
     source = f"{remote.rstrip('/')}/{mds_index.INDEX}"

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
-from gpn_scale.errors import UserError
-from gpn_scale.helptext import HelpFormatter, json_stdout
+from data_prep.errors import UserError
+from data_prep.helptext import HelpFormatter, json_stdout
 from gpn_scale.eval.codec import Codec
 from gpn_scale.eval.loading import DATA_OR_TOKENIZER, check_device, load_checkpoint
 from gpn_scale.eval.data import (PrepData, check_model_fits, choose_tokenizer, open_data, open_streams, read_windows,
                                  training_prep)
-from gpn_scale.storage.outputs import LM_EVAL, check_new, check_resumable, identify, new_directory
+from data_prep.outputs import LM_EVAL, check_new, check_resumable, identify, new_directory
 
 STATES_TARGET = 16384  # analyze: enough windows for this many states by default (the paper used 16k)
 
@@ -83,7 +83,7 @@ def _eval(ap, args, stdout) -> int:
     if args.reset_on_eos and not args.context:
         raise UserError("--reset-on-eos: resets the state in the streams of --context; pass --context N")
     if args.context:
-        from gpn_scale.prep.streams import StreamLayout
+        from data_prep.document_streams import StreamLayout
         from gpn_scale.eval import long_context
 
         streams = open_streams(args.data)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from gpn_scale.prep.tokenizer import EOS_CANDIDATES
-from gpn_scale.errors import UserError
+from data_prep.tokenizer import EOS_CANDIDATES
+from data_prep.errors import UserError
 
 
 class Codec:

@@ -13,10 +13,10 @@ import numpy as np
 import torch
 
 from gpn_scale.storage import checkpoints, manifest
-from gpn_scale.errors import UserError, read_json
+from data_prep.errors import UserError, read_json
 from gpn_scale.eval.codec import Codec
 from gpn_scale.storage.native import TokenizerSource, read_tokenizer
-from gpn_scale.data.mds_index import prep_root
+from data_prep.mds_index import prep_root
 from gpn_scale.data.streams import reading
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.eval.generate import draw, sampling_probs
 from gpn_scale.eval.heldout import model_device
 from gpn_scale.models.decode import decoder

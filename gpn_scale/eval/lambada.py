@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.eval.harness import final_states, stack_rows
 from gpn_scale.eval.heldout import model_device
 from gpn_scale.models.decode import decoder

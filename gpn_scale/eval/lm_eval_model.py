@@ -16,7 +16,7 @@ import lm_eval.models  # noqa: F401  the harness's own models (hf, ...), registe
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.eval import harness
 
 DEFAULT_BATCH = 16

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 
 DATA_OR_TOKENIZER = "--tokenizer FILE or --data PREP_DIR"  # where no tokenizer is recorded with a checkpoint
 

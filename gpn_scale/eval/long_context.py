@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.eval.heldout import model_device
 
 

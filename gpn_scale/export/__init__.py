@@ -4,7 +4,7 @@ tools its users have (docs/export.md).
 CKPT is anything `gpn_scale.storage.checkpoints.load_model` reads: a native checkpoint, a training
 checkpoint, or a run directory (its newest complete checkpoint: one that verifies against its
 manifest). The export is written into a temporary directory beside DIR and renamed to DIR only
-once complete; an existing non-empty DIR is refused, never overwritten (`gpn_scale.storage.outputs`).
+once complete; an existing non-empty DIR is refused, never overwritten (`data_prep.outputs`).
 
 - `hf`: Hugging Face transformers (`gpn_scale/export/hf.py`): config.json, model.safetensors, the
   self-contained modeling file, tokenizer files; a Transformer++ as a plain `LlamaForCausalLM`, no
@@ -22,9 +22,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.storage.native import TokenizerSource
-from gpn_scale.storage.outputs import check_new, new_directory
+from data_prep.outputs import check_new, new_directory
 
 FORMATS = ("hf", "reference", "native")
 

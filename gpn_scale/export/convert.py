@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpn_scale.errors import UserError, read_json
-from gpn_scale.helptext import HelpFormatter
+from data_prep.errors import UserError, read_json
+from data_prep.helptext import HelpFormatter
 from gpn_scale.models import GPN, GPNConfig
 
 # What a reference pickle may build: NumPy arrays, dtypes and scalars, and plain containers.
@@ -197,7 +197,7 @@ def main(argv: list[str]) -> int:
                     help="native checkpoint directory to create (must not exist, or be empty)")
     args = ap.parse_args(argv)
     from gpn_scale.storage.native import save_native
-    from gpn_scale.storage.outputs import check_new, new_directory
+    from data_prep.outputs import check_new, new_directory
 
     check_new(args.out, "--out", "convert")  # before the checkpoint is read: a refusal costs nothing
     model = from_reference(args.from_reference, args.config)

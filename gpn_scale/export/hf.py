@@ -26,7 +26,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 
 MODELING = "modeling_gpn.py"
 _FIELDS = ("family", "vocab_size", "d_state", "d_emb", "d_ffn", "n_layers", "n_heads", "d_key", "d_val",
@@ -125,7 +125,7 @@ def write(source, tokenizer, out: Path) -> None:
 def special_ids(tokenizer) -> tuple[int | None, int]:
     """(BOS id or None, EOS id): those the training data used where recorded, else found by their
     usual names, as prep finds them."""
-    from gpn_scale.prep.tokenizer import Tokenizer
+    from data_prep.tokenizer import Tokenizer
 
     if tokenizer.eos_id is None:  # nothing recorded: EOS (required) and BOS found by their usual names, as prep does
         info = Tokenizer(str(tokenizer.path)).info

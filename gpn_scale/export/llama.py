@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 
 HOW = "export it with --to native"
 # TransformerConfig's fields and where each goes; ce_chunk, compile and recompute are how the loss is

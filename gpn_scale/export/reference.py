@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from gpn_scale.export.convert import reference_name, to_reference
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 
 CHECKPOINT, CONFIG = "checkpoint.pkl", "config.json"
 _MODEL_FIELDS = ("vocab_size", "d_state", "d_emb", "d_ffn", "n_layers", "use_decoder_bias")

@@ -6,8 +6,8 @@ Read in this order.
 renamed over), so a crash leaves the old content or the new. A checkpoint directory's last file is
 its `manifest.json` (`manifest`: every file's size and xxh3-128 hash); a directory without one, or
 whose files do not match it, is not a checkpoint, and rotation removes an older checkpoint only
-after a newer one verifies. One process writes each output (`lock`: `run.dir/trainer.lock`, each
-prep node's lock), so two trainers never interleave on one directory. Metrics are JSON lines a
+after a newer one verifies. One process writes each output (`data_prep.lock`: `run.dir/trainer.lock`,
+each prep node's lock), so two trainers never interleave on one directory. Metrics are JSON lines a
 crash cannot corrupt for good (`jsonl`). Native checkpoints (`native`) are safetensors, which hold
 no code, with the model's config and a manifest.
 
@@ -18,9 +18,9 @@ then it is loaded by torch's restricted unpickler with an allow-list of the type
 them (ZeRO 0-3, universal, native) and read the optimiser's state. A reader beside a live run holds
 a lease (`leases`) so that rotation never deletes what it is reading.
 
-**Who writes where** (`outputs`): a command writes only into a new or empty directory, or resumes
-its own kind of output, known by the files only that kind writes; new outputs are filled under a
-temporary name and renamed into place.
+**Who writes where** (`data_prep.outputs`, below every command that writes): a command writes only
+into a new or empty directory, or resumes its own kind of output, known by the files only that kind
+writes; new outputs are filled under a temporary name and renamed into place.
 
 `plain_zip` serves `safe_load` alone but stays a module of its own: it is a zip parser with its
 own story (which readers disagree about which layouts), and the allow-list reads better without it.

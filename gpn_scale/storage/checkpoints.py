@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 
 from gpn_scale.storage import leases, manifest, safe_load
 from gpn_scale.config import model_config
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.models import build_model
 from gpn_scale.storage.native import CONFIG, WEIGHTS
 

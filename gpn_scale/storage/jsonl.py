@@ -20,7 +20,7 @@ import os
 import shutil
 from pathlib import Path
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 
 # Fields of a record that are not a number (or null), and what they hold.
 STRUCTURED = {"event": str, "changes": dict, "nonfinite": dict, "samples": list, "branch": dict}

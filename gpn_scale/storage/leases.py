@@ -37,21 +37,12 @@ import threading
 import time
 from pathlib import Path
 
+from data_prep.lock import pid_alive
+
 LEASES = ".leases"
 HEARTBEAT_S = 15.0
 STALE_S = 120.0
 _counter = itertools.count()
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process of this host with this pid exists (someone else's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def is_live(lease: Path, now: float | None = None) -> bool:

@@ -19,7 +19,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.storage.manifest import files_under, write_manifest
 
 WEIGHTS, CONFIG = "model.safetensors", "model.yaml"

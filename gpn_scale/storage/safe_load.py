@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from gpn_scale.storage import manifest, plain_zip
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 
 # Beyond torch's own weights-only list (tensors, storages, torch.Size, OrderedDict, ...): every
 # global the pickles of this system's checkpoints name (torch 2.14, DeepSpeed 0.19.8, ZeRO 0-3, the

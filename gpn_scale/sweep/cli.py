@@ -22,9 +22,9 @@ import argparse
 import json
 from pathlib import Path
 
-from gpn_scale.errors import UserError
-from gpn_scale.helptext import HelpFormatter
-from gpn_scale.storage.outputs import SWEEP, check_resumable
+from data_prep.errors import UserError
+from data_prep.helptext import HelpFormatter
+from data_prep.outputs import SWEEP, check_resumable
 
 
 def _collect(argv: list[str]) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpn_scale.errors import UserError, read_json
+from data_prep.errors import UserError, read_json
 from gpn_scale.storage.jsonl import read_jsonl
 from gpn_scale.sweep.laws import Fitted, fit_all
 from gpn_scale.sweep.run import final_val_loss, status

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpn_scale.errors import UserError, read_text
+from data_prep.errors import UserError, read_text
 from gpn_scale.sweep.fit import fit_power_law
 
 HUBER_DELTA = 1e-3

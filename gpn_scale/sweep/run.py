@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpn_scale.config import BUNDLE_ROOT
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.storage import checkpoints
 from gpn_scale.storage.jsonl import read_jsonl
 from gpn_scale.train.launch import torchrun_command

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 
 
 def _round(x: float, multiple: int, minimum: int | None = None) -> int:

@@ -33,7 +33,7 @@ from typing import Literal
 import yaml
 
 from gpn_scale.config import build_dataclass, merge, parse_overrides, read_yaml, resolve_config_path, yaml_number
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.sweep import sizing
 
 

@@ -24,7 +24,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.storage import atomic, checkpoints, manifest
 
 BRANCH_FILE = "branch.json"

@@ -1,7 +1,7 @@
 """Carried-state training (`train.carry_state`): every batch slot reads one long stream window after
 window, and the recurrent state the model ends a window with is where it starts the next.
 
-The prep's streams (`gpn-scale prep --streams S`, gpn_scale/prep/streams.py) hold S streams of K
+The prep's streams (`gpn-scale prep --streams S`, data_prep/document_streams.py) hold S streams of K
 windows each, sample `k * S + i` being window k of stream i. A run with a global batch of G
 (S a multiple of G) has G slots; slot j reads streams j, j + G, j + 2G, ... one after another,
 each from its first window to its last, so step t reads, in slot j, window t mod K of stream
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from gpn_scale.prep.streams import DESCRIPTOR, StreamLayout
+from data_prep.document_streams import DESCRIPTOR, StreamLayout
 from gpn_scale.storage import manifest, safe_load
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 
 _FILE = re.compile(r"carry_slots_(\d{6})-(\d{6})\.pt")
 

@@ -19,8 +19,8 @@ import torch
 
 from gpn_scale.storage import atomic, leases, manifest, safe_load
 from gpn_scale.storage.checkpoints import DERIVED, MANIFEST, TRAINER_STATE, UNIVERSAL, read_trainer_state, step_of, tags, verify
-from gpn_scale.errors import UserError
-from gpn_scale.helptext import HelpFormatter
+from data_prep.errors import UserError
+from data_prep.helptext import HelpFormatter
 from gpn_scale.train import optim
 from gpn_scale.train.config import TrainSection
 

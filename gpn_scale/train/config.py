@@ -17,7 +17,7 @@ from typing import Literal
 
 from gpn_scale.config import (OVERRIDDEN, OVERRIDE, Origins, build_dataclass, dataclass_keys, merge, model_config,
                               parse_overrides, read_yaml, resolve_config_path, unknown_key)
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 
 
 @dataclass

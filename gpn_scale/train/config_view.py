@@ -19,8 +19,8 @@ import textwrap
 import yaml
 
 from gpn_scale.config import OVERRIDDEN, KeyInfo, Origins, describe_keys, unknown_key
-from gpn_scale.errors import UserError
-from gpn_scale.helptext import HelpFormatter
+from data_prep.errors import UserError
+from data_prep.helptext import HelpFormatter
 from gpn_scale.train.config import REQUIRED, ResolvedConfig, TrainConfig
 
 

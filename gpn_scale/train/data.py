@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.data.streams import dataset_class, open_dataset, stream_class
 from gpn_scale.train.config import DataSource
 

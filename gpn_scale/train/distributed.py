@@ -13,7 +13,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 from gpn_scale.train import stop
 
 def _free_port() -> int:

@@ -33,10 +33,10 @@ import yaml
 
 from gpn_scale.storage import atomic, checkpoints, safe_load
 from gpn_scale.config import resolve_config_path
-from gpn_scale.errors import UserError
-from gpn_scale.helptext import HelpFormatter
+from data_prep.errors import UserError
+from data_prep.helptext import HelpFormatter
 from gpn_scale.storage.jsonl import JsonLines, truncate_jsonl
-from gpn_scale.storage.lock import RunLock
+from data_prep.lock import RunLock
 from gpn_scale.train import checkpoint as ckpt
 from gpn_scale.train import distributed as dist_utils
 from gpn_scale.train import loop, optim, preflight, profiling

@@ -15,8 +15,8 @@ import shlex
 import subprocess
 import sys
 
-from gpn_scale.errors import UserError
-from gpn_scale.helptext import HelpFormatter
+from data_prep.errors import UserError
+from data_prep.helptext import HelpFormatter
 
 
 def torchrun_command(config: str, overrides: list[str], nproc: int, nnodes: str | None = None,

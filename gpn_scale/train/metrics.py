@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from gpn_scale.storage.jsonl import JsonLines, truncate_jsonl
-from gpn_scale.errors import read_text
+from data_prep.errors import read_text
 
 # Off a terminal (a SLURM log, nohup) a redrawn bar is unreadable: a plain line this often instead.
 LINE_EVERY_S = 30.0

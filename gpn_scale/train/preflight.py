@@ -11,9 +11,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpn_scale.storage import checkpoints, outputs
-from gpn_scale.data import mds_index
-from gpn_scale.errors import UserError
+from gpn_scale.storage import checkpoints
+
+from data_prep import outputs
+from data_prep import mds_index
+from data_prep.errors import UserError
 from gpn_scale.train import branch
 from gpn_scale.train.carry import training_layout
 from gpn_scale.train.config import DataSource, TrainConfig, sources

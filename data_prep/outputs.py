@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ import math
 import os
 from pathlib import Path
 
-from gpn_scale.errors import UserError
-from gpn_scale.helptext import HelpFormatter
+from data_prep.errors import UserError
+from data_prep.helptext import HelpFormatter
+from data_prep.lazy_streaming import streaming_module
 
 
 def main(argv: list[str]) -> int:
@@ -77,9 +78,9 @@ def _node_defaults() -> tuple[int, int]:
 
 
 def _prep(argv: list[str]) -> int:
-    from gpn_scale.prep.run import prepare
-    from gpn_scale.prep.sources import Filters, expand_inputs
-    from gpn_scale.prep.unit import Settings
+    from data_prep.run import prepare
+    from data_prep.sources import Filters, expand_inputs
+    from data_prep.unit import Settings
 
     a = _prep_parser().parse_args(argv)
     default_nodes, default_rank = _node_defaults()
@@ -104,7 +105,7 @@ def _prep(argv: list[str]) -> int:
         raise UserError("--val-streams: given without --streams; pass --streams S as well")
     compression = None if a.compression == "none" else a.compression
     if compression is not None:
-        from streaming.base.compression import is_compression
+        is_compression = streaming_module("base.compression").is_compression
 
         if not is_compression(compression):
             raise UserError(f"--compression: unknown {a.compression!r}; expected e.g. zstd, zstd:7, gz, none")
@@ -128,7 +129,7 @@ def _prep(argv: list[str]) -> int:
         val_streams=a.val_streams,
     )
     if a.bos:
-        from gpn_scale.prep.tokenizer import Tokenizer
+        from data_prep.tokenizer import Tokenizer
 
         if Tokenizer(a.tokenizer, a.eos_token, a.bos_token).info.bos_id is None:
             raise UserError(f"{a.tokenizer}: --bos given but the tokenizer has no BOS token; pass --bos-token")
@@ -138,8 +139,8 @@ def _prep(argv: list[str]) -> int:
 
 
 def _train_tokenizer(argv: list[str]) -> int:
-    from gpn_scale.prep.sources import Filters, expand_inputs, limit_rows, plan_units, read_unit
-    from gpn_scale.prep.tokenizer import train_bpe
+    from data_prep.sources import Filters, expand_inputs, limit_rows, plan_units, read_unit
+    from data_prep.tokenizer import train_bpe
 
     p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="gpn-scale prep train-tokenizer",
                                 description="Train a byte-level BPE tokenizer.json on the inputs' text.")
@@ -151,7 +152,7 @@ def _train_tokenizer(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if not a.out.endswith(".json"):
         raise UserError(f"--out: {a.out!r} should end in .json (a Hugging Face tokenizer.json)")
-    from gpn_scale.storage.outputs import check_new_file
+    from data_prep.outputs import check_new_file
 
     check_new_file(a.out, "--out")
     filters = Filters(a.text_column)
@@ -173,7 +174,7 @@ def _train_tokenizer(argv: list[str]) -> int:
 
 
 def _merge(argv: list[str]) -> int:
-    from gpn_scale.prep.output import merge
+    from data_prep.out_dir import merge
 
     p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="gpn-scale prep merge",
                                 description="Write OUT's root indexes and stats once every node's units are committed.")

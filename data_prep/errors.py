@@ -1,7 +1,7 @@
 """Bad input as one line: the error type every command raises for it, and reading the project's
 text files (configs, manifests, states, indexes, metrics) so that a file that cannot be read, is
 not UTF-8 or is not the JSON it should be is a `UserError` naming it, never a decoder's traceback.
-The standard library only: every package of gpn_scale imports it."""
+The standard library only: data_prep and every package of gpn_scale import it."""
 
 from __future__ import annotations
 

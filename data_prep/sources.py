@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 
 UNIT_ROWS = 20_000  # bounds a unit's memory and the tail it drops; part of the output's identity
 PARQUET = (".parquet",)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpn_scale.errors import UserError, read_json
+from data_prep.errors import UserError, read_json
 
 INDEX = "index.json"
 TOKENS = "tokens"  # the column the training reads: one window of token ids per sample

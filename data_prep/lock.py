@@ -22,12 +22,22 @@ import threading
 import time
 from pathlib import Path
 
-from gpn_scale.errors import UserError
-from gpn_scale.storage.leases import pid_alive
+from data_prep.errors import UserError
 
 LOCK = "trainer.lock"
 HEARTBEAT_S = 15.0
 STALE_S = 120.0
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host with this pid exists (someone else's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _me() -> dict:

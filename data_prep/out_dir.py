@@ -9,7 +9,7 @@
     OUT/{train,val}/index.json  the merged index over every unit, in unit order  (merge)
     OUT/stats.json, OUT/unigram.npy                                              (merge)
     OUT/docs/{split}/NNNNNN/, OUT/streams/{split}/   with --streams: a unit's documents, and the long
-                                token streams the merge deals them into (gpn_scale/prep/streams.py)
+                                token streams the merge deals them into (data_prep/document_streams.py)
 
 Everything is written to a temporary name and renamed into place, so a reader (or a rerun after
 a crash) sees a file either complete or not at all. A committed unit is trusted only when the
@@ -32,11 +32,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-from streaming.base.util import merge_index
 
-from gpn_scale.prep import streams
-from gpn_scale.data import mds_index
-from gpn_scale.errors import UserError, read_json
+from data_prep import document_streams
+from data_prep import mds_index
+from data_prep.errors import UserError, read_json
+from data_prep.lazy_streaming import streaming_module
 
 SPLITS = ("train", "val")
 MAX_LISTED = 1000  # bad documents listed by name in stats.json; all are counted
@@ -175,7 +175,7 @@ def _damage(out: Path, uid: str, stats: dict, manifest: dict) -> str | None:
         return f"{npy} has shape {shape}, expected ({manifest['tokenizer']['vocab_size']},)"
     if manifest["config"].get("streams"):
         for split in stats["splits"]:
-            damage = streams.document_damage(streams.docs_dir(out, split, uid), np.dtype(manifest["tokenizer"]["dtype"]))
+            damage = document_streams.document_damage(document_streams.docs_dir(out, split, uid), np.dtype(manifest["tokenizer"]["dtype"]))
             if damage:
                 return damage
     return None
@@ -183,7 +183,7 @@ def _damage(out: Path, uid: str, stats: dict, manifest: dict) -> str | None:
 
 def clear_unit(out: Path, uid: str) -> None:
     """Remove whatever an interrupted attempt at this unit left behind."""
-    for path in [out / ".tmp" / uid] + [out / split / uid for split in SPLITS] + [streams.docs_dir(out, split, uid)
+    for path in [out / ".tmp" / uid] + [out / split / uid for split in SPLITS] + [document_streams.docs_dir(out, split, uid)
                                                                                   for split in SPLITS]:
         shutil.rmtree(path, ignore_errors=True)
     for path in (marker(out, uid), out / "units" / f"{uid}.npy"):
@@ -197,9 +197,9 @@ def commit_unit(out: Path, uid: str, tmp: Path, stats: dict, unigram: np.ndarray
         if (tmp / split).exists():
             (out / split).mkdir(exist_ok=True)
             os.replace(tmp / split, out / split / uid)
-        if (tmp / streams.DOCS / split).exists():
-            streams.docs_dir(out, split, uid).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp / streams.DOCS / split, streams.docs_dir(out, split, uid))
+        if (tmp / document_streams.DOCS / split).exists():
+            document_streams.docs_dir(out, split, uid).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp / document_streams.DOCS / split, document_streams.docs_dir(out, split, uid))
     with open(tmp / "unigram.npy", "wb") as f:
         np.save(f, unigram)
     os.replace(tmp / "unigram.npy", out / "units" / f"{uid}.npy")
@@ -310,14 +310,14 @@ def _merge(out: Path, allow_empty: bool) -> dict:
 
 
 def _merge_streams(out: Path, manifest: dict, uids: list[str], allow_empty: bool, warnings: list[str]) -> dict:
-    """Deal each split's documents into its streams and write them (gpn_scale/prep/streams.py)."""
+    """Deal each split's documents into its streams and write them (data_prep/document_streams.py)."""
     from tqdm import tqdm
 
     config = manifest["config"]
     counts = {"train": config["streams"], "val": config.get("val_streams") or config["streams"]}
     written = {}
     for split in config["splits"]:
-        dealt, s = streams.plan(out, split, uids, counts[split], config["seq_len"])
+        dealt, s = document_streams.plan(out, split, uids, counts[split], config["seq_len"])
         if s.windows_per_stream == 0:
             total, least = s.tokens + s.dropped_tail_tokens, s.streams * s.seq_len
             if s.documents < s.streams:  # some stream gets no document at all
@@ -334,7 +334,7 @@ def _merge_streams(out: Path, manifest: dict, uids: list[str], allow_empty: bool
             warnings.append(why)
         with tqdm(total=s.streams * s.windows_per_stream, unit="window", desc=f"streams {split}", disable=None,
                   file=sys.stderr) as bar:
-            streams.write(out, split, uids, dealt, s, manifest["tokenizer"]["dtype"], config["compression"],
+            document_streams.write(out, split, uids, dealt, s, manifest["tokenizer"]["dtype"], config["compression"],
                           config["size_limit"], dump_json, bar.update)
         written[split] = s.to_json()
     return written
@@ -350,7 +350,7 @@ def _merge_split_index(out: Path, split_dir: Path, uids: list[str]) -> None:
     tmp.mkdir(parents=True)
     if uids:
         with _root_logger_quiet():
-            merge_index([str(split_dir / uid / "index.json") for uid in uids], str(tmp))
+            streaming_module("base.util").merge_index([str(split_dir / uid / "index.json") for uid in uids], str(tmp))
     else:  # the library writes nothing for an empty list; an output without documents has an empty index
         (tmp / "index.json").write_bytes(dump_json({"shards": [], "version": 2}))
     os.replace(tmp / "index.json", split_dir / "index.json")

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from streaming import MDSWriter
 
-from gpn_scale.prep import output, streams
-from gpn_scale.prep.pack import Packer
-from gpn_scale.prep.sources import BadLine, Document, Filters, Unit, UnreadableInput, read_unit
-from gpn_scale.prep.tokenizer import Tokenizer
-from gpn_scale.errors import UserError
+from data_prep import document_streams, out_dir
+from data_prep.lazy_streaming import streaming_module
+from data_prep.pack import Packer
+from data_prep.sources import BadLine, Document, Filters, Unit, UnreadableInput, read_unit
+from data_prep.tokenizer import Tokenizer
+from data_prep.errors import UserError
 
 LISTED_PER_UNIT = 20  # bad documents a unit names in its stats (all are counted)
 
@@ -25,7 +25,7 @@ LISTED_PER_UNIT = 20  # bad documents a unit names in its stats (all are counted
 @dataclass(frozen=True)
 class Settings:
     """Everything a worker needs besides the unit; all of it is recorded in prep.json, and what
-    shapes a unit's content also in the unit's marker (`output.unit_settings`)."""
+    shapes a unit's content also in the unit's marker (`out_dir.unit_settings`)."""
 
     out: str
     tokenizer_path: str
@@ -77,7 +77,7 @@ class _Checker:
         if isinstance(doc.text, str) and not doc.text:
             # Valid, just no text: skipped and counted whatever --on-error says, never listed as bad.
             # Whitespace is text (the tokenizer's to encode) and is kept.
-            self.skipped[output.EMPTY_TEXT] += 1
+            self.skipped[out_dir.EMPTY_TEXT] += 1
             return None
         reason = self.problem(doc)
         if reason is None:
@@ -108,12 +108,12 @@ class _Checker:
 
 def prepare_unit(index: int, unit: Unit, settings: Settings, tokenizer: Tokenizer, recorded: dict) -> dict:
     """Prepare and commit one unit; return its stats (plus this attempt's timing). `recorded` is
-    `output.unit_settings` of the run's manifest, stored in the unit's marker."""
+    `out_dir.unit_settings` of the run's manifest, stored in the unit's marker."""
     started = time.perf_counter()
-    out, uid = Path(settings.out), output.unit_id(index)
+    out, uid = Path(settings.out), out_dir.unit_id(index)
     tmp = out / ".tmp" / uid
-    with output.disk_space_errors(tmp):
-        output.clear_unit(out, uid)
+    with out_dir.disk_space_errors(tmp):
+        out_dir.clear_unit(out, uid)
         tmp.mkdir(parents=True)
         try:
             stats, unigram = _pack(unit, settings, tokenizer, tmp)
@@ -126,7 +126,7 @@ def prepare_unit(index: int, unit: Unit, settings: Settings, tokenizer: Tokenize
             stats, unigram = _pack(None, settings, tokenizer, tmp)
             stats["skipped_files"] = [{"file": unit.file, "reason": str(e).removeprefix(f"{unit.file}: ")}]
         stats = {"unit": uid, "source": unit.to_json(), "settings": recorded, **stats}
-        output.commit_unit(out, uid, tmp, stats, unigram)
+        out_dir.commit_unit(out, uid, tmp, stats, unigram)
     return {**stats, "seconds": time.perf_counter() - started, "pid": os.getpid()}
 
 
@@ -134,13 +134,14 @@ def _pack(unit: Unit | None, settings: Settings, tokenizer: Tokenizer, tmp: Path
     """Write the unit's windows under `tmp` (an empty output for `None`); return stats and unigram."""
     info = tokenizer.info
     columns = {"tokens": f"ndarray:{info.dtype.name}:{settings.seq_len}"}
+    MDSWriter = streaming_module("base.format.mds.writer").MDSWriter
     writers = {s: MDSWriter(out=str(tmp / s), columns=columns, compression=settings.compression,
                             size_limit=settings.size_limit) for s in settings.splits}
     packers = {s: Packer(settings.seq_len, info.dtype) for s in settings.splits}
     counts = {s: Counter(documents=0, tokens=0, windows=0, dropped_tail_tokens=0) for s in settings.splits}
     unigram = np.zeros(info.vocab_size, np.int64)
     checker = _Checker(settings, unit)
-    documents = ({s: streams.DocumentWriter(tmp / streams.DOCS / s, info.dtype) for s in settings.splits}
+    documents = ({s: document_streams.DocumentWriter(tmp / document_streams.DOCS / s, info.dtype) for s in settings.splits}
                  if settings.streams else {})
     whole_file_val = unit is not None and unit.file in settings.val_files
     prefix = np.array([info.bos_id] if settings.add_bos else [], info.dtype)

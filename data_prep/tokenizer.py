@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpn_scale.errors import UserError
+from data_prep.errors import UserError
 
 # Read by `tokenizers` when its thread pool first starts, so it must be set before any encode.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -15,12 +15,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from gpn_scale.prep import output
-from gpn_scale.storage import outputs
-from gpn_scale.storage.lock import RunLock
-from gpn_scale.prep.sources import expand_inputs, limit_rows, plan_units
-from gpn_scale.prep.tokenizer import Tokenizer
-from gpn_scale.prep.unit import Settings, prepare_unit
+from data_prep import out_dir
+from data_prep import outputs
+from data_prep.lock import RunLock
+from data_prep.sources import expand_inputs, limit_rows, plan_units
+from data_prep.tokenizer import Tokenizer
+from data_prep.unit import Settings, prepare_unit
 
 _worker_tokenizer: Tokenizer | None = None
 
@@ -43,7 +43,7 @@ def prepare(inputs: list[str], settings: Settings, *, val_inputs: list[str], max
     files = expand_inputs(inputs + val_inputs)
     units, skipped_files = plan_units(files, settings.filters, settings.skip_bad)
     if not units and skipped_files:  # said before anything is written
-        raise output.nothing_kept(out, skipped_files, {}, [])
+        raise out_dir.nothing_kept(out, skipped_files, {}, [])
     if max_docs is not None:
         units = limit_rows(units, max_docs)
     manifest = _manifest(settings, tokenizer, files, units, skipped_files, max_docs, max_tokens)
@@ -51,8 +51,8 @@ def prepare(inputs: list[str], settings: Settings, *, val_inputs: list[str], max
     # One prep per node and output: a second one would clear the units the first is writing.
     lock = RunLock(out, f"prep.node-{node_rank}.lock", "--out")
     try:
-        with output.disk_space_errors(out):
-            output.check_manifest(out, manifest)
+        with out_dir.disk_space_errors(out):
+            out_dir.check_manifest(out, manifest)
             _copy_tokenizer(out, tokenizer)
 
             mine = [i for i in range(len(units)) if i % num_nodes == node_rank]
@@ -76,7 +76,7 @@ def prepare(inputs: list[str], settings: Settings, *, val_inputs: list[str], max
         print(f"node {node_rank}/{num_nodes} done; once every node is, run: gpn-scale prep merge {out}"
               + (" --allow-empty" if allow_empty else ""), file=sys.stderr)
         return None
-    stats = output.merge(out, allow_empty)
+    stats = out_dir.merge(out, allow_empty)
     print(_final_summary(out, stats), file=sys.stderr)
     return stats
 
@@ -86,14 +86,14 @@ def _in_order(pool, indexes: list[int], units, settings: Settings, manifest: dic
     """(stats, prepared now) of each unit in order: committed ones read back (after checking they
     were made by these settings; damaged ones are prepared again), the others prepared with at
     most two per worker in flight; no new unit starts once `more()` is false."""
-    recorded = output.unit_settings(manifest)
+    recorded = out_dir.unit_settings(manifest)
     pending: deque = deque()
     todo = iter(indexes)
     while True:
         while len(pending) < 2 * workers and more() and (index := next(todo, None)) is not None:
             try:
-                committed = output.read_committed(Path(settings.out), output.unit_id(index), manifest)
-            except output.DamagedUnit as e:
+                committed = out_dir.read_committed(Path(settings.out), out_dir.unit_id(index), manifest)
+            except out_dir.DamagedUnit as e:
                 tqdm.write(f"warning: {e}; preparing it again", file=sys.stderr)
                 committed = None
             pending.append(committed or pool.apply_async(_work, (index, units[index], settings, recorded)))
@@ -127,7 +127,7 @@ def _manifest(settings: Settings, tokenizer: Tokenizer, files, units, skipped_fi
 def _copy_tokenizer(out: Path, tokenizer: Tokenizer) -> None:
     dest = out / tokenizer.info.filename
     if not dest.exists():  # same bytes whenever it exists: check_manifest compared the sha256
-        output.write_atomic(out, dest, Path(tokenizer.path).read_bytes())
+        out_dir.write_atomic(out, dest, Path(tokenizer.path).read_bytes())
 
 
 class _Progress:

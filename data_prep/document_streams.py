@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from data_prep.lazy_streaming import streaming_module
 
 DOCS = "docs"
 STREAMS = "streams"
@@ -47,7 +48,7 @@ class StreamLayout:
     @classmethod
     def read(cls, directory: str | Path) -> "StreamLayout":
         """One line naming the file when it is missing or not the prep's."""
-        from gpn_scale.errors import UserError, read_json
+        from data_prep.errors import UserError, read_json
 
         path = Path(directory) / DESCRIPTOR
         if not path.is_file():
@@ -182,7 +183,7 @@ def write(out: Path, split: str, uids: list[str], dealt: list[list[Segment]], st
     """Write OUT/streams/{split} from the plan: the shards and streams.json, in a scratch folder
     that replaces the split's old streams in one rename at the end (a rerun of the merge writes
     them again; a reader never sees a half-written split)."""
-    from streaming import MDSWriter
+    MDSWriter = streaming_module("base.format.mds.writer").MDSWriter
 
     files = [np.memmap(docs_dir(out, split, uid) / "tokens.bin", dtype=dtype, mode="r") if
              os.path.getsize(docs_dir(out, split, uid) / "tokens.bin") else np.empty(0, dtype) for uid in uids]
