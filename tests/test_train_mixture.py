@@ -21,7 +21,8 @@ from mds_fixture import write_windows
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "train" / "gpn_m_tiny.yaml"
-SEQ, VOCAB = 32, 512
+SEQ, VOCAB = 32, 512  # VOCAB: the model's (gpn_m_tiny)
+DATA_VOCAB = 500  # the sources' tokenizer: smaller than the model's, which the run warns about
 SIZES = {"web": 240, "code": 40}  # windows per source: the small one is upsampled by its proportion
 
 
@@ -35,9 +36,9 @@ def _stats(out: Path, vocab: int = VOCAB, sha256: str = "a" * 64) -> None:
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("mixture")
     for i, (name, n) in enumerate(SIZES.items()):
-        write_windows(root / name / "train", n, SEQ, VOCAB, seed=i)
-        write_windows(root / name / "val", 6 + 2 * i, SEQ, VOCAB, seed=10 + i)
-        _stats(root / name)
+        write_windows(root / name / "train", n, SEQ, DATA_VOCAB, seed=i)
+        write_windows(root / name / "val", 6 + 2 * i, SEQ, DATA_VOCAB, seed=10 + i)
+        _stats(root / name, vocab=DATA_VOCAB)
     return root
 
 
@@ -82,16 +83,16 @@ def test_sources_are_named_and_weighted_and_bad_lists_are_one_line(data):
 
 def test_the_sources_of_a_mixture_share_one_tokenizer_and_window_length(data, tmp_path):
     other = tmp_path / "other"
-    write_windows(other / "train", 20, SEQ, VOCAB)
-    _stats(other, sha256="b" * 64)
+    write_windows(other / "train", 20, SEQ, DATA_VOCAB)
+    _stats(other, vocab=DATA_VOCAB, sha256="b" * 64)
     cfg = config(data, train=[str(data / "web" / "train"), str(other / "train")])
     with pytest.raises(UserError, match=r"data.train\[1\] \(other\): .* was tokenized with another tokenizer than "
                                         r"data.train\[0\] \(web\) .*: tokenizer sha256 bbbbbbbbbbbb\.\.\. against "
                                         r"aaaaaaaaaaaa\.\.\."):
         preflight.check(cfg, "none")
     longer = tmp_path / "longer"
-    write_windows(longer / "train", 20, 2 * SEQ, VOCAB)
-    _stats(longer)
+    write_windows(longer / "train", 20, 2 * SEQ, DATA_VOCAB)
+    _stats(longer, vocab=DATA_VOCAB)
     cfg = config(data, train=[str(data / "web" / "train"), str(longer / "train")])
     with pytest.raises(UserError, match=rf"data.train\[1\] \(longer\): windows of {2 * SEQ} tokens, "
                                         rf"data.train\[0\] \(web\)'s have {SEQ}"):
@@ -113,8 +114,11 @@ def test_the_model_vocabulary_against_the_tokenizers(data, tmp_path):
     warned = []
     preflight.check(config(data, train=str(small / "train")), "none", warn=warned.append)
     assert len(warned) == 1 and f"model.vocab_size {VOCAB} is larger than the vocabulary of 371" in warned[0]
+    same = tmp_path / "same"
+    write_windows(same / "train", 20, SEQ, VOCAB)
+    _stats(same, vocab=VOCAB)
     warned.clear()
-    preflight.check(config(data), "none", warn=warned.append)
+    preflight.check(config(data, train=str(same / "train")), "none", warn=warned.append)
     assert warned == []  # the same size: nothing to say
 
 
@@ -182,6 +186,8 @@ def test_a_mixture_trains_resumes_on_another_world_size_and_logs_its_mix_and_eac
     proc = _train(data, ref, 2)
     assert "data: a mixture of 2 sources; samples per epoch: web 196 of its 240 (proportion 0.7), code 84 of its " \
            "40 (proportion 0.3)" in proc.stdout
+    warning = [line for line in proc.stderr.splitlines() if "model.vocab_size" in line]
+    assert len(warning) == 1 and f"model.vocab_size {VOCAB} is larger than the vocabulary of {DATA_VOCAB}" in warning[0]
     # The run at its step-2 checkpoint, resumed on 1 rank: the same global order, the same losses
     # (up to the summation order of 2 ranks against 1), the realised mix counted on from the checkpoint.
     run = tmp_path / "run"
