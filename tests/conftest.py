@@ -6,6 +6,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests' own helpers (reference_gpn, ...)
+# The Triton kernel modules, defined before any test module is collected: under the interpreter on a
+# machine without CUDA (tests/triton_kernels.py). A module that imports torch._inductor at collection
+# (tests/test_baselines_compile.py) makes kernels defined after it compiled ones, which the
+# interpreter then refuses to call ("Cannot call @triton.jit'd outside of the scope of a kernel").
+import triton_kernels  # noqa: E402,F401
 os.environ.setdefault("WANDB_MODE", "disabled")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # scripts/test.sh runs one worker per core: each worker's torch, and the processes its tests
