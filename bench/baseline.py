@@ -114,7 +114,7 @@ class BaselineCount:
     eager: dict  # batch -> {Key: Tally}
     tuned: dict
     attention_calls: dict  # phase -> attention launches per window
-    decay_params: int = 0  # the optimiser's groups (gpn_scale.models.spec.matrices_decay)
+    decay_params: int = 0  # the optimiser's groups (gpn_scale.models.model_spec.matrices_decay)
     no_decay_params: int = 0
     last_bucket_params: int = 0  # the tied embedding and the first block: their gradients complete last
 
@@ -142,7 +142,7 @@ def baseline_tallies(args) -> BaselineCount:
         calls = {p: sum(1 for x in launches if x.kind == "attention" and x.phase == p) for p in PHASES}
         eager[b] = tally([x for x in launches if x.kind != "attention"])
         tuned[b] = tally([x for x in fuse_elementwise(launches, results) if x.kind != "attention"])
-    from gpn_scale.models.spec import matrices_decay
+    from gpn_scale.models.model_spec import matrices_decay
 
     groups = matrices_decay(model)
     last = sum(p.numel() for p in model.layers[0].parameters()) + model.embedding.numel()

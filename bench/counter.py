@@ -45,7 +45,7 @@ class Launch:
     # data flow (`dataflow`), which the tuned baseline's fusion and the schedule follow
     reads: tuple = ()
     writes: tuple = ()
-    stream: int = 0  # the stream it was launched on (kernels/streams: 0 the main one, 1 the side one)
+    stream: int = 0  # the stream it was launched on (kernels/side_streams: 0 the main one, 1 the side one)
     waits: tuple = ()  # launches of the window (indices) it waits for: events, forks and joins
     shape: tuple = ()  # a GEMM's (batch, m, n): its output tiles, the SMs it occupies
 
@@ -127,7 +127,7 @@ class LaunchCounter(TorchDispatchMode):
         self.launches: list[Launch] = []
         self.phase = "forward"
         self._watch = None
-        # The streams: on CPU the stand-in's (kernels/streams), observed; elsewhere one stream is
+        # The streams: on CPU the stand-in's (kernels/side_streams), observed; elsewhere one stream is
         # recorded (CUDA's events cannot be seen from here).
         self.lanes = None
         self._last: dict[int, int] = {}  # stream -> its last launch
@@ -140,8 +140,8 @@ class LaunchCounter(TorchDispatchMode):
         self.launches.append(launch)
 
     def stream_event(self, kind: str, token):
-        """The stand-in's fork, record, wait or join (kernels.streams.CpuLanes.observer)."""
-        from kernels.streams import MAIN, SIDE
+        """The stand-in's fork, record, wait or join (kernels.side_streams.CpuLanes.observer)."""
+        from kernels.side_streams import MAIN, SIDE
 
         add = lambda stream, launch: launch is not None and self._waits[stream].add(launch)  # noqa: E731
         if kind == "record":
@@ -202,7 +202,7 @@ class LaunchCounter(TorchDispatchMode):
                             tuple(zip(map(_place, x.tensors), x.changed)), x.module.startswith(MEMORY_MODULES)))
 
     def __enter__(self):
-        from kernels.streams import CPU_STREAMS_ENV, cpu_lanes
+        from kernels.side_streams import CPU_STREAMS_ENV, cpu_lanes
 
         if os.environ.get(CPU_STREAMS_ENV) == "1":
             self.lanes = cpu_lanes()

@@ -363,7 +363,7 @@ def per_optimiser_step(args, cfg, model, runs: dict, costs: dict, count: Baselin
     carried, B = tokens / (W N) per GPU (bench/update.py): W time steps at B, the once-per-window
     work at B, the optimiser step and the all-reduce, and tokens/s per GPU; beside it Transformer++
     at its window with the same token batch, its all-reduce overlapped layer by layer."""
-    from gpn_scale.models.spec import matrices_decay
+    from gpn_scale.models.model_spec import matrices_decay
 
     steps = tuple(args.steps)
     groups = matrices_decay(model)
@@ -484,7 +484,7 @@ def main(argv=None) -> int:
     if args.kernel == "triton" and args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
     from data_prep.errors import UserError
-    from kernels.streams import CPU_STREAMS_ENV
+    from kernels.side_streams import CPU_STREAMS_ENV
 
     # On CPU the fused core's streams as on a GPU, in the stand-in the counter observes (for this
     # command only: a caller's later models keep their one stream).

@@ -1,6 +1,7 @@
 """`gpn-scale prep`: FineWeb-Edu-schema parquet, jsonl or text -> tokenized, packed MDS shards
 (and, with `--streams`, long document streams cut into consecutive windows); resumable, and
-the same bytes for any number of workers and nodes. `gpn_scale.data` reads what this writes.
+the same bytes for any number of workers and nodes. gpn_scale reads what this writes
+(`gpn_scale.storage.mds_datasets` opens it).
 
 A leaf: nothing here imports gpn_scale (which imports this package), DeepSpeed, Triton or wandb,
 so a prep runs where only its own dependencies are installed. Besides the prep, the pieces every

@@ -16,8 +16,8 @@ Anything else is one line naming the file, the shard and the field (`UserError`)
 Streaming has read or written anything.
 
 A remote dataset's index is fetched into its cache under a temporary name, checked there, and
-only then given its real name (`gpn_scale.data.streams`); an index already in the cache is checked like
-a local one.
+only then given its real name (`gpn_scale.storage.mds_datasets`); an index already in the cache is
+checked like a local one.
 """
 
 from __future__ import annotations

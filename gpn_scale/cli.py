@@ -23,7 +23,7 @@ COMMANDS = {
     "config": ("gpn_scale.train.config_view:main", "list the training config's keys: type, default and meaning"),
     "launch": ("gpn_scale.train.launch:main", "print and run the torchrun command for a training run"),
     "sweep": ("gpn_scale.sweep.cli:main", "scaling sweeps: size, run (local or SLURM), collect and fit"),
-    "ckpt": ("gpn_scale.train.checkpoint:main", "checkpoint tools: verify, to-universal"),
+    "ckpt": ("gpn_scale.train.checkpoint_writer:main", "checkpoint tools: verify, to-universal"),
     "eval": ("gpn_scale.eval.cli:eval_main", "held-out perplexity (by position) and LAMBADA of a checkpoint"),
     "analyze": ("gpn_scale.eval.cli:analyze_main", "state geometry, horizons, memory half-lives and ablations"),
     "generate": ("gpn_scale.eval.cli:generate_main", "sample text from a checkpoint, streamed, O(1) memory"),

@@ -85,12 +85,12 @@ def main(argv: list[str]) -> int:
         return status
 
     _stage("4/5 evaluation on the held-out split")
-    from gpn_scale.eval.data import open_data, read_windows
+    from gpn_scale.eval.prep_output import open_prep_output, read_windows
     from gpn_scale.eval.heldout import evaluate_windows
     from gpn_scale.storage.checkpoints import load_model
 
     model = load_model(run_dir)
-    prepared = open_data(data)  # its val split, stats.json, tokenizer copy and unigram counts
+    prepared = open_prep_output(data)  # its val split, stats.json, tokenizer copy and unigram counts
     windows = read_windows(prepared)
     held = evaluate_windows(model, windows)
     val_loss, val_tokens = held.loss, held.tokens

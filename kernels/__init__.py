@@ -4,7 +4,7 @@ kernel is asked for), never the model code that calls it.
 Each family is a folder with its reference twin and its implementations side by side:
 `kernels.memory` (the memory step) and `kernels.step` (the elementwise groups and GEMMs of a
 step), each with `reference.py` (plain PyTorch), `triton.py` (GPUs) and `cpu.py` (C++, built on
-first use, kernels/cpu_build.py); `kernels.graph` captures the core's loops as CUDA graphs, `kernels.streams` gives them a side stream.
+first use, kernels/cpu_build.py); `kernels.graph` captures the core's loops as CUDA graphs, `kernels.side_streams` gives them a side stream.
 
 `backend(kernel, device_type, graphs)` bundles what the fused core runs on one device into a
 `Backend`: the memory ops, the step ops, the graph factory and the streams. Triton is imported only when a
@@ -23,7 +23,7 @@ from kernels.graph import GraphFactory, factory_for
 from kernels.memory import MemoryOps
 from kernels.memory_chunk import ChunkOps
 from kernels.step import StepOps
-from kernels.streams import Lanes, lanes_for
+from kernels.side_streams import Lanes, lanes_for
 
 Kernel = Literal["auto", "triton", "cpp", "torch"]  # a config key: its values are listed and checked from this
 KERNELS = get_args(Kernel)
@@ -34,7 +34,7 @@ class Backend:
     """What the fused core runs on one device: `name` is "triton", "cpp" or "torch"; `chunk`: the
     memory's chunk form (the torch twin's where there is no kernel of its own: cpp); `graphs`
     captures its loops (None: they run eagerly); `lanes` the side stream the reverse sweep's
-    weight gradients run on (kernels.streams)."""
+    weight gradients run on (kernels.side_streams)."""
 
     name: str
     memory: MemoryOps

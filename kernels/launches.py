@@ -1,5 +1,5 @@
 """Triton launches seen from the host: the kernel, its grid, its tensor arguments and which of them
-it changed. The streams' CPU stand-in (kernels/streams.py) checks them against the other stream;
+it changed. The streams' CPU stand-in (kernels/side_streams.py) checks them against the other stream;
 bench/step_cost.py counts them.
 
     with watching(on_launch):     # on_launch(TritonLaunch) after every launch

@@ -232,7 +232,7 @@ def compare_graphs(part: Part, mode: Mode, form: str) -> dict:
     from gpn_scale.config import model_config
     from gpn_scale.models import build_model
     from kernels.graph import graphs_of
-    from kernels.streams import CpuLanes, OneLane
+    from kernels.side_streams import CpuLanes, OneLane
 
     device = torch.device("cpu" if mode.dry else "cuda")
     cfg = dataclasses.replace(model_config(mode.graph_config), core="fused", kernel=mode.graph_kernel, memory_form=form)

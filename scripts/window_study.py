@@ -300,7 +300,7 @@ def score(study: Study, arm: Arm, seed: int, run: Path) -> dict:
         return json.loads(path.read_text())
     import torch
 
-    from gpn_scale.eval.data import open_data, open_streams, read_windows
+    from gpn_scale.eval.prep_output import open_prep_output, open_streams, read_windows
     from gpn_scale.eval.heldout import evaluate_windows
     from gpn_scale.eval.long_context import PositionBins, carried_losses, stream_tokens
     from data_prep.document_streams import StreamLayout
@@ -310,7 +310,7 @@ def score(study: Study, arm: Arm, seed: int, run: Path) -> dict:
     torch.set_num_threads(study.threads)
     model = load_model(run)
     full = study.out / "data" / f"w{study.window}"
-    windows = read_windows(open_data(full))  # every held-out window of W, from the empty state
+    windows = read_windows(open_prep_output(full))  # every held-out window of W, from the empty state
     empty = evaluate_windows(model, windows, batch=16)
     streams = open_streams(full)
     layout = StreamLayout.read(streams.split_dir)

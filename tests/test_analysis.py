@@ -130,9 +130,9 @@ def test_two_pools_is_the_best_split_of_log_half_lives():
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("analysis")
     data = write_windows(root / "val", n=24, seq_len=48, vocab=64)
-    from gpn_scale.eval.data import open_data, read_windows
+    from gpn_scale.eval.prep_output import open_prep_output, read_windows
 
-    windows = read_windows(open_data(data))
+    windows = read_windows(open_prep_output(data))
     model = train(tiny_model(64), windows, steps=40)
     save_native(model, root / "ckpt")
     return root, data, windows, model

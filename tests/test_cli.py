@@ -274,7 +274,7 @@ def test_a_config_that_is_not_utf8_is_one_line_naming_it(command, tmp_path, caps
 
 
 def test_json_state_files_that_are_not_utf8_are_one_line_naming_them(tmp_path):
-    from gpn_scale.eval.data import open_data
+    from gpn_scale.eval.prep_output import open_prep_output
 
     from data_prep.errors import UserError
 
@@ -283,7 +283,7 @@ def test_json_state_files_that_are_not_utf8_are_one_line_naming_them(tmp_path):
     (tmp_path / "stats.json").write_bytes(b'{"vocab_size": "\xff"}')
 
     with pytest.raises(UserError, match=r"stats.json: not UTF-8 text \(at byte offset 16\)"):
-        open_data(tmp_path)
+        open_prep_output(tmp_path)
 
 
 def test_a_reader_that_stops_early_ends_the_output_without_a_traceback():

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from gpn_scale.cli import main
 from data_prep.errors import UserError
-from gpn_scale.eval.data import check_model_fits, open_data, read_windows
+from gpn_scale.eval.prep_output import check_model_fits, open_prep_output, read_windows
 from gpn_scale.eval.lambada import split_last_word
 from gpn_scale.storage.native import save_native
 
@@ -24,7 +24,7 @@ def setup(tmp_path_factory):
     tok = make_tokenizer(root / "tok.json")
     prep = make_prep(root, tok)
     vocab = json.loads((prep / "stats.json").read_text())["vocab_size"]
-    model = train(tiny_model(vocab), read_windows(open_data(prep / "train")), steps=60)
+    model = train(tiny_model(vocab), read_windows(open_prep_output(prep / "train")), steps=60)
     save_native(model, root / "ckpt")
     return root, tok, prep, model
 
@@ -40,7 +40,7 @@ def test_ppl_is_exp_of_the_models_own_mean_loss_over_every_window(setup, tmp_pat
     code, out, _ = run(capsys, "eval", root / "ckpt", "--data", prep, "--json", "--batch", 7, "--out", tmp_path / "out")
     assert code == 0
     metrics = json.loads(out)
-    windows = read_windows(open_data(prep / "val"))
+    windows = read_windows(open_prep_output(prep / "val"))
     with torch.no_grad():
         losses = model(windows, core="naive").token_losses.double()  # one batch, the other core
     assert metrics["windows"] == len(windows) == json.loads((prep / "stats.json").read_text())["splits"]["val"]["windows"]
@@ -57,7 +57,7 @@ def test_windows_flag_takes_the_first_n_and_split_dir_works(setup, tmp_path, cap
     root, _, prep, model = setup
     code, out, _ = run(capsys, "eval", root / "ckpt", "--data", prep / "val", "--windows", 5, "--json", "--out",
                        tmp_path / "out")
-    windows = read_windows(open_data(prep / "val"))[:5]
+    windows = read_windows(open_prep_output(prep / "val"))[:5]
     with torch.no_grad():
         expected = math.exp(model(windows).loss.item())
     assert code == 0 and json.loads(out)["windows"] == 5
@@ -148,20 +148,20 @@ def test_token_ids_beyond_the_model_and_another_tokenizer_are_refused(setup, tmp
     from mds_fixture import write_windows
 
     _, _, prep, _ = setup
-    data = open_data(write_windows(tmp_path / "mds", 4, 16, vocab=500))  # no stats.json: caught on the ids
+    data = open_prep_output(write_windows(tmp_path / "mds", 4, 16, vocab=500))  # no stats.json: caught on the ids
     with pytest.raises(UserError, match="token id .* is outside the model's vocabulary"):
         check_model_fits(tiny_model(300), data, read_windows(data))
     with pytest.raises(UserError, match="tokenizer sha256 .* differs from the one the model was trained with"):
-        check_model_fits(tiny_model(300), open_data(prep), trained_on="0" * 64)
+        check_model_fits(tiny_model(300), open_prep_output(prep), trained_on="0" * 64)
 
 
 def test_a_run_records_its_tokenizer_and_refuses_another(setup, tmp_path):
     """A run directory's training record (trainer_state.json under a committed checkpoint) names its
     training data; its prep's tokenizer is found from it, and any other tokenizer is refused."""
     from gpn_scale.eval.codec import Codec
-    from gpn_scale.eval.data import choose_tokenizer, training_prep
+    from gpn_scale.eval.prep_output import choose_tokenizer, training_prep
     from gpn_scale.storage.checkpoints import TRAINER_STATE, tag_for
-    from gpn_scale.train import checkpoint as ckpt
+    from gpn_scale.train import checkpoint_writer as ckpt
 
     root, tok_path, prep, model = setup
     tag = tmp_path / "run" / "checkpoints" / tag_for(10)
@@ -191,7 +191,7 @@ def test_baselines_get_the_same_ppl_and_lambada_protocol(setup, tmp_path, capsys
     vocab = json.loads((prep / "stats.json").read_text())["vocab_size"]
     torch.manual_seed(0)
     model = build_model(model_config(f"{family}_tiny", {"vocab_size": vocab}))
-    model = train(model, read_windows(open_data(prep / "train")), steps=40)
+    model = train(model, read_windows(open_prep_output(prep / "train")), steps=40)
     save_native(model, tmp_path / "ckpt")
     lambada = tmp_path / "lambada.jsonl"
     lambada.write_text("\n".join(json.dumps({"text": t}) for t in LAMBADA_TEXTS) + "\n")
@@ -199,7 +199,7 @@ def test_baselines_get_the_same_ppl_and_lambada_protocol(setup, tmp_path, capsys
                          tok_path, "--json", "--batch", 3, "--out", tmp_path / "out")
     assert code == 0, err
     metrics = json.loads(out)
-    windows = read_windows(open_data(prep / "val"))
+    windows = read_windows(open_prep_output(prep / "val"))
     with torch.no_grad():
         losses = model(windows).token_losses.double()
     assert metrics["ppl"] == pytest.approx(math.exp(losses.mean().item()), rel=1e-5)

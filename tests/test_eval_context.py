@@ -13,7 +13,7 @@ import torch
 
 from eval_fixtures import corpus_texts, make_tokenizer, tiny_model, train
 from gpn_scale.cli import main
-from gpn_scale.eval.data import open_data, read_windows
+from gpn_scale.eval.prep_output import open_prep_output, read_windows
 from gpn_scale.eval.long_context import PositionBins, make_passkeys, score_passkey
 from gpn_scale.storage.native import save_native
 
@@ -34,7 +34,7 @@ def setup(tmp_path_factory):
                  "--out", str(prep), "--tokenizer", str(tok), "--seq-len", str(SEQ), "--workers", "1",
                  "--streams", "2", "--val-streams", "2"]) == 0
     vocab = json.loads((prep / "stats.json").read_text())["vocab_size"]
-    windows = read_windows(open_data(prep / "train"))
+    windows = read_windows(open_prep_output(prep / "train"))
     torch.manual_seed(0)
     models = {
         "gpn_m": tiny_model(vocab),
@@ -55,7 +55,7 @@ def run(capsys, *args):
 
 def val_streams(prep) -> torch.Tensor:
     """Each val stream's first CONTEXT tokens, read by hand: sample k * S + i is window k of stream i."""
-    from gpn_scale.data.streams import reading
+    from gpn_scale.storage.mds_datasets import reading
 
     S = json.loads((prep / "streams" / "val" / "streams.json").read_text())["streams"]
     with reading(local=str(prep / "streams" / "val"), batch_size=1, shuffle=False) as ds:

@@ -22,7 +22,7 @@ from gpn_scale.cli import main
 from gpn_scale.export.convert import load_reference_pickle, reference_name
 from data_prep.errors import UserError
 from gpn_scale.eval.codec import Codec
-from gpn_scale.eval.data import open_data, read_windows
+from gpn_scale.eval.prep_output import open_prep_output, read_windows
 from gpn_scale.eval.generate import generate_tokens
 from gpn_scale.storage.native import TokenizerSource, save_native
 
@@ -36,7 +36,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     tok = make_tokenizer(root / "tok.json")
     prep = make_prep(root / "data", tok)
-    windows = read_windows(open_data(prep / "train"))
+    windows = read_windows(open_prep_output(prep / "train"))
     vocab = Codec(tok).vocab_size
     models = {}
     for name, (family, layers) in FAMILIES.items():
@@ -259,7 +259,7 @@ def test_reference_export_of_a_native_checkpoint_resumes_in_the_papers_trainer(s
     root, _, prep, models = setup
     code, _, err = run(capsys, "export", root / "gpn_m_2l", "--to", "reference", "--out", tmp_path / "ref")
     assert code == 0, err
-    windows = read_windows(open_data(prep / "train"), 2)[:, :12]
+    windows = read_windows(open_prep_output(prep / "train"), 2)[:, :12]
     info, _ = paper_resume(tmp_path / "ref", PAPER_TRAIN, windows.numpy(), tmp_path)
     restored, after = info["restored"], info["after"]
     assert restored["structure_matches"] and restored["classes"] == OPTAX_CLASSES
@@ -306,7 +306,7 @@ def transformer(setup):
 
     root, _, prep, _ = setup
     torch.manual_seed(0)
-    model = train(build_model(model_config("transformer_tiny")), read_windows(open_data(prep / "train")), steps=30)
+    model = train(build_model(model_config("transformer_tiny")), read_windows(open_prep_output(prep / "train")), steps=30)
     save_native(model, root / "transformer")
     return model
 
@@ -358,7 +358,7 @@ def test_transformer_llama_export_refuses_what_llama_cannot_hold(setup, transfor
     have no field or parameter that Llama lacks: otherwise one line, nothing written."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from gpn_scale.eval.data import PrepData
+    from gpn_scale.eval.prep_output import PrepOutput
     from gpn_scale.export import Source, llama, write_native
     from gpn_scale.models.blocks import RMSNorm
     from gpn_scale.models.transformer import TransformerConfig
@@ -388,10 +388,10 @@ def test_transformer_llama_export_refuses_what_llama_cannot_hold(setup, transfor
     np.save(tmp_path / "unigram.npy", counts)
     source = Source(transformer, root / "transformer")
     with pytest.raises(UserError, match=f"unigram.npy: .* BOS [(]id {bos}[)] occurs 3 times in the training data"):
-        llama.start_token(source, TokenizerSource(tok), PrepData(tmp_path, None, tmp_path))
+        llama.start_token(source, TokenizerSource(tok), PrepOutput(tmp_path, None, tmp_path))
     counts[bos] = 0
     np.save(tmp_path / "unigram.npy", counts)
-    assert llama.start_token(source, TokenizerSource(tok), PrepData(tmp_path, None, tmp_path)) == bos
+    assert llama.start_token(source, TokenizerSource(tok), PrepOutput(tmp_path, None, tmp_path)) == bos
 
     # a part Llama has no counterpart for: a config field, a parameter
     from dataclasses import make_dataclass
@@ -442,7 +442,7 @@ def test_a_native_export_frames_prompts_as_the_training_data_did(setup, capsys, 
 
     root, tok, _, models = setup
     prep = make_prep(tmp_path / "data", tok, bos=True)
-    framing = open_data(prep).tokenizer_source()
+    framing = open_prep_output(prep).tokenizer_source()
     stats = json.loads((prep / "stats.json").read_text())
     assert (framing.add_bos, framing.bos_id, framing.eos_id) == (True, stats["bos_id"], stats["eos_id"])
     out = tmp_path / "native"
@@ -467,7 +467,7 @@ def test_a_native_export_frames_prompts_as_the_training_data_did(setup, capsys, 
     assert (code, text, err) == run(capsys, "generate", root / "gpn_m_1l", *prompt, "--data", prep)
 
     # --tokenizer: the record's framing holds for that very tokenizer file (a copy of it), not for another
-    from gpn_scale.eval.data import choose_tokenizer
+    from gpn_scale.eval.prep_output import choose_tokenizer
 
     shutil.copyfile(tok, tmp_path / "copy.json")
     model = models["gpn_m_1l"]
@@ -648,7 +648,7 @@ def test_reference_export_resumes_in_the_papers_trainer_as_the_run_went_on(setup
     records = [json.loads(line) for line in (trained_run / "samples.jsonl").read_text().splitlines()]
     in_order = [i for step in range(1, 6) for r in records if r["step"] == step for i in r["samples"]]
     assert len(in_order) == 5 * state.global_batch
-    windows = read_windows(open_data(prep / "train"))[in_order].numpy()  # the stream as the run read it
+    windows = read_windows(open_prep_output(prep / "train"))[in_order].numpy()  # the stream as the run read it
     info, params = paper_resume(tmp_path / "ref", state.config["train"], windows, tmp_path, state.global_batch)
     restored, after = info["restored"], info["after"]
     assert restored["structure_matches"] and restored["classes"] == OPTAX_CLASSES
@@ -671,7 +671,7 @@ def test_reference_data_position_counts_the_papers_batches():
     """The paper's trainer reads `dataset.batches(batch_size, start=data_position)`: a batch index. Its
     batch may differ from the run's (said in a note); a remainder rounds down (re-read, never skipped)."""
     from gpn_scale.storage.checkpoints import TrainerState
-    from gpn_scale.export.reference import data_position
+    from gpn_scale.export.paper_format import data_position
 
     state = TrainerState(step=6, tokens=6 * 16 * 32, loader={}, world_size=2, zero_stage=2, global_batch=16,
                          data_seq_len=32, config={})

@@ -14,7 +14,7 @@ import torch
 from eval_fixtures import SENTENCES, make_tokenizer, tiny_model
 
 from gpn_scale.cli import main
-from gpn_scale.eval.codec import Codec, TextStream
+from gpn_scale.eval.codec import Codec, IncrementalDecoder
 from gpn_scale.eval.generate import generate_tokens, sampling_probs, score_texts
 from gpn_scale.storage.native import save_native
 
@@ -53,18 +53,18 @@ def test_streamed_text_is_the_decoded_tokens(setup, capsys):
     assert out == "the cat sat" + codec.decode(tokens) + "\n"
 
 
-def test_text_stream_reassembles_multibyte_text():
+def test_incremental_decoding_reassembles_multibyte_text():
     with tempfile.TemporaryDirectory() as d:
         codec = Codec(make_tokenizer(Path(d) / "t.json"))
     text = "naïve café — 東京 🚀 " + SENTENCES[1]
     ids = codec.encode(text)
-    stream = TextStream(codec)
-    pieces = [stream.push(t) for t in ids]
+    decoder = IncrementalDecoder(codec)
+    pieces = [decoder.push(t) for t in ids]
     assert "".join(pieces) == codec.decode(ids) == text
     assert "" in pieces  # a character split over byte tokens waited for its last byte
 
 
-def test_text_stream_equals_the_whole_decode_of_any_token_sequence():
+def test_incremental_decoding_equals_the_whole_decode_of_any_token_sequence():
     """Sampled text is often not valid UTF-8 (a character's bytes cut off or out of order); what is
     streamed must still be exactly the decode of the whole sequence, replacement characters included."""
     with tempfile.TemporaryDirectory() as d:
@@ -72,8 +72,8 @@ def test_text_stream_equals_the_whole_decode_of_any_token_sequence():
     g = torch.Generator().manual_seed(0)
     for _ in range(300):
         ids = torch.randint(0, codec.vocab_size, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
-        stream = TextStream(codec)
-        text = "".join(stream.push(t) for t in ids) + stream.flush()
+        decoder = IncrementalDecoder(codec)
+        text = "".join(decoder.push(t) for t in ids) + decoder.flush()
         assert text == codec.decode(ids), ids
 
 

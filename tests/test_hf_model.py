@@ -13,7 +13,7 @@ from eval_fixtures import SENTENCES, make_prep, make_tokenizer, tiny_model, trai
 
 from gpn_scale.cli import main
 from gpn_scale.eval.codec import Codec
-from gpn_scale.eval.data import open_data, read_windows
+from gpn_scale.eval.prep_output import open_prep_output, read_windows
 from gpn_scale.storage.native import save_native
 
 transformers = pytest.importorskip("transformers")
@@ -27,16 +27,16 @@ def setup(tmp_path_factory):
     out = {}
     for name, bos in (("plain", False), ("bos", True)):
         prep = make_prep(root / f"data_{name}", tok, bos=bos)
-        model = train(tiny_model(Codec(tok).vocab_size, n_layers=2), read_windows(open_data(prep / "train")),
+        model = train(tiny_model(Codec(tok).vocab_size, n_layers=2), read_windows(open_prep_output(prep / "train")),
                       steps=30)
         save_native(model, root / name)
         from gpn_scale.export import Source, write_native
 
         native = root / f"{name}_native"  # framed as its training data (tokenizer.yaml), as a run's export is
         native.mkdir()
-        write_native(Source(model, root / name), open_data(prep).tokenizer_source(), native)
+        write_native(Source(model, root / name), open_prep_output(prep).tokenizer_source(), native)
         assert main(["export", str(native), "--to", "hf", "--out", str(root / f"{name}_hf")]) == 0
-        out[name] = (model, root / f"{name}_hf", read_windows(open_data(prep / "train")))
+        out[name] = (model, root / f"{name}_hf", read_windows(open_prep_output(prep / "train")))
     return tok, out
 
 

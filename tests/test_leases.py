@@ -18,7 +18,7 @@ import pytest
 
 from gpn_scale.storage import checkpoints, leases
 from gpn_scale.cli import main
-from gpn_scale.train import checkpoint as ckpt
+from gpn_scale.train import checkpoint_writer as ckpt
 
 ROOT = Path(__file__).resolve().parent.parent
 HANG_S = 600  # a limit for hangs only, far beyond an idle machine's time

@@ -18,7 +18,7 @@ from gpn_scale.cli import main  # noqa: E402
 from data_prep.errors import UserError  # noqa: E402
 from gpn_scale.eval import harness  # noqa: E402
 from gpn_scale.eval.codec import Codec  # noqa: E402
-from gpn_scale.eval.data import open_data, read_windows  # noqa: E402
+from gpn_scale.eval.prep_output import open_prep_output, read_windows  # noqa: E402
 from gpn_scale.eval.generate import generate_tokens, score_texts  # noqa: E402
 from gpn_scale.storage.native import save_native  # noqa: E402
 
@@ -70,7 +70,7 @@ def setup(tmp_path_factory):
         stats = json.loads((prep / "stats.json").read_text())
         assert stats["add_bos"]
         # torch kernels: the adapter does not depend on them, and no C++ build is paid for here
-        model = train(tiny_model(stats["vocab_size"], kernel="torch"), read_windows(open_data(prep / "train")), steps=60)
+        model = train(tiny_model(stats["vocab_size"], kernel="torch"), read_windows(open_prep_output(prep / "train")), steps=60)
         save_native(model, root / "ckpt")
         yield root, prep, model, stats
 
@@ -230,9 +230,9 @@ def routes(setup, tmp_path_factory):
     for name, bos in (("plain", False), ("bos", True)):
         d = tmp_path_factory.mktemp(f"route_{name}")
         prep = make_prep(d / "data", tok, bos=bos)
-        model = train(tiny_model(Codec(tok).vocab_size), read_windows(open_data(prep / "train")), steps=30)
+        model = train(tiny_model(Codec(tok).vocab_size), read_windows(open_prep_output(prep / "train")), steps=30)
         (d / "native").mkdir()
-        write_native(Source(model, d), open_data(prep).tokenizer_source(), d / "native")
+        write_native(Source(model, d), open_prep_output(prep).tokenizer_source(), d / "native")
         assert main(["export", str(d / "native"), "--to", "hf", "--out", str(d / "hf")]) == 0
         models[name] = (d / "native", d / "hf")
     tasks = tmp_path_factory.mktemp("route_tasks")

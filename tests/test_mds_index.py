@@ -16,9 +16,9 @@ from mds_fixture import write_windows
 
 from data_prep import mds_index
 from data_prep.errors import UserError
-from gpn_scale.eval.data import open_data, read_windows
-from gpn_scale.data.streams import dataset_class, open_dataset
-from gpn_scale.train.data import TrainStream
+from gpn_scale.eval.prep_output import open_prep_output, read_windows
+from gpn_scale.storage.mds_datasets import dataset_class, open_dataset
+from gpn_scale.train.batches import ShuffledBatches
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "train" / "gpn_m_tiny.yaml"
@@ -61,9 +61,9 @@ def _all_openers_refuse(split: Path, match: str) -> None:
     with pytest.raises(UserError, match=match):
         open_dataset(local=str(split), shuffle=False, batch_size=1)
     with pytest.raises(UserError, match=match):
-        TrainStream(str(split), None, 2, 1, shuffle=False, seed=0, num_canonical_nodes=1)
+        ShuffledBatches(str(split), None, 2, 1, shuffle=False, seed=0, num_canonical_nodes=1)
     with pytest.raises(UserError, match=match):
-        read_windows(open_data(split))
+        read_windows(open_prep_output(split))
 
 
 def test_a_read_through_dotdot_or_an_absolute_path_is_refused(home):
@@ -139,7 +139,7 @@ def test_symlinks_leading_out_are_refused_inside_ones_are_not(home):
     (split / name).symlink_to(split / "real.mds")
     index["shards"][0]["raw_data"]["basename"] = name
     _write_index(split, index)
-    assert len(read_windows(open_data(split))) == 8
+    assert len(read_windows(open_prep_output(split))) == 8
 
 
 def test_a_remote_index_is_checked_before_it_reaches_the_cache(home):
@@ -150,15 +150,15 @@ def test_a_remote_index_is_checked_before_it_reaches_the_cache(home):
     _write_index(remote, index)
     bad = (remote / "index.json").read_text()
     with pytest.raises(UserError, match=r"index.json: shard 0: raw_data.basename"):
-        TrainStream(f"file://{remote}", str(cache), 2, 1, shuffle=False, seed=0, num_canonical_nodes=1)
+        ShuffledBatches(f"file://{remote}", str(cache), 2, 1, shuffle=False, seed=0, num_canonical_nodes=1)
     assert not any(cache.rglob("index.json*")), "a refused index stays out of the cache"
     (remote / "index.json").write_text(good)
-    stream = TrainStream(f"file://{remote}", str(cache), 2, 1, shuffle=False, seed=0, num_canonical_nodes=1)
-    assert len(stream) == 8
+    batches = ShuffledBatches(f"file://{remote}", str(cache), 2, 1, shuffle=False, seed=0, num_canonical_nodes=1)
+    assert len(batches) == 8
     # A poisoned cache: an index already there (planted, or fetched before) is checked too.
     (next(cache.iterdir()) / "index.json").write_text(bad)
     with pytest.raises(UserError, match=r"shard 0: raw_data.basename"):
-        TrainStream(f"file://{remote}", str(cache), 2, 1, shuffle=False, seed=0, num_canonical_nodes=1)
+        ShuffledBatches(f"file://{remote}", str(cache), 2, 1, shuffle=False, seed=0, num_canonical_nodes=1)
 
 
 def test_the_remote_gadget_writes_outside_the_cache_without_the_check(home):

@@ -49,7 +49,7 @@ def dealt(documents: list[list[int]], streams: int) -> list[list[list[int]]]:
 
 
 def samples(path: Path) -> list[dict]:
-    from gpn_scale.data.streams import reading
+    from gpn_scale.storage.mds_datasets import reading
 
     with reading(local=str(path), batch_size=1, shuffle=False) as ds:
         return [ds[i] for i in range(len(ds))]

@@ -35,7 +35,7 @@ from gpn_scale.storage import plain_zip, safe_load
 from gpn_scale.storage.checkpoints import DERIVED, tag_for
 from gpn_scale.cli import main
 from gpn_scale.storage.native import add_manifest, save_native
-from gpn_scale.train import checkpoint as ckpt
+from gpn_scale.train import checkpoint_writer as ckpt
 from mds_fixture import write_windows
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -29,7 +29,7 @@ from gpn_scale.train.gc import GarbageCollection
 from gpn_scale.train.metrics import flops_per_token
 from gpn_scale.train.optim import lr_factor
 from kernels.graph import CPU_GRAPHS_ENV
-from kernels.streams import CPU_STREAMS_ENV
+from kernels.side_streams import CPU_STREAMS_ENV
 from mds_fixture import write_windows
 from wandb_records import history
 
@@ -147,7 +147,7 @@ def test_resume_is_bitwise_identical(data, reference_runs, tmp_path, stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_graphed_core_trains_as_the_eager_one(data, reference_runs, tmp_path, stage):
     """The fused core's loops through the CPU stand-ins for CUDA graphs (kernels/graph.py) and for
-    the reverse sweep's side stream (kernels/streams.py, which checks its events), with gradient
+    the reverse sweep's side stream (kernels/side_streams.py, which checks its events), with gradient
     accumulation on 2 ranks: ZeRO-1 keeps the accumulated .grad across micro-batches, ZeRO-2 moves
     it into its buckets after each."""
     run = tmp_path / "run"
@@ -193,7 +193,7 @@ def first_windows_loss(run, step: int, val: Path, n: int) -> float:
     empty state, in this one process."""
     import torch
 
-    from gpn_scale.data.streams import reading
+    from gpn_scale.storage.mds_datasets import reading
     from gpn_scale.storage.checkpoints import load_model
 
     model = load_model(Path(run) / "checkpoints" / f"step_{step:08d}").eval()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpn_scale.data.streams import reading
+from gpn_scale.storage.mds_datasets import reading
 from gpn_scale.storage import safe_load
 from gpn_scale.train.carry import rows
 from mds_fixture import write_streams, write_windows
@@ -64,7 +64,7 @@ def branch(reference: Path, run: Path, step: int) -> None:
 def test_validation_resets_the_state_at_eos_as_training_does(data, reference):
     """data.val (the streams' windows, each from the empty state) is scored with the resets: the
     run's val_loss is the final model's mean loss over every window read with them."""
-    from gpn_scale.data.streams import reading
+    from gpn_scale.storage.mds_datasets import reading
     from gpn_scale.storage.checkpoints import load_model
 
     val = [json.loads(l) for l in (reference / "metrics.jsonl").read_text().splitlines() if "val_loss" in l]

@@ -272,7 +272,7 @@ BROKEN_STATES = {  # what a damaged or hand-edited trainer_state.json can look l
 @pytest.mark.parametrize("how", sorted(BROKEN_STATES))
 def test_a_malformed_trainer_state_is_one_line_in_every_command_that_reads_it(data, run, tmp_path, capsys, how):
     from gpn_scale.cli import main
-    from gpn_scale.train.checkpoint import write_manifest
+    from gpn_scale.train.checkpoint_writer import write_manifest
 
     tag = run / "checkpoints" / "step_00000006"
     state_file = tag / "trainer_state.json"
@@ -344,7 +344,7 @@ def test_a_lock_from_another_host_is_stale_only_without_heartbeat(tmp_path, monk
 
 
 def test_rotation_hashes_only_checkpoints_this_run_has_not_verified(tmp_path, monkeypatch):
-    from gpn_scale.train import checkpoint as writer
+    from gpn_scale.train import checkpoint_writer as writer
 
     for step in (2, 4, 6, 8):
         tag_dir = tmp_path / ckpt.tag_for(step)
@@ -372,7 +372,7 @@ def test_universal_conversion_keeps_every_parameter_and_its_optimizer_state(run)
     import torch
 
     from gpn_scale.storage import safe_load
-    from gpn_scale.train import checkpoint as writer
+    from gpn_scale.train import checkpoint_writer as writer
 
     tag_dir = run / "checkpoints" / ckpt.tag_for(STEPS)
     out = writer.to_universal(tag_dir)

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpn_scale.data.streams import release
+from gpn_scale.storage.mds_datasets import release
 from data_prep.errors import UserError
 from gpn_scale.train import preflight
 from gpn_scale.train.config import DataSource, load_train_config
-from gpn_scale.train.data import TrainStream
+from gpn_scale.train.batches import ShuffledBatches
 from mds_fixture import write_windows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,27 +122,27 @@ def test_the_model_vocabulary_against_the_tokenizers(data, tmp_path):
     assert warned == []  # the same size: nothing to say
 
 
-def _epoch(stream: TrainStream) -> list[int]:
+def _epoch(batches: ShuffledBatches) -> list[int]:
     ids = []
-    while len(ids) < len(stream) - stream.micro_batch + 1:
-        ids += next(stream)["sample_id"].tolist()
+    while len(ids) < len(batches) - batches.micro_batch + 1:
+        ids += next(batches)["sample_id"].tolist()
     return ids
 
 
 @pytest.mark.parametrize("weights", [{"proportion": (3, 1)}, {"repeat": (0.5, 2.0)}, {"choose": (100, 100)}])
-def test_an_epoch_draws_each_source_as_weighted_and_a_resumed_stream_goes_on_alike(data, weights):
+def test_an_epoch_draws_each_source_as_weighted_and_resumed_batches_go_on_alike(data, weights):
     planned = {"proportion": [210, 70], "repeat": [120, 80], "choose": [100, 100]}[next(iter(weights))]
-    stream = TrainStream(mixture(data, **weights), None, 4, 1, shuffle=True, seed=3, num_canonical_nodes=1)
+    batches = ShuffledBatches(mixture(data, **weights), None, 4, 1, shuffle=True, seed=3, num_canonical_nodes=1)
     try:
-        assert [drawn for _, _, drawn in stream.epoch_plan()] == planned
-        ids = _epoch(stream)
-        assert stream.count_sources(ids) == planned  # the whole epoch, exactly as planned
-        assert stream.record_mix(stream.count_sources(ids[:40])) == pytest.approx(
-            {"web": stream.count_sources(ids[:40])[0] / 40, "code": stream.count_sources(ids[:40])[1] / 40})
+        assert [drawn for _, _, drawn in batches.epoch_plan()] == planned
+        ids = _epoch(batches)
+        assert batches.count_sources(ids) == planned  # the whole epoch, exactly as planned
+        assert batches.record_mix(batches.count_sources(ids[:40])) == pytest.approx(
+            {"web": batches.count_sources(ids[:40])[0] / 40, "code": batches.count_sources(ids[:40])[1] / 40})
     finally:
-        release(stream.dataset)
-    again = TrainStream(mixture(data, **weights), None, 4, 1, shuffle=True, seed=3, num_canonical_nodes=1)
-    resumed = TrainStream(mixture(data, **weights), None, 4, 1, shuffle=True, seed=3, num_canonical_nodes=1)
+        release(batches.dataset)
+    again = ShuffledBatches(mixture(data, **weights), None, 4, 1, shuffle=True, seed=3, num_canonical_nodes=1)
+    resumed = ShuffledBatches(mixture(data, **weights), None, 4, 1, shuffle=True, seed=3, num_canonical_nodes=1)
     try:
         first = [next(again)["sample_id"].tolist() for _ in range(5)]
         resumed.load_state_dict(again.state_dict())

@@ -13,7 +13,7 @@ import torch
 from gpn_scale.storage import manifest
 from gpn_scale.config import model_config
 from gpn_scale.models import MODEL_FAMILIES, build_model
-from gpn_scale.train import checkpoint as ckpt
+from gpn_scale.train import checkpoint_writer as ckpt
 from gpn_scale.train import loop, optim
 from gpn_scale.train.config import load_train_config
 from gpn_scale.train.engine import deepspeed_config
@@ -396,7 +396,7 @@ def test_checkpoint_bench_prints_its_ratio(tmp_path):
 _OPEN_TOGETHER = """
 import json, sys, time
 from pathlib import Path
-from gpn_scale.data.streams import dataset_class, open_dataset
+from gpn_scale.storage.mds_datasets import dataset_class, open_dataset
 cls = dataset_class()
 heavy = sorted(m for m in ("transformers", "torchvision", "sklearn", "streaming.text") if m in sys.modules)
 import streaming.base.shared.prefix as prefix
@@ -452,7 +452,7 @@ import json, os, sys
 from pathlib import Path
 import torch.distributed as dist
 import streaming.base.shared.prefix as prefix
-from gpn_scale.data.streams import open_dataset
+from gpn_scale.storage.mds_datasets import open_dataset
 dist.init_process_group("gloo")
 scan = prefix._check_and_find
 def scan_recorded(*a, **k):
@@ -478,7 +478,7 @@ def test_a_jobs_ranks_attach_to_their_leaders_prefix_while_another_job_registers
     import time
 
     from conftest import ROOT
-    from gpn_scale.data.streams import dataset_class, lock_path, release
+    from gpn_scale.storage.mds_datasets import dataset_class, lock_path, release
     from mds_fixture import write_windows
 
     write_windows(tmp_path / "job", 8, 4, 16)
@@ -525,25 +525,25 @@ def test_a_short_wait_for_the_nodes_lock_is_quiet_and_a_long_one_is_said(capsys,
     import threading
     import time
 
-    from gpn_scale.data import streams
+    from gpn_scale.storage import mds_datasets
 
     monkeypatch.delenv("RANK", raising=False)
 
     def hold(seconds):
-        fd = os.open(streams.lock_path(), os.O_RDONLY | os.O_CREAT, 0o644)
+        fd = os.open(mds_datasets.lock_path(), os.O_RDONLY | os.O_CREAT, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX)
         held.set()
         time.sleep(seconds)
         os.close(fd)
 
     for seconds, quiet_wait, said in ((0.5, 10.0, False), (0.5, 0.1, True)):
-        monkeypatch.setattr(streams, "QUIET_WAIT_S", quiet_wait)
+        monkeypatch.setattr(mds_datasets, "QUIET_WAIT_S", quiet_wait)
         held = threading.Event()
         other = threading.Thread(target=hold, args=(seconds,))
         other.start()
         held.wait()
         began = time.monotonic()
-        with streams.registering():
+        with mds_datasets.registering():
             waited = time.monotonic() - began
         other.join()
         err = capsys.readouterr().err
@@ -553,13 +553,13 @@ def test_a_short_wait_for_the_nodes_lock_is_quiet_and_a_long_one_is_said(capsys,
 
 def test_datasets_read_one_after_another_give_their_shared_memory_back(tmp_path):
     """Streaming keeps each dataset's shared memory, and each new dataset attaches to every prefix
-    registered on the node before it: read in turn without `streams.reading`, a process's open
+    registered on the node before it: read in turn without `mds_datasets.reading`, a process's open
     files grow with the square of the datasets it opened (the suite once ran out of them). With
     other datasets still registered (a training beside an evaluation, earlier tests in a suite),
     a read's scan past their prefixes leaves nothing open either."""
     import os
 
-    from gpn_scale.data.streams import open_dataset, reading, release
+    from gpn_scale.storage.mds_datasets import open_dataset, reading, release
     from mds_fixture import write_windows
 
     split = write_windows(tmp_path / "split", 4, 8, 64)

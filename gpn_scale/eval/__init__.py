@@ -1,7 +1,7 @@
 """Evaluation, the paper's analyses, ablations and generation for trained models.
 
-    data.py       held-out windows of a prep output, its tokenizer, and the checks against a model
-    codec.py      text <-> token ids through the prep's tokenizer; streamed decoding
+    prep_output.py  held-out windows of a prep output, its tokenizer, and the checks against a model
+    codec.py      text <-> token ids through the prep's tokenizer; incremental decoding (text as it is generated)
     heldout.py    perplexity and the per-position loss curve
     lambada.py    LAMBADA accuracy and perplexity (any model family)
     states.py     per-step predicted states and memory decays, recorded through the model's hooks

@@ -15,8 +15,8 @@ from data_prep.errors import UserError
 from data_prep.helptext import HelpFormatter, json_stdout
 from gpn_scale.eval.codec import Codec
 from gpn_scale.eval.loading import DATA_OR_TOKENIZER, check_device, load_checkpoint
-from gpn_scale.eval.data import (PrepData, check_model_fits, choose_tokenizer, open_data, open_streams, read_windows,
-                                 training_prep)
+from gpn_scale.eval.prep_output import (PrepOutput, check_model_fits, choose_tokenizer, open_prep_output, open_streams,
+                                        read_windows, training_prep)
 from data_prep.outputs import LM_EVAL, check_new, check_resumable, identify, new_directory
 
 STATES_TARGET = 16384  # analyze: enough windows for this many states by default (the paper used 16k)
@@ -33,8 +33,8 @@ def _check_positive(args, *names: str) -> None:
             raise UserError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
 
 
-def _open_checked(args, model, trained: PrepData | None):
-    data = open_data(args.data)
+def _open_checked(args, model, trained: PrepOutput | None):
+    data = open_prep_output(args.data)
     windows = read_windows(data, args.windows)
     check_model_fits(model, data, windows, trained.tokenizer_sha256 if trained else None)
     return data, windows
@@ -100,8 +100,8 @@ def _eval(ap, args, stdout) -> int:
     if args.passkey:  # the prompts first: a --passkey they cannot be made for is refused before any scoring
         from gpn_scale.eval import long_context
 
-        codec, framing = choose_tokenizer(args.checkpoint, args.tokenizer, open_data(args.data) if args.data else None,
-                                          trained, model, DATA_OR_TOKENIZER)
+        given = open_prep_output(args.data) if args.data else None
+        codec, framing = choose_tokenizer(args.checkpoint, args.tokenizer, given, trained, model, DATA_OR_TOKENIZER)
         items = long_context.make_passkeys(codec.encode, args.passkey, args.passkey_trials, bos=framing.prompt_bos)
     if args.data:
         data, windows = _open_checked(args, model, trained)
@@ -208,7 +208,7 @@ def analyze_main(argv: list[str]) -> int:
     check_new(args.out, "--out", "analyze")  # before the analysis: a refusal costs nothing
     model = load_checkpoint(args.checkpoint, args.device)
     if args.windows is None:
-        data = open_data(args.data)
+        data = open_prep_output(args.data)
         seq_len = data.stats["seq_len"] if data.stats else len(read_windows(data, 1)[0])
         args.windows = math.ceil(STATES_TARGET / seq_len)
     data, windows = _open_checked(args, model, training_prep(args.checkpoint))
@@ -250,16 +250,16 @@ def generate_main(argv: list[str]) -> int:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
         raise UserError("--prompt: not valid UTF-8 text") from None
-    from gpn_scale.eval.codec import TextStream
+    from gpn_scale.eval.codec import IncrementalDecoder
     from gpn_scale.eval.generate import generate_tokens
 
     model = load_checkpoint(args.checkpoint, args.device)
-    data = open_data(args.data) if args.data else None
+    data = open_prep_output(args.data) if args.data else None
     codec, framing = choose_tokenizer(args.checkpoint, args.tokenizer, data, training_prep(args.checkpoint), model,
                                        DATA_OR_TOKENIZER)
     bos = framing.prompt_bos
     prompt = ([] if bos is None else [bos]) + codec.encode(args.prompt)
-    stream = TextStream(codec)
+    decoder = IncrementalDecoder(codec)
     sys.stdout.write(args.prompt)
     # What ended every training document, else the tokenizer's own end-of-text token
     eos = None if args.ignore_eos else (codec.eos_id if framing.eos_id is None else framing.eos_id)
@@ -267,9 +267,9 @@ def generate_main(argv: list[str]) -> int:
                                     args.top_k):
         if token == eos:
             break
-        sys.stdout.write(stream.push(token))
+        sys.stdout.write(decoder.push(token))
         sys.stdout.flush()
-    sys.stdout.write(stream.flush() + "\n")
+    sys.stdout.write(decoder.flush() + "\n")
     return 0
 
 

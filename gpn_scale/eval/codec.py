@@ -52,7 +52,7 @@ class Codec:
         return self._decode(list(ids))
 
 
-class TextStream:
+class IncrementalDecoder:
     """Decodes a growing token sequence piece by piece, emitting exactly what decoding the whole
     sequence gives: each new token is decoded together with a few tokens before it and only the new
     suffix is emitted (tokenizers drop leading spaces or split a character's bytes across tokens, so

@@ -29,11 +29,11 @@ class GPNScaleLM(LM):
                  batch_size: int | str = DEFAULT_BATCH, device: str = "cpu", seed: int = 0, **_unused):
         super().__init__()
         from gpn_scale.eval.loading import DATA_OR_TOKENIZER, load_checkpoint
-        from gpn_scale.eval.data import choose_tokenizer, open_data, training_prep
+        from gpn_scale.eval.prep_output import choose_tokenizer, open_prep_output, training_prep
 
         self.model = load_checkpoint(str(pretrained), device or "cpu").eval()
         harness.check_stateful(self.model)
-        data_dir = open_data(data) if data else None
+        data_dir = open_prep_output(data) if data else None
         self.codec, framing = choose_tokenizer(str(pretrained), tokenizer, data_dir, training_prep(pretrained),
                                                self.model, DATA_OR_TOKENIZER)
         self.prefix = [] if framing.prompt_bos is None else [framing.prompt_bos]

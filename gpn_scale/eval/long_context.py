@@ -41,7 +41,7 @@ def check_context(split_dir: Path, layout, context: int) -> None:
 
 def stream_tokens(split_dir: Path, layout, context: int, limit: int | None) -> torch.Tensor:
     """The first `context` tokens of each of the first `limit` streams (all when None): (n, context) int64."""
-    from gpn_scale.data.streams import reading
+    from gpn_scale.storage.mds_datasets import reading
 
     check_context(split_dir, layout, context)
     windows = context // layout.seq_len

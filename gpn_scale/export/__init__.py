@@ -10,7 +10,7 @@ once complete; an existing non-empty DIR is refused, never overwritten (`data_pr
   self-contained modeling file, tokenizer files; a Transformer++ as a plain `LlamaForCausalLM`, no
   modeling file (`gpn_scale/export/llama.py`).
 - `reference`: the paper's `checkpoint.pkl` (parameters, the AdamW state in the paper's optax
-  structure, step, data position) and JSON config (`gpn_scale/export/reference.py`); the paper's
+  structure, step, data position) and JSON config (`gpn_scale/export/paper_format.py`); the paper's
   trainer resumes from it and `gpn-scale convert --from-reference` reads it back bit-exactly.
 - `native`: model.safetensors + model.yaml + the tokenizer, all listed in manifest.json.
 """
@@ -66,9 +66,9 @@ def load_source(path: str | Path) -> Source:
 def find_tokenizer(source: Source, given: str | None) -> TokenizerSource:
     """--tokenizer, else the tokenizer of the data the run was trained on, else the one a native
     export put beside its weights, framed (BOS, EOS) as the training data was where that is
-    recorded (`gpn_scale.eval.data.choose_tokenizer`). A tokenizer other than the training data's
+    recorded (`gpn_scale.eval.prep_output.choose_tokenizer`). A tokenizer other than the training data's
     is refused."""
-    from gpn_scale.eval.data import choose_tokenizer, training_prep
+    from gpn_scale.eval.prep_output import choose_tokenizer, training_prep
 
     return choose_tokenizer(source.path, given, None, training_prep(source.path), source.model)[1]
 
@@ -101,9 +101,9 @@ def export(checkpoint: str | Path, to: str, out: str | Path, tokenizer: str | No
 
         (to_llama.check_model if llama else hf.check_exportable)(source)
     elif to == "reference":
-        from gpn_scale.export import reference
+        from gpn_scale.export import paper_format
 
-        reference.check_exportable(source)
+        paper_format.check_exportable(source)
     tok = find_tokenizer(source, tokenizer) if to in ("hf", "native") else None
     if llama:
         to_llama.check_tokenizer(source, tok)  # a refusal before anything is written
@@ -113,7 +113,7 @@ def export(checkpoint: str | Path, to: str, out: str | Path, tokenizer: str | No
         elif to == "hf":
             hf.write(source, tok, staging)
         elif to == "reference":
-            reference.write(source, staging, batch_size)
+            paper_format.write(source, staging, batch_size)
         else:
             write_native(source, tok, staging)
     return out

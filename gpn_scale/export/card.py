@@ -47,7 +47,7 @@ def _weight(saved_source: dict) -> str:
 
 
 def _data_stats(source) -> str:
-    from gpn_scale.eval.data import training_prep
+    from gpn_scale.eval.prep_output import training_prep
 
     prep = training_prep(source.checkpoint)
     if prep is None or prep.stats is None:

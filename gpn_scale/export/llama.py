@@ -55,7 +55,7 @@ def check_model(source) -> None:
 def check_tokenizer(source, tokenizer) -> None:
     """What can be refused only with the tokenizer in hand, before anything is written: BOS must
     never have been an input in training (`start_token`), the run's prep's counts read where there."""
-    from gpn_scale.eval.data import training_prep
+    from gpn_scale.eval.prep_output import training_prep
 
     start_token(source, tokenizer, None if source.checkpoint is None else training_prep(source.checkpoint))
 
@@ -67,7 +67,7 @@ def _expected(cfg) -> set[str]:
 def start_token(source, tokenizer, prep=None) -> int:
     """The id of the token whose input embedding becomes the `start` vector: the tokenizer's BOS,
     refused in one line where it was an input in training (see the module's docstring). `prep`:
-    the training run's prep output (`gpn_scale.eval.data.PrepData`), whose unigram counts are
+    the training run's prep output (`gpn_scale.eval.prep_output.PrepOutput`), whose unigram counts are
     checked where readable."""
     import numpy as np
 
@@ -145,7 +145,7 @@ def llama_config(cfg, specials, max_positions: int | None, version: str) -> dict
 def write(source, tokenizer, out: Path) -> None:
     from safetensors.torch import save_file
 
-    from gpn_scale.eval.data import training_prep
+    from gpn_scale.eval.prep_output import training_prep
     from gpn_scale.export.card import llama_card
     from gpn_scale.export.hf import TRANSFORMERS_VERSION, write_tokenizer
 

@@ -3,7 +3,7 @@
 Every family takes `model(tokens, state=None, return_logits=False)` and returns a `ModelOutput`
 whose `token_losses[b, t]` scores token t given the tokens before it (the first from an empty
 context), so losses and perplexities compare across families. Each family's file declares its
-`ModelSpec` (gpn_scale/models/spec.py): what the training engine needs from it.
+`ModelSpec` (gpn_scale/models/model_spec.py): what the training engine needs from it.
 """
 
 import torch
@@ -11,7 +11,7 @@ import torch
 from gpn_scale.models import gdn, gpn, transformer
 from gpn_scale.models.gdn import GatedDeltaNet, GDNConfig, GDNState
 from gpn_scale.models.gpn import GPN, GPNConfig, GPNState, ModelOutput, StepHooks
-from gpn_scale.models.spec import ModelSpec, ParamGroups
+from gpn_scale.models.model_spec import ModelSpec, ParamGroups
 from gpn_scale.models.transformer import Transformer, TransformerConfig, TransformerState
 
 MODEL_FAMILIES: dict[str, ModelSpec] = {"gpn": gpn.SPEC, "gpn_m": gpn.SPEC, "transformer": transformer.SPEC, "gdn": gdn.SPEC}

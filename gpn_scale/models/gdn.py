@@ -37,7 +37,7 @@ from gpn_scale.models.blocks import (Block, RMSNorm, check_tokens, compile_block
 from gpn_scale.models.gpn import ModelOutput
 from gpn_scale.models.ops import at_least_f32, l2_normalize, rms_norm
 from gpn_scale.models.resets import check as check_resets, pieces, where_rows
-from gpn_scale.models.spec import ModelSpec, matrices_decay, no_external_params
+from gpn_scale.models.model_spec import ModelSpec, matrices_decay, no_external_params
 
 # The enumerated keys of GDNConfig: a config's value is checked against these, and its refusal lists them.
 Core = Literal["chunk", "recurrent"]

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from gpn_scale.models.core import fuse_weights, fused_recurrence
 from gpn_scale.models.ops import at_least_f32, l2_normalize, lecun_normal_, linear_cross_entropy, rms_norm, rms_norm_rows
 from gpn_scale.models.resets import check as resets_check, pieces, where_rows
-from gpn_scale.models.spec import ModelSpec, matrices_decay
+from gpn_scale.models.model_spec import ModelSpec, matrices_decay
 import kernels
 from kernels import KERNELS, Backend, Kernel
 from kernels.step.reference import OPS as ce_twin

@@ -22,7 +22,7 @@ from gpn_scale.models.blocks import (Block, RMSNorm, check_tokens, compile_block
                                      tied_lm_loss)
 from gpn_scale.models.gpn import ModelOutput
 from gpn_scale.models.ops import at_least_f32
-from gpn_scale.models.spec import ModelSpec, matrices_decay, no_external_params
+from gpn_scale.models.model_spec import ModelSpec, matrices_decay, no_external_params
 
 
 @dataclass

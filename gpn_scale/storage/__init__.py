@@ -1,4 +1,4 @@
-"""Checkpoints and outputs kept safe: nothing a run writes is lost, nothing it reads runs code.
+"""Checkpoints, datasets and outputs kept safe: nothing a run writes is lost, nothing it reads runs code.
 
 Read in this order.
 
@@ -17,6 +17,11 @@ then it is loaded by torch's restricted unpickler with an allow-list of the type
 (`safe_load`). `checkpoints` builds on these to find a run's checkpoints, load a model from any of
 them (ZeRO 0-3, universal, native) and read the optimiser's state. A reader beside a live run holds
 a lease (`leases`) so that rotation never deletes what it is reading.
+
+**Reading a dataset.** The prep's MDS datasets are opened through `mds_datasets`: each index
+checked before Streaming reads it (`data_prep.mds_index`: shard files that stay in the dataset's
+directory, sizes that match), and the node's shared memory registered under a lock, so that jobs
+starting together never take the same prefix.
 
 **Who writes where** (`data_prep.outputs`, below every command that writes): a command writes only
 into a new or empty directory, or resumes its own kind of output, known by the files only that kind

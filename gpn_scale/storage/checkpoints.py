@@ -2,7 +2,7 @@
 analysis, conversion and export, and the trainer when it resumes. Nothing here needs the trainer
 (DeepSpeed is imported only to gather a ZeRO-3 checkpoint's shards).
 
-Training checkpoints, under a run's `checkpoints/` (written by `gpn_scale.train.checkpoint`):
+Training checkpoints, under a run's `checkpoints/` (written by `gpn_scale.train.checkpoint_writer`):
 
     step_00000500/            DeepSpeed's sharded save (model, optimiser and scheduler states)
         trainer_state.json    step, tokens, loader position, world size, ZeRO stage, config
@@ -133,7 +133,7 @@ class TrainerState:
 
     step: int
     tokens: int
-    loader: dict  # the training data's position (TrainStream.state_dict, or StreamBatches' with carry_state)
+    loader: dict  # the training data's position (ShuffledBatches.state_dict, or StreamBatches' with carry_state)
     world_size: int
     zero_stage: int
     global_batch: int

@@ -1,6 +1,6 @@
 """`manifest.json`: the size and hash of each file of a checkpoint directory, written last.
 
-Shared by training checkpoints (`gpn_scale/train/checkpoint.py`) and native ones
+Shared by training checkpoints (`gpn_scale/train/checkpoint_writer.py`) and native ones
 (`gpn_scale/storage/native.py`), which load without the trainer package.
 
 A manifest lists every file of its directory, so a directory verifies only when each file listed

@@ -45,7 +45,7 @@ ALLOWED: dict[str, str] = {
     "deepspeed.runtime.zero.config.ZeroStageEnum": "the ZeRO stage that wrote an optimiser state",
     "deepspeed.utils.tensor_fragment.fragment_address": "ZeRO-1/2: where each parameter sits in its flat partition",
 }
-# rng_rank{r}.pt written before RNG format 2 (see train.checkpoint.save_rng) held NumPy's state
+# rng_rank{r}.pt written before RNG format 2 (see train.checkpoint_writer.save_rng) held NumPy's state
 # tuple with a uint32 array; only those files may name these (NumPy 2's spelling and NumPy 1's).
 OLD_RNG: dict[str, str] = {
     "numpy._core.multiarray._reconstruct": "rebuilds NumPy's MT19937 key array (NumPy >= 2)",

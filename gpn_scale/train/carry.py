@@ -95,13 +95,13 @@ def sample_at(layout: StreamLayout, step: int, slot: int, global_batch: int) -> 
 
 class StreamBatches:
     """This rank's micro-batches of stream windows, in the slots' order, with the position (the
-    steps read) saved and restored as the shuffled loader's is. Each batch says which micro-batch
-    of the step it is, for `CarriedStates`, and whether its windows are their streams' first
+    steps read) saved and restored as `ShuffledBatches`' is. Each batch says which micro-batch of
+    the step it is, for `CarriedStates`, and whether its windows are their streams' first
     (`stream_start`: they are read from the empty state)."""
 
     def __init__(self, location: str, micro_batch: int, grad_accum: int, world: int, rank: int):
-        from gpn_scale.data.streams import open_dataset
-        from gpn_scale.train.data import indexed_dataset_class
+        from gpn_scale.storage.mds_datasets import open_dataset
+        from gpn_scale.train.batches import indexed_dataset_class
 
         self.global_batch = micro_batch * grad_accum * world
         self.layout = training_layout(location, self.global_batch)

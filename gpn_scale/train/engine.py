@@ -37,7 +37,7 @@ from data_prep.errors import UserError
 from data_prep.helptext import HelpFormatter
 from gpn_scale.storage.jsonl import JsonLines, truncate_jsonl
 from data_prep.lock import RunLock
-from gpn_scale.train import checkpoint as ckpt
+from gpn_scale.train import checkpoint_writer as ckpt
 from gpn_scale.train import distributed as dist_utils
 from gpn_scale.train import loop, optim, preflight, profiling
 from gpn_scale.train import branch
@@ -262,7 +262,7 @@ class Trainer:
         from gpn_scale.config import model_config
         from gpn_scale.models import MODEL_FAMILIES, build_model
         from gpn_scale.train.carry import CarriedStates, StreamBatches
-        from gpn_scale.train.data import TrainStream
+        from gpn_scale.train.batches import ShuffledBatches
 
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -293,7 +293,7 @@ class Trainer:
             self.data = StreamBatches(cfg.data.train, t.micro_batch, self.grad_accum, self.world, self.rank)
             self.carried = CarriedStates(self.data)
         else:
-            self.data = TrainStream(
+            self.data = ShuffledBatches(
                 cfg.data.train, cfg.data.cache, t.micro_batch, self.world, shuffle=cfg.data.shuffle,
                 seed=cfg.seed, num_canonical_nodes=cfg.data.num_canonical_nodes,
             )

@@ -13,7 +13,7 @@ import torch
 from gpn_scale.train.config import TrainSection
 
 if TYPE_CHECKING:
-    from gpn_scale.models.spec import ParamGroups
+    from gpn_scale.models.model_spec import ParamGroups
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float, schedule: str = "cosine",

@@ -19,7 +19,7 @@ from data_prep.errors import UserError
 from gpn_scale.train import branch
 from gpn_scale.train.carry import training_layout
 from gpn_scale.train.config import DataSource, TrainConfig, sources
-from gpn_scale.train.data import resolve_location
+from gpn_scale.train.batches import resolve_location
 
 
 @dataclass(frozen=True)

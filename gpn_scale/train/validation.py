@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from gpn_scale.data.streams import open_dataset
-from gpn_scale.train.data import TOKENS, indexed_dataset_class, resolve_location
+from gpn_scale.storage.mds_datasets import open_dataset
+from gpn_scale.train.batches import TOKENS, indexed_dataset_class, resolve_location
 
 
 class ValWindows:

@@ -1,9 +1,9 @@
-"""kernels/streams.py: the CPU stand-in for a side stream reports what a GPU would race on."""
+"""kernels/side_streams.py: the CPU stand-in for a side stream reports what a GPU would race on."""
 
 import pytest
 import torch
 
-from kernels.streams import CpuLanes, OneLane, StreamRaceError
+from kernels.side_streams import CpuLanes, OneLane, StreamRaceError
 
 
 def test_a_read_on_the_side_stream_needs_an_event_after_the_write():

@@ -1,4 +1,7 @@
-"""Training batches from the prep's MDS output through MosaicML Streaming.
+"""Training batches of shuffled windows from the prep's MDS output through MosaicML Streaming
+(`ShuffledBatches`), and what every reader of a training run's data shares: where a split is read
+from (`resolve_location`) and each sample's id beside its tokens (`indexed_dataset_class`). A
+carried-state run reads the prep's document streams instead (`gpn_scale.train.carry.StreamBatches`).
 
 The global sample order is fixed by (shuffle seed, `num_canonical_nodes`, global batch) and does
 not depend on the world size: streaming partitions each global batch across whichever ranks
@@ -18,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from data_prep.errors import UserError
-from gpn_scale.data.streams import dataset_class, open_dataset, stream_class
+from gpn_scale.storage.mds_datasets import dataset_class, open_dataset, stream_class
 from gpn_scale.train.config import DataSource
 
 TOKENS = "tokens"  # the MDS column written by the prep
@@ -40,7 +43,7 @@ def resolve_location(location: str, cache: str | None, split_name: str) -> tuple
 
 
 def indexed_dataset_class():
-    class IndexedStream(dataset_class()):
+    class IndexedDataset(dataset_class()):
         """Yields the sample's global index with its tokens, for the data-order audit log."""
 
         def get_item(self, idx: int):
@@ -49,7 +52,7 @@ def indexed_dataset_class():
                 raise UserError(f"MDS sample {idx} has no '{TOKENS}' column (columns: {', '.join(sample)})")
             return {TOKENS: torch.from_numpy(sample[TOKENS].astype(np.int64)), "sample_id": idx}
 
-    return IndexedStream
+    return IndexedDataset
 
 
 def where_to_read(location: str | list[DataSource], cache: str | None, split_name: str) -> dict:
@@ -69,7 +72,7 @@ def where_to_read(location: str | list[DataSource], cache: str | None, split_nam
     return {"streams": streams}
 
 
-class TrainStream:
+class ShuffledBatches:
     """An endless iterator of micro-batches whose position can be saved and restored. A mixture's
     samples come from its sources in their weights, in one global order (Streaming's own mixing:
     which samples of each source an epoch takes, and their order, follow from the seed and the

@@ -17,11 +17,11 @@ from data_prep.errors import UserError, read_json
 from gpn_scale.eval.codec import Codec
 from gpn_scale.storage.native import TokenizerSource, read_tokenizer
 from data_prep.mds_index import prep_root
-from gpn_scale.data.streams import reading
+from gpn_scale.storage.mds_datasets import reading
 
 
 @dataclass
-class PrepData:
+class PrepOutput:
     split_dir: Path  # the MDS directory the windows are read from
     stats: dict | None  # the prep's stats.json, when the directory has one
     root: Path | None  # the prep output directory holding stats.json
@@ -48,7 +48,7 @@ class PrepData:
         return np.load(path) if path is not None and path.is_file() else None
 
 
-def open_data(path: str | Path) -> PrepData:
+def open_prep_output(path: str | Path) -> PrepOutput:
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"{path}: no such data directory (expected an MDS split or a `gpn-scale prep` output)")
@@ -61,21 +61,21 @@ def open_data(path: str | Path) -> PrepData:
     stats = None
     if root is not None:
         stats = read_json(root / "stats.json")
-    return PrepData(split, stats, root)
+    return PrepOutput(split, stats, root)
 
 
-def open_streams(path: str | Path) -> PrepData:
+def open_streams(path: str | Path) -> PrepOutput:
     """Held-out streams (`gpn-scale prep --streams`): a prep output's streams/val, or a streams split."""
     path = Path(path)
     for split in (path / "streams" / "val", path):
         if (split / "streams.json").is_file():
             root = prep_root(split)
-            return PrepData(split, None if root is None else read_json(root / "stats.json"), root)
+            return PrepOutput(split, None if root is None else read_json(root / "stats.json"), root)
     raise UserError(f"--context: {path} holds no streams (expected a prep output made with --streams, or its "
                     f"streams/val)")
 
 
-def read_windows(data: PrepData, limit: int | None = None) -> torch.Tensor:
+def read_windows(data: PrepOutput, limit: int | None = None) -> torch.Tensor:
     """The first `limit` windows (all when None) of the split, in order, as int64 (N, T)."""
     with reading(local=str(data.split_dir), shuffle=False, batch_size=1) as dataset:
         n = len(dataset) if limit is None else min(limit, len(dataset))
@@ -88,7 +88,7 @@ def read_windows(data: PrepData, limit: int | None = None) -> torch.Tensor:
     return torch.from_numpy(np.stack(rows))
 
 
-def check_model_fits(model, data: PrepData, windows: torch.Tensor | None = None, trained_on: str | None = None):
+def check_model_fits(model, data: PrepOutput, windows: torch.Tensor | None = None, trained_on: str | None = None):
     """One-line errors when the model and the data (or its tokenizer) do not belong together.
 
     trained_on: sha256 of the tokenizer the model was trained with, when the checkpoint records it.
@@ -106,7 +106,7 @@ def check_model_fits(model, data: PrepData, windows: torch.Tensor | None = None,
                         f"({vocab}); the data was made with another tokenizer")
 
 
-def training_prep(checkpoint: str | Path) -> PrepData | None:
+def training_prep(checkpoint: str | Path) -> PrepOutput | None:
     """The prep output a training run read, when CKPT is a run or training checkpoint whose recorded
     training data is still there; None otherwise (e.g. a native checkpoint)."""
     path = checkpoints.training_checkpoint(checkpoint, verified=False)  # loading the model verified it
@@ -119,7 +119,7 @@ def training_prep(checkpoint: str | Path) -> PrepData | None:
     if not train_dir or not isinstance(train_dir, str):
         return None
     root = prep_root(Path(train_dir))  # OUT/train, or a carried-state run's OUT/streams/train
-    return None if root is None else PrepData(Path(train_dir), read_json(root / "stats.json"), root)
+    return None if root is None else PrepOutput(Path(train_dir), read_json(root / "stats.json"), root)
 
 
 def _sha256(path: Path) -> str | None:
@@ -130,7 +130,7 @@ def _sha256(path: Path) -> str | None:
         return None
 
 
-def choose_tokenizer(checkpoint: str | Path, given: str | None, data: PrepData | None, trained: PrepData | None,
+def choose_tokenizer(checkpoint: str | Path, given: str | None, data: PrepOutput | None, trained: PrepOutput | None,
                      model, flags: str = "--tokenizer FILE (a tokenizer.json or sentencepiece .model)",
                      ) -> tuple[Codec, TokenizerSource]:
     """The tokenizer for text in and out, and how the training data framed documents with it.

@@ -1,5 +1,7 @@
-"""Writing sharded checkpoints that are either complete or ignored, and rotating them; the
-`gpn-scale ckpt` tools. The layout, and reading it, are `gpn_scale.storage.checkpoints`'.
+"""The trainer's side of its checkpoints: writing DeepSpeed's sharded checkpoints so that each is
+either complete or ignored, rotating them, and on resume converting one to the universal form and
+loading it back into the engine; the `gpn-scale ckpt` tools. The layout, and reading it (a model
+for evaluation or export, a run's trainer state), are `gpn_scale.storage.checkpoints`'.
 
 A directory without a manifest (a crash mid-save, on any rank) or whose files no longer match
 it (truncated, corrupted) is skipped by `--resume auto` with a one-line warning.

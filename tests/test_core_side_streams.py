@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.graph import CpuGraphs
-from kernels.streams import MAIN, SIDE, CpuLanes, OneLane, StreamRaceError
+from kernels.side_streams import MAIN, SIDE, CpuLanes, OneLane, StreamRaceError
 from test_fused_core import assert_same_grads, loss_and_grads, make
 
 pytestmark = pytest.mark.usefixtures("one_thread")
