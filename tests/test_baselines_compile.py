@@ -144,7 +144,7 @@ def test_each_family_declares_how_it_compiles():
 @pytest.mark.parametrize("key", ["compile", "recompute"])
 def test_gpn_families_have_no_compile_or_recompute_key(name, key):
     """GPN's fused core launches its own kernels and recomputes by its own keys (core_projections,
-    checkpoint_every): a baseline's key there is an unknown key, not a silent no-op."""
+    recompute_every): a baseline's key there is an unknown key, not a silent no-op."""
     with pytest.raises(UserError, match=f"{key}: unknown key") as e:
         model_config(name, {key: True}, override_prefix="model.")
     assert "\n" not in str(e.value)

@@ -366,9 +366,9 @@ def resolve_train_config(source: str | Path | dict, overrides: list[str] | dict 
     top = {k: data[k] for k in ("precision", "seed") if k in data}
     cfg = build_dataclass(TrainConfig, dict(top, model=model_cfg.to_dict(), **sections), where,
                           overridden=frozenset(k for k in top if k in overrides))
-    core, segments = cfg.model.get("core"), cfg.model.get("checkpoint_every")
-    if segments and core != "naive":  # GPN families only: the others have no checkpoint_every
-        raise UserError(f"{where}: model.checkpoint_every: {segments} has no effect with model.core={core} (it segments "
+    core, segments = cfg.model.get("core"), cfg.model.get("recompute_every")
+    if segments and core != "naive":  # GPN families only: the others have no recompute_every
+        raise UserError(f"{where}: model.recompute_every: {segments} has no effect with model.core={core} (it segments "
                         "the naive core's recomputation; the fused core's memory follows model.core_chunk): remove it, "
                         "or set model.core=naive")
     if cfg.model.get("compile") and cfg.zero.stage == 3:  # the baselines only: the others have no compile key
