@@ -60,7 +60,7 @@ def _check_type(value, annotation, where: str):
         matching = [e for option, e in errors if _same_kind(value, option)]
         raise (matching or [e for _, e in errors])[0]
     if dataclasses.is_dataclass(annotation):  # a nested section, e.g. a data source in a list
-        if isinstance(value, annotation):  # built already (a section of TrainConfig)
+        if isinstance(value, annotation):  # built already (a section of TrainConfig, or its model's config)
             return value
         if not isinstance(value, dict):
             raise UserError(f"{where}: expected a mapping of {', '.join(sorted(dataclass_keys(annotation)))}, "

@@ -162,4 +162,4 @@ def test_compile_under_zero3_is_refused_in_one_line(on_command_line, tmp_path):
         load_train_config(source, overrides)
     assert "\n" not in str(e.value) and "use zero.stage 0, 1 or 2" in str(e.value)
     assert str(e.value).startswith("command-line override" if on_command_line else "config")
-    assert load_train_config(source, ["model.compile=true", "zero.stage=2"]).model["compile"] is True
+    assert load_train_config(source, ["model.compile=true", "zero.stage=2"]).model.compile is True

@@ -137,7 +137,7 @@ def test_a_model_chosen_by_name_takes_field_overrides_in_either_order(order):
 
     items = ["model=gpn_m_demo", "model.vocab_size=1024", "model.d_state=96"]
     cfg = load_train_config(TINY, items if order == "name first" else items[::-1])
-    assert (cfg.model["d_state"], cfg.model["vocab_size"], cfg.model["d_emb"]) == (96, 1024, 96)  # d_emb: the demo's
+    assert (cfg.model.d_state, cfg.model.vocab_size, cfg.model.d_emb) == (96, 1024, 96)  # d_emb: the demo's
 
 
 @pytest.mark.parametrize("argv, message", [

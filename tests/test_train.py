@@ -342,7 +342,7 @@ def test_shipped_configs_load_and_agree_on_the_130m_learning_rate():
 
     for path in sorted((ROOT / "configs" / "train").glob("*.yaml")):
         load_train_config(path, ["data.train=x"])  # recompute_every only where it has an effect
-    assert load_train_config(CONFIG, ["model.recompute_every=128", "model.core=naive"]).model["recompute_every"] == 128
+    assert load_train_config(CONFIG, ["model.recompute_every=128", "model.core=naive"]).model.recompute_every == 128
     spec, _ = load_spec(ROOT / "configs" / "sweeps" / "gpu_130m_to_1b.yaml")
     recipe = load_train_config("gpn_m_130m_1l", ["data.train=x"]).train.lr
     assert recipe == 6e-4 and spec.lr(130e6) == pytest.approx(recipe)  # the paper's 130M recipe, both places
@@ -351,7 +351,7 @@ def test_shipped_configs_load_and_agree_on_the_130m_learning_rate():
 
 def test_resolved_config_inlines_the_model():
     cfg = load_train_config(CONFIG, ["train.global_batch=16", "train.grad_accum=null"])
-    assert cfg.model["family"] == "gpn_m" and cfg.model["d_state"] == 64
+    assert cfg.model.family == "gpn_m" and cfg.model.d_state == 64
     assert cfg.train.global_batch == 16
 
 

@@ -189,7 +189,7 @@ class Trainer:
                 f"{self.global_batch}; set train.global_batch={saved.global_batch} to keep the data order"
             )
         self._check_loader_kind(saved, tag_dir.name, flag)
-        safe, unsafe = config_changes(saved.config, self.cfg.to_dict(), allowed)
+        safe, unsafe = config_changes(saved.config, self.cfg, allowed)
         seq_then, seq_now = saved.data_seq_len, self.data_info and self.data_info.seq_len
         if seq_then and seq_now and seq_then != seq_now:
             unsafe.append(("data.train windows", seq_then, seq_now))
@@ -248,7 +248,7 @@ class Trainer:
 
         with torch.device("meta"):
             then = build_model(model_config(saved.config["model"], where=f"{tag}/{checkpoints.TRAINER_STATE}: config.model"))
-            now = build_model(model_config(self.cfg.model, where="config: model"))
+            now = build_model(self.cfg.model)
         shapes = [{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in (then, now)]
         if shapes[0] != shapes[1]:
             name = next(k for k in sorted(shapes[0].keys() | shapes[1].keys()) if shapes[0].get(k) != shapes[1].get(k))
@@ -259,14 +259,13 @@ class Trainer:
     def _build(self):
         import deepspeed
 
-        from gpn_scale.config import model_config
         from gpn_scale.models import MODEL_FAMILIES, build_model
         from gpn_scale.train.carry import CarriedStates, StreamBatches
         from gpn_scale.train.data import TrainStream
 
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        self.model = build_model(model_config(cfg.model, where="config: model")).to(self.device)
+        self.model = build_model(cfg.model).to(self.device)
         spec = MODEL_FAMILIES[self.model.config.family]
         if getattr(self.model.config, "compile", False):  # the baselines' model.compile (docs/baselines.md)
             spec.compile_forward(self.model)
@@ -541,7 +540,7 @@ class Trainer:
         self.snapshots.start()
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())
         self._say(
-            f"training {cfg.model['family']} ({n_params:,} parameters) on {self.world} rank(s), ZeRO-{cfg.zero.stage}, "
+            f"training {cfg.model.family} ({n_params:,} parameters) on {self.world} rank(s), ZeRO-{cfg.zero.stage}, "
             f"{cfg.precision}; global batch {self.global_batch} = {t.micro_batch} x {self.grad_accum} x {self.world}; "
             f"steps {self.step} -> {self.stop_at} of {t.total_steps}"
         )
