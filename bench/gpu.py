@@ -116,7 +116,7 @@ def build(args, name):
         return cfg, args.seq_len, f"Transformer++ {cfg.n_layers}L (torch SDPA"  # run_row closes it with the mode
     cfg = model_config(args.gpn)
     if name == "naive":  # plain autograd: no segment recomputation
-        return dataclasses.replace(cfg, core="naive", checkpoint_every=0), args.naive_seq_len, f"GPN+M {cfg.n_layers}L naive loop"
+        return dataclasses.replace(cfg, core="naive", recompute_every=0), args.naive_seq_len, f"GPN+M {cfg.n_layers}L naive loop"
     kernel, graphs = ("torch", False) if name == "gpn_m_torch" else ("triton", name in ("gpn_m_triton", "gpn_m_chunk"))
     form = "chunk" if name == "gpn_m_chunk" else "step"
     label = (f"GPN+M {cfg.n_layers}L fused, {kernel} kernels, {form} form"

@@ -44,7 +44,7 @@ PRESETS = {
     "small": dict(family="gpn_m", vocab_size=1024, d_state=256, d_emb=128, d_ffn=512, n_layers=1, n_heads=4, d_key=32, d_val=64),
     # configs/models/gpn_m_130m_1l.yaml
     "130m-1l": dict(family="gpn_m", vocab_size=32000, d_state=2496, d_emb=768, d_ffn=6656, n_layers=1, n_heads=15, d_key=128,
-                    d_val=256, checkpoint_every=128),
+                    d_val=256, recompute_every=128),
 }
 
 

@@ -60,7 +60,7 @@ def _check_type(value, annotation, where: str):
         matching = [e for option, e in errors if _same_kind(value, option)]
         raise (matching or [e for _, e in errors])[0]
     if dataclasses.is_dataclass(annotation):  # a nested section, e.g. a data source in a list
-        if isinstance(value, annotation):  # built already (a section of TrainConfig)
+        if isinstance(value, annotation):  # built already (a section of TrainConfig, or its model's config)
             return value
         if not isinstance(value, dict):
             raise UserError(f"{where}: expected a mapping of {', '.join(sorted(dataclass_keys(annotation)))}, "
@@ -346,7 +346,8 @@ def model_config(source: str | Path | dict, overrides: dict | None = None, where
                  override_prefix: str | None = None):
     """A validated model config object from a YAML path, a configs/models name, or a dict. With
     `override_prefix` (e.g. `model.`), `overrides` came from the command line, spelled with that prefix,
-    and an unknown key among them is blamed on the override rather than on the file."""
+    and an unknown key among them is blamed on the override rather than on the file. A renamed key
+    (the family config's RENAMED) is refused in one line naming its new name."""
     from gpn_scale.models import MODEL_FAMILIES
 
     if isinstance(source, dict):
@@ -359,8 +360,29 @@ def model_config(source: str | Path | dict, overrides: dict | None = None, where
     if family not in MODEL_FAMILIES:
         raise UserError(f"{where}: family: expected one of {', '.join(MODEL_FAMILIES)}, got {family!r}")
     config_cls = MODEL_FAMILIES[family].config_cls
+    for key in sorted(data.keys() & _renamed(config_cls)):  # given by a user; a saved config's: saved_model_keys
+        at, spelled = (OVERRIDE, override_prefix or "") if key in (overrides or {}) else (where, "")
+        raise UserError(f"{at}: {spelled}{key}: renamed; use {spelled}{_renamed(config_cls)[key]}")
     overridden = frozenset(overrides or {}) if override_prefix is not None else frozenset()
     unknown = sorted(overridden - dataclass_keys(config_cls))
     if unknown:
         raise unknown_key(OVERRIDE, unknown[0], dataclass_keys(config_cls), override_prefix)
     return build_dataclass(config_cls, data, where, overridden=overridden, override_prefix=override_prefix or "")
+
+
+def _renamed(config_cls) -> dict[str, str]:
+    """A model family's renamed keys, old -> new (the config class's RENAMED; most families have none)."""
+    return getattr(config_cls, "RENAMED", {})
+
+
+def saved_model_keys(data: dict) -> dict:
+    """A model config this system wrote (a checkpoint's trainer_state.json, a native model.yaml, a sweep's
+    point.json) with its keys under their names now: one written before a key was renamed still loads,
+    where a config a user gives with the old name is refused (model_config). Unknown families are left
+    to model_config to refuse."""
+    from gpn_scale.models import MODEL_FAMILIES
+
+    family = data.get("family")
+    spec = MODEL_FAMILIES.get(family) if isinstance(family, str) else None
+    renamed = _renamed(spec.config_cls) if spec is not None else {}
+    return {renamed.get(key, key): value for key, value in data.items()}

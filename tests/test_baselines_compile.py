@@ -144,7 +144,7 @@ def test_each_family_declares_how_it_compiles():
 @pytest.mark.parametrize("key", ["compile", "recompute"])
 def test_gpn_families_have_no_compile_or_recompute_key(name, key):
     """GPN's fused core launches its own kernels and recomputes by its own keys (core_projections,
-    checkpoint_every): a baseline's key there is an unknown key, not a silent no-op."""
+    recompute_every): a baseline's key there is an unknown key, not a silent no-op."""
     with pytest.raises(UserError, match=f"{key}: unknown key") as e:
         model_config(name, {key: True}, override_prefix="model.")
     assert "\n" not in str(e.value)
@@ -162,4 +162,4 @@ def test_compile_under_zero3_is_refused_in_one_line(on_command_line, tmp_path):
         load_train_config(source, overrides)
     assert "\n" not in str(e.value) and "use zero.stage 0, 1 or 2" in str(e.value)
     assert str(e.value).startswith("command-line override" if on_command_line else "config")
-    assert load_train_config(source, ["model.compile=true", "zero.stage=2"]).model["compile"] is True
+    assert load_train_config(source, ["model.compile=true", "zero.stage=2"]).model.compile is True

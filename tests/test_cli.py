@@ -117,13 +117,27 @@ def test_a_wrongly_typed_override_is_blamed_not_the_yaml_file(argv, message, cap
     assert err == message + "\n", err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["train", str(TINY), "model.checkpoint_every=8"],
+     "error: command-line override: model.checkpoint_every: renamed; use model.recompute_every"),
+    (["train", str(TINY), "model=gpn_m_tiny", "model.checkpoint_every=8"],
+     "error: command-line override: model.checkpoint_every: renamed; use model.recompute_every"),
+    (["model-info", "gpn_m_tiny", "checkpoint_every=8"],
+     "error: command-line override: checkpoint_every: renamed; use recompute_every"),
+])
+def test_the_old_name_of_recompute_every_is_refused_naming_the_new_one(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == message + "\n", err
+
+
 @pytest.mark.parametrize("order", ["name first", "fields first"])
 def test_a_model_chosen_by_name_takes_field_overrides_in_either_order(order):
     from gpn_scale.train.config import load_train_config
 
     items = ["model=gpn_m_demo", "model.vocab_size=1024", "model.d_state=96"]
     cfg = load_train_config(TINY, items if order == "name first" else items[::-1])
-    assert (cfg.model["d_state"], cfg.model["vocab_size"], cfg.model["d_emb"]) == (96, 1024, 96)  # d_emb: the demo's
+    assert (cfg.model.d_state, cfg.model.vocab_size, cfg.model.d_emb) == (96, 1024, 96)  # d_emb: the demo's
 
 
 @pytest.mark.parametrize("argv, message", [

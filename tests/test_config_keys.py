@@ -120,7 +120,7 @@ def test_origins_follow_the_merge_when_an_override_replaces_an_inline_model(tmp_
     assert (inline.origins.of("model.bptt"), inline.origins.of("model.d_emb"), inline.model_named_in) == \
         (str(path), str(path), None)
     named = resolve_train_config(path, ["run.dir=run", "model=gpn_m_tiny"])
-    assert named.config.model["bptt"] == 0
+    assert named.config.model.bptt == 0
     assert (named.origins.of("model.bptt"), named.origins.of("model.d_emb"), named.model_named_in) == \
         ("default", str(TINY_MODEL), "override")
 

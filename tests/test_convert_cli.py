@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+import yaml
 
 import reference_checkpoint
 import reference_gpn
@@ -31,11 +32,28 @@ def test_native_roundtrip_keeps_execution_options(tmp_path):
     from gpn_scale.config import model_config
     from gpn_scale.models import build_model
 
-    model = build_model(model_config("gpn_tiny", {"checkpoint_every": 4, "bptt": 16}))
+    model = build_model(model_config("gpn_tiny", {"recompute_every": 4, "bptt": 16}))
     loaded = load_native(save_native(model, tmp_path))
     assert loaded.config == model.config
     for (n, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+def test_a_native_checkpoint_saved_before_recompute_every_was_named_so_loads(tmp_path):
+    """A model.yaml written when recompute_every was checkpoint_every loads under the new name (a
+    user's config with the old key is refused: test_train.py)."""
+    from gpn_scale.config import model_config
+    from gpn_scale.models import build_model
+    from gpn_scale.storage.native import CONFIG
+
+    model = build_model(model_config("gpn_tiny", {"recompute_every": 4}))
+    out = save_native(model, tmp_path)
+    saved = yaml.safe_load((out / CONFIG).read_text())
+    (out / CONFIG).write_text(yaml.safe_dump({("checkpoint_every" if k == "recompute_every" else k): v
+                                              for k, v in saved.items()}, sort_keys=False))
+    add_manifest(out)
+    assert "checkpoint_every: 4" in (out / CONFIG).read_text()
+    assert load_native(out).config == model.config
 
 
 def test_load_native_errors(tmp_path):

@@ -53,19 +53,19 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
 
 
 @pytest.mark.parametrize("family", ["gpn", "gpn_m"])
-def test_checkpoint_every_and_full_bptt_change_nothing_but_memory(family):
+def test_recompute_every_and_full_bptt_change_nothing_but_memory(family):
     tokens = torch.randint(0, SMALL.vocab_size, (2, 48))
-    base = make(family=family, core="naive")  # checkpoint_every is the naive core's option
+    base = make(family=family, core="naive")  # recompute_every is the naive core's option
     with SavedBytes() as plain:
         ref_loss, ref_grads = loss_and_grads(base, tokens)
-    for changes in (dict(checkpoint_every=8), dict(checkpoint_every=7), dict(bptt=48), dict(checkpoint_every=16, bptt=48)):
+    for changes in (dict(recompute_every=8), dict(recompute_every=7), dict(bptt=48), dict(recompute_every=16, bptt=48)):
         model = make(family=family, core="naive", **changes)
         with SavedBytes() as saved:
             loss, grads = loss_and_grads(model, tokens)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
         for name in ref_grads:
             torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-7, msg=name)
-        if "checkpoint_every" in changes:
+        if "recompute_every" in changes:
             assert saved.total < 0.5 * plain.total, (changes, saved.total, plain.total)
 
 

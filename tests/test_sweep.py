@@ -93,7 +93,7 @@ def test_plan_sizes_schedules_and_writes_each_point(tmp_path, data):
         assert p.lr == pytest.approx(3e-3 * (p.params / 6e4) ** -0.5)
     run_dir = write_point(spec, points[0], out)
     cfg = load_train_config(run_dir / "train.yaml")
-    assert cfg.run.dir == str(run_dir) and cfg.model["family"] == "gpn_m" and cfg.seed == points[0].seed
+    assert cfg.run.dir == str(run_dir) and cfg.model.family == "gpn_m" and cfg.seed == points[0].seed
     assert cfg.train.total_steps == points[0].steps and cfg.train.global_batch == 4 and cfg.train.lr == points[0].lr
     assert cfg.data.train == str(data / "train")
     assert json.loads((run_dir / "point.json").read_text())["params"] == points[0].params

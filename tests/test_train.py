@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from gpn_scale.storage.checkpoints import step_of
 from gpn_scale.config import model_config
@@ -308,7 +309,7 @@ def test_lr_schedule_is_warmup_then_cosine_to_ten_percent():
         ("precision=fp16", "precision: expected one of fp32, bf16, got 'fp16'"),
         ("optimizer.lr=1", "optimizer: unknown key"),
         ("model.d_state=wide", "command-line override: model.d_state: expected int"),  # not the YAML file
-        ("model.checkpoint_every=128", "model.checkpoint_every: 128 has no effect with model.core=fused"),
+        ("model.recompute_every=128", "model.recompute_every: 128 has no effect with model.core=fused"),
     ],
 )
 def test_config_validator_names_the_key(override, message):
@@ -317,12 +318,31 @@ def test_config_validator_names_the_key(override, message):
     assert "\n" not in str(e.value)
 
 
+def test_the_old_name_of_recompute_every_is_refused_in_a_model_yaml_and_a_train_configs_model(tmp_path):
+    """checkpoint_every, now recompute_every: refused in one line naming the new key, blamed on the file
+    that gives it (the override: test_cli.py); a checkpoint that saved it still loads (test_train_faults.py)."""
+    model_file = tmp_path / "old.yaml"
+    model_file.write_text(yaml.safe_dump({"family": "gpn_m", "core": "naive", "checkpoint_every": 8}))
+    for source, message in ((model_file, f"{model_file}: checkpoint_every: renamed; use recompute_every"),
+                            ({"model": {"family": "gpn", "checkpoint_every": 8}, "run": {"dir": "r"},
+                              "data": {"train": "d"}},
+                             "config: model: checkpoint_every: renamed; use recompute_every")):
+        with pytest.raises(UserError) as e:
+            model_config(source) if isinstance(source, Path) else load_train_config(source)
+        assert str(e.value) == message
+    train_file = tmp_path / "train.yaml"
+    train_file.write_text(yaml.safe_dump({"model": str(model_file), "run": {"dir": "r"}, "data": {"train": "d"}}))
+    with pytest.raises(UserError) as e:
+        load_train_config(train_file)
+    assert str(e.value) == f"{model_file}: checkpoint_every: renamed; use recompute_every"
+
+
 def test_shipped_configs_load_and_agree_on_the_130m_learning_rate():
     from gpn_scale.sweep.spec import load_spec
 
     for path in sorted((ROOT / "configs" / "train").glob("*.yaml")):
-        load_train_config(path, ["data.train=x"])  # checkpoint_every only where it has an effect
-    assert load_train_config(CONFIG, ["model.checkpoint_every=128", "model.core=naive"]).model["checkpoint_every"] == 128
+        load_train_config(path, ["data.train=x"])  # recompute_every only where it has an effect
+    assert load_train_config(CONFIG, ["model.recompute_every=128", "model.core=naive"]).model.recompute_every == 128
     spec, _ = load_spec(ROOT / "configs" / "sweeps" / "gpu_130m_to_1b.yaml")
     recipe = load_train_config("gpn_m_130m_1l", ["data.train=x"]).train.lr
     assert recipe == 6e-4 and spec.lr(130e6) == pytest.approx(recipe)  # the paper's 130M recipe, both places
@@ -331,7 +351,7 @@ def test_shipped_configs_load_and_agree_on_the_130m_learning_rate():
 
 def test_resolved_config_inlines_the_model():
     cfg = load_train_config(CONFIG, ["train.global_batch=16", "train.grad_accum=null"])
-    assert cfg.model["family"] == "gpn_m" and cfg.model["d_state"] == 64
+    assert cfg.model.family == "gpn_m" and cfg.model.d_state == 64
     assert cfg.train.global_batch == 16
 
 

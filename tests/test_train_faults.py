@@ -292,6 +292,27 @@ def test_a_malformed_trainer_state_is_one_line_in_every_command_that_reads_it(da
     assert capsys.readouterr().out.startswith(f"{tag}: {state_file}: ")
 
 
+def test_a_checkpoint_saved_before_recompute_every_was_named_so_loads_and_resumes(data, run):
+    """A trainer_state.json written when GPN's recompute_every was checkpoint_every: read under the new
+    name wherever a saved run is read back (loading its model, comparing it with a resuming run's
+    config), never refused as a user's config with the old key is."""
+    from gpn_scale.train.checkpoint import write_manifest
+
+    tag = run / "checkpoints" / "step_00000006"
+    state_file = tag / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    model = state["config"]["model"]
+    state["config"]["model"] = {("checkpoint_every" if k == "recompute_every" else k): v for k, v in model.items()}
+    assert state["config"]["model"]["checkpoint_every"] == 0
+    state_file.write_text(json.dumps(state, indent=1))
+    write_manifest(tag)
+    assert ckpt.read_trainer_state(tag).config["model"] == model
+    assert ckpt.load_trained_model(tag).config.recompute_every == 0
+    proc = train(data, run, "train.total_steps=8", resume="auto")
+    assert changes_applied(proc) == {"run.dir", "train.total_steps 6 -> 8"}  # recompute_every 0 then and now
+    assert sorted(losses(run)) == list(range(1, 9))
+
+
 def test_disk_full_during_a_save_keeps_every_checkpoint(data, run, tmp_path):
     mount = tmp_path / "small"
     mount.mkdir()

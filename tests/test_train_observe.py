@@ -207,7 +207,7 @@ def test_new_keys_default_to_off_and_are_resumable():
     assert (lg.tensorboard, lg.wandb_entity, lg.wandb_group, lg.wandb_tags) == (False, None, None, [])
     saved = cfg.to_dict()
     changed = load_train_config(CONFIG, ["run.dir=unused", "data.train=unused", "profile.steps=[1, 2]",
-                                         "logging.wandb_tags=[a]", "logging.wandb_group=g"]).to_dict()
+                                         "logging.wandb_tags=[a]", "logging.wandb_group=g"])
     safe, unsafe = config_changes(saved, changed)
     assert unsafe == [] and {k for k, _, _ in safe} == {"profile.steps", "logging.wandb_tags", "logging.wandb_group"}
     del saved["profile"]  # a checkpoint from before the section: new settings, not changes

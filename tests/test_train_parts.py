@@ -51,7 +51,7 @@ def tiny_engine(device, *overrides, grad_accum=1, universal=False):
 
     cfg = train_config(*overrides)
     torch.manual_seed(0)
-    model = build_model(model_config(cfg.model)).to(device)
+    model = build_model(cfg.model).to(device)
     optimizer, scheduler = optim.build(MODEL_FAMILIES[model.config.family].param_groups(model), cfg.train)
     seen = []
 

@@ -24,7 +24,7 @@ site = Path(sys.argv[1]).resolve()
 assert Path(gpn_scale.__file__).resolve().is_relative_to(site), gpn_scale.__file__
 assert BUNDLE_ROOT.is_relative_to(site), BUNDLE_ROOT
 assert model_config("gpn_m_130m_1l").d_state == int(sys.argv[2])
-assert load_train_config("gpn_m_tiny", ["run.dir=r", "data.train=d"]).model["family"] == "gpn_m"
+assert load_train_config("gpn_m_tiny", ["run.dir=r", "data.train=d"]).model.family == "gpn_m"
 script = slurm_script(load_spec("cpu_tiny")[0])  # the default template, launchers/slurm/train.sbatch
 assert script.is_relative_to(site) and script.read_text().startswith("#!"), script
 print("ok")

@@ -15,6 +15,7 @@ from gpn_scale.models.model_spec import ModelSpec, ParamGroups
 from gpn_scale.models.transformer import Transformer, TransformerConfig, TransformerState
 
 MODEL_FAMILIES: dict[str, ModelSpec] = {"gpn": gpn.SPEC, "gpn_m": gpn.SPEC, "transformer": transformer.SPEC, "gdn": gdn.SPEC}
+ModelConfig = GPNConfig | TransformerConfig | GDNConfig  # a family's config: what build_model builds
 
 
 def build_model(config) -> torch.nn.Module:
@@ -31,6 +32,6 @@ def param_count(config) -> int:
 
 __all__ = [
     "GPN", "GPNConfig", "GPNState", "GatedDeltaNet", "GDNConfig", "GDNState", "Transformer", "TransformerConfig",
-    "TransformerState", "ModelOutput", "StepHooks", "MODEL_FAMILIES", "ModelSpec", "ParamGroups", "build_model",
-    "param_count",
+    "TransformerState", "ModelOutput", "StepHooks", "MODEL_FAMILIES", "ModelConfig", "ModelSpec", "ParamGroups",
+    "build_model", "param_count",
 ]

@@ -63,14 +63,17 @@ class GPNConfig:
     # fused core's backward: each layer's fused projection "recompute"d per chunk (one GEMM, nothing kept), or
     # "keep": the forward keeps every step's (its width per token, in the GEMM's dtype) and the backward reads it
     core_projections: Projections = "recompute"
-    checkpoint_every: int = 0  # naive core: recompute activations in time segments of this length (0: off)
+    recompute_every: int = 0  # naive core: recompute activations in time segments of this length (0: off)
     bptt: int = 0  # truncate backprop through time every this many steps (0: full window)
     ce_chunk: int = 8192  # rows of the decoder + cross-entropy computed at once
     kernel: Kernel = "auto"  # fused core's memory step, step groups and the decoder's cross-entropy: "triton", "cpp" (CPU), "torch", or "auto" (triton on CUDA, cpp on CPU)
     cuda_graphs: bool = True  # fused core on CUDA: capture its time loops once per shape, then replay
     # May change when a run resumes: how the same math is executed (bptt is not: it cuts gradients).
-    EXECUTION_KEYS: ClassVar[tuple[str, ...]] = ("core", "core_chunk", "memory_form", "checkpoint_every", "ce_chunk", "kernel",
+    EXECUTION_KEYS: ClassVar[tuple[str, ...]] = ("core", "core_chunk", "memory_form", "recompute_every", "ce_chunk", "kernel",
                                                  "cuda_graphs", "core_projections")
+    # Keys renamed (old -> new): a config given with the old name is refused in one line naming the new one;
+    # a saved config written before the rename (a checkpoint's, a native model.yaml) is read under the new name.
+    RENAMED: ClassVar[dict[str, str]] = {"checkpoint_every": "recompute_every"}
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -91,7 +94,7 @@ class GPNConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
-        for name in ("checkpoint_every", "bptt"):
+        for name in ("recompute_every", "bptt"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected >= 0 (0 disables it), got {getattr(self, name)}")
 
@@ -354,7 +357,7 @@ class GPN(nn.Module):
         if core == "fused":
             predictions, state = fused_recurrence(self, u, state, graphs, fused)
             return predictions, GPNState(*state)
-        seg = self.config.checkpoint_every
+        seg = self.config.recompute_every
         if not seg or not torch.is_grad_enabled():
             return self._run_steps(u, state, 0)
         outs = []

@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from gpn_scale.storage import leases, manifest, safe_load
-from gpn_scale.config import model_config
+from gpn_scale.config import model_config, read_yaml, saved_model_keys
 from data_prep.errors import UserError
 from gpn_scale.models import build_model
 from gpn_scale.storage.native import CONFIG, WEIGHTS
@@ -182,7 +182,8 @@ def read_trainer_state(tag_dir: Path) -> TrainerState:
         step=_field(where, raw, "step", "int"), tokens=_field(where, raw, "tokens", "int"), loader=loader,
         world_size=_field(where, raw, "world_size", "int", 1), zero_stage=stage,
         global_batch=_field(where, raw, "global_batch", "int", 1),
-        data_seq_len=_field(where, raw, "data_seq_len", "int", 1, optional=True), config=config)
+        data_seq_len=_field(where, raw, "data_seq_len", "int", 1, optional=True),
+        config=dict(config, model=saved_model_keys(config["model"])))
 
 
 def load_trained_model(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
@@ -301,7 +302,7 @@ def load_native(path: str | Path, device: str | torch.device = "cpu") -> torch.n
         if not (path / name).is_file():
             raise UserError(f"{path}: not a native checkpoint (missing {name})")
     check_manifest(path)
-    cfg = model_config(path / CONFIG)
+    cfg = model_config(saved_model_keys(read_yaml(path / CONFIG)), where=str(path / CONFIG))
     with torch.device("meta"):
         model = build_model(cfg)
     try:

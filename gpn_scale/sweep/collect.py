@@ -26,7 +26,7 @@ def results(out: Path) -> list[dict]:
         train_rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
         tokens = train_rows[-1]["tokens"] if train_rows else 0
         rows.append({**{k: point[k] for k in COLUMNS if k in point}, "tokens": tokens,
-                     "flops": train_flops(point, tokens), "status": status(run_dir),
+                     "flops": train_flops(point["model"], point["seq_len"], tokens), "status": status(run_dir),
                      "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
                      "val_loss": final_val_loss(run_dir)})
     if not rows:

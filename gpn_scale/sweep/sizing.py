@@ -81,7 +81,7 @@ def count(model: dict) -> int:
 def size(family: str, target: float, vocab_size: int, **fixed) -> tuple[dict, int]:
     """(model config dict, its exact parameter count) of `family` closest to `target` parameters.
 
-    `fixed` holds keys every size shares (e.g. `bptt`, `checkpoint_every`); they must not be ones
+    `fixed` holds keys every size shares (e.g. `bptt`, `recompute_every`); they must not be ones
     the rule sets."""
     if family not in RULES:
         raise UserError(f"family: expected one of {', '.join(RULES)}, got {family!r}")

@@ -203,16 +203,17 @@ def _decay_branches(spec: SweepSpec, same: list[Point]) -> list[Point]:
     return [trunk, *branches]
 
 
-def train_flops(point: dict, tokens: int) -> float:
-    """Training FLOPs of `tokens` tokens of a point's model (point.json's fields)."""
-    from gpn_scale.config import model_config
+def train_flops(model: dict, seq_len: int, tokens: int) -> float:
+    """Training FLOPs of `tokens` tokens of a point's model (Point.model, as point.json keeps it: perhaps
+    written before a key was renamed) in windows of `seq_len`."""
+    from gpn_scale.config import model_config, saved_model_keys
     from gpn_scale.models import build_model
     from gpn_scale.train.metrics import flops_per_token
     import torch
 
     with torch.device("meta"):
-        model = build_model(model_config(point["model"], where="point.json: model"))
-    return flops_per_token(model, point["seq_len"]) * tokens
+        built = build_model(model_config(saved_model_keys(model), where="point.json: model"))
+    return flops_per_token(built, seq_len) * tokens
 
 
 def plan_cost(points: list[Point]) -> tuple[float, float]:
@@ -222,7 +223,7 @@ def plan_cost(points: list[Point]) -> tuple[float, float]:
     for p in points:
         key = (p.family, p.params)
         if key not in per_token:
-            per_token[key] = train_flops(asdict(p), 1)
+            per_token[key] = train_flops(p.model, p.seq_len, 1)
         tokens_per_step = p.tokens / p.steps
         scheduled += per_token[key] * p.trained_steps() * tokens_per_step
         separate += per_token[key] * p.tokens

@@ -18,6 +18,7 @@ from typing import Literal
 from gpn_scale.config import (OVERRIDDEN, OVERRIDE, Origins, build_dataclass, dataclass_keys, merge, model_config,
                               parse_overrides, read_yaml, resolve_config_path, unknown_key)
 from data_prep.errors import UserError
+from gpn_scale.models import MODEL_FAMILIES, GPNConfig, ModelConfig
 
 
 @dataclass
@@ -254,8 +255,8 @@ class ProfileSection:
 @dataclass
 class TrainConfig:
     # the model: a model YAML path (relative to this file), a configs/models name, or a mapping with its family;
-    # `gpn-scale config keys model.FAMILY` lists its keys
-    model: dict = field(default_factory=dict)
+    # `gpn-scale config keys model.FAMILY` lists its keys. Held as the family's validated config from here on.
+    model: ModelConfig
     run: RunSection = field(default_factory=RunSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -268,6 +269,8 @@ class TrainConfig:
     seed: int = 0  # initial weights and data order
 
     def to_dict(self) -> dict:
+        """The config as plain mappings, the model's included: what config.yaml and trainer_state.json
+        hold, --print-config prints and a resume compares with a checkpoint's."""
         return dataclasses.asdict(self)
 
 
@@ -364,21 +367,20 @@ def resolve_train_config(source: str | Path | dict, overrides: list[str] | dict 
         sections[name] = build_dataclass(section_cls, value, where, prefix=f"{name}.",
                                          overridden=frozenset(given) if isinstance(given, dict) else frozenset())
     top = {k: data[k] for k in ("precision", "seed") if k in data}
-    cfg = build_dataclass(TrainConfig, dict(top, model=model_cfg.to_dict(), **sections), where,
+    cfg = build_dataclass(TrainConfig, dict(top, model=model_cfg, **sections), where,
                           overridden=frozenset(k for k in top if k in overrides))
-    core, segments = cfg.model.get("core"), cfg.model.get("checkpoint_every")
-    if segments and core != "naive":  # GPN families only: the others have no checkpoint_every
-        raise UserError(f"{where}: model.checkpoint_every: {segments} has no effect with model.core={core} (it segments "
-                        "the naive core's recomputation; the fused core's memory follows model.core_chunk): remove it, "
-                        "or set model.core=naive")
-    if cfg.model.get("compile") and cfg.zero.stage == 3:  # the baselines only: the others have no compile key
+    if isinstance(cfg.model, GPNConfig) and cfg.model.recompute_every and cfg.model.core != "naive":
+        at = OVERRIDE if model_overrides.keys() & {"recompute_every", "core"} else where
+        raise UserError(f"{at}: model.recompute_every: {cfg.model.recompute_every} has no effect with "
+                        f"model.core={cfg.model.core} (it segments the naive core's recomputation; the fused core's "
+                        "memory follows model.core_chunk): remove it, or set model.core=naive")
+    # the baselines only: the others have no compile key
+    if getattr(cfg.model, "compile", False) and cfg.zero.stage == 3:
         at = OVERRIDE if "compile" in model_overrides or "stage" in overrides.get("zero", {}) else where
         raise UserError(f"{at}: model.compile: true does not work with zero.stage=3 (ZeRO-3 gathers each layer's "
                         "weights in module hooks that split the compiled blocks into dozens of graphs, past torch's "
                         "recompile limit, the rest running eager): use zero.stage 0, 1 or 2, or model.compile=false")
-    from gpn_scale.models import MODEL_FAMILIES
-
-    family = cfg.model.get("family")
+    family = cfg.model.family
     for key, why in (("carry_state", "carries no state from one window to the next (its context is its window)"),
                      ("reset_on_eos", "has no recurrent state to reset (its attention spans the window)")):
         if getattr(cfg.train, key) and not MODEL_FAMILIES[family].carries_state:
@@ -474,16 +476,14 @@ def _normalised(key: str, value):
     return value
 
 
-def config_changes(saved: dict, new: dict, allowed: tuple[str, ...] = RESUMABLE) -> tuple[list[tuple], list[tuple]]:
-    """(safe, unsafe) differences between a checkpoint's resolved config and this run's, each a
-    list of (key, saved value, new value), sorted by key. Safe: the keys (or prefixes) in `allowed`
-    (RESUMABLE for a resume, BRANCHABLE for a branch) and the model's execution keys. Keys the
+def config_changes(saved: dict, new: TrainConfig,
+                   allowed: tuple[str, ...] = RESUMABLE) -> tuple[list[tuple], list[tuple]]:
+    """(safe, unsafe) differences between a checkpoint's resolved config (trainer_state.json's) and this
+    run's, each a list of (key, saved value, new value), sorted by key. Safe: the keys (or prefixes) in
+    `allowed` (RESUMABLE for a resume, BRANCHABLE for a branch) and the model's execution keys. Keys the
     checkpoint's version did not have are new settings at their defaults, not changes."""
-    from gpn_scale.models import MODEL_FAMILIES
-
-    config_cls = MODEL_FAMILIES[new["model"]["family"]].config_cls
-    resumable = allowed + tuple(f"model.{k}" for k in getattr(config_cls, "EXECUTION_KEYS", ()))
-    old_flat, new_flat = _flat(saved), _flat(new)
+    resumable = allowed + tuple(f"model.{k}" for k in new.model.EXECUTION_KEYS)
+    old_flat, new_flat = _flat(saved), _flat(new.to_dict())
     safe, unsafe = [], []
     for key in sorted(old_flat.keys() & new_flat.keys()):
         before, after = _normalised(key, old_flat[key]), _normalised(key, new_flat[key])

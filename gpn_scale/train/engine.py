@@ -101,6 +101,30 @@ class Trainer:
         self.config_changes: list[tuple] = []  # (key, checkpoint's value, this run's), applied on resume
         # where this launch starts from another run's checkpoint (a decay branch): that checkpoint
         self.origin: branch.Origin | None = None
+        # What _build makes (the model, DeepSpeed and the data, then the checkpoint resumed from loaded):
+        self.model: torch.nn.Module | None = None
+        self.engine = None  # DeepSpeed's engine around self.model: forward, backward, step, save
+        self.scheduler = None  # the learning-rate schedule DeepSpeed steps with the optimiser
+        self.data = None  # the training batches: a TrainStream, or StreamBatches with train.carry_state
+        self.carried = None  # with train.carry_state: each batch slot's recurrent state (CarriedStates)
+        self.step: int | None = None  # optimiser steps taken: 0, or the checkpoint's
+        self.tokens: int | None = None  # tokens trained on, as step
+        # What _start sets up for this launch:
+        self.stop_at: int | None = None  # the step it trains to: train.stop_at_step, else train.total_steps
+        self.start_step: int | None = None  # the step and tokens it started from, for its summary
+        self.start_tokens: int | None = None
+        self.last_loss: float | None = None  # its latest step's loss, for its summary
+        self.last_eval: dict | None = None  # its latest evaluation's results, with their step
+        self.step_seconds = 0.0  # the time its steps took
+        self.audit: Audit | None = None  # stops the run when the loss or gradient norm stays non-finite
+        self.clock: RunClock | None = None  # elapsed time and the ETA in the progress lines
+        self.peak_flops: float | None = None  # one device's, for the MFU (None: unknown, no MFU)
+        self.profiler: profiling.StepProfiler | None = None
+        self.snapshots: profiling.MemorySnapshots | None = None
+        self.log: MetricsLog | None = None  # metrics.jsonl, wandb, TensorBoard and the progress lines
+        self.samples_file: JsonLines | None = None  # rank 0's samples.jsonl, with data.log_sample_ids
+        self.step_samples: list[int] = []  # this rank's sample ids in the step being trained
+        self._val: dict | None = None  # data.val's windows by source name (ValWindows), read at the first evaluation
         self.resume_dir = self._choose_resume(resume, allow_config_change, branch_from)
         # Checkpoints rank 0 has verified or written: rotation does not hash them again at each save.
         own = self.resume_dir is not None and self.origin is None
@@ -113,7 +137,7 @@ class Trainer:
         and the progress, where `| tee` and SLURM's output file keep it."""
         if not self.is_main:
             return
-        if getattr(self, "log", None) is not None:
+        if self.log is not None:
             self.log.write(message)
         else:
             print(message, flush=True)
@@ -189,7 +213,7 @@ class Trainer:
                 f"{self.global_batch}; set train.global_batch={saved.global_batch} to keep the data order"
             )
         self._check_loader_kind(saved, tag_dir.name, flag)
-        safe, unsafe = config_changes(saved.config, self.cfg.to_dict(), allowed)
+        safe, unsafe = config_changes(saved.config, self.cfg, allowed)
         seq_then, seq_now = saved.data_seq_len, self.data_info and self.data_info.seq_len
         if seq_then and seq_now and seq_then != seq_now:
             unsafe.append(("data.train windows", seq_then, seq_now))
@@ -248,7 +272,7 @@ class Trainer:
 
         with torch.device("meta"):
             then = build_model(model_config(saved.config["model"], where=f"{tag}/{checkpoints.TRAINER_STATE}: config.model"))
-            now = build_model(model_config(self.cfg.model, where="config: model"))
+            now = build_model(self.cfg.model)
         shapes = [{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in (then, now)]
         if shapes[0] != shapes[1]:
             name = next(k for k in sorted(shapes[0].keys() | shapes[1].keys()) if shapes[0].get(k) != shapes[1].get(k))
@@ -259,14 +283,13 @@ class Trainer:
     def _build(self):
         import deepspeed
 
-        from gpn_scale.config import model_config
         from gpn_scale.models import MODEL_FAMILIES, build_model
         from gpn_scale.train.carry import CarriedStates, StreamBatches
         from gpn_scale.train.batches import ShuffledBatches
 
         cfg = self.cfg
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        self.model = build_model(model_config(cfg.model, where="config: model")).to(self.device)
+        self.model = build_model(cfg.model).to(self.device)
         spec = MODEL_FAMILIES[self.model.config.family]
         if getattr(self.model.config, "compile", False):  # the baselines' model.compile (docs/baselines.md)
             spec.compile_forward(self.model)
@@ -297,7 +320,6 @@ class Trainer:
                 cfg.data.train, cfg.data.cache, t.micro_batch, self.world, shuffle=cfg.data.shuffle,
                 seed=cfg.seed, num_canonical_nodes=cfg.data.num_canonical_nodes,
             )
-            self.carried = None
         self.step, self.tokens = 0, 0
         if saved is not None:
             self._load(saved, universal)
@@ -434,7 +456,7 @@ class Trainer:
     def _val_windows(self) -> dict:
         """For each source of data.val (one for a directory or URL), by name: its first eval.batches x
         train.micro_batch windows, split across the ranks."""
-        if not hasattr(self, "_val"):
+        if self._val is None:
             from gpn_scale.train.validation import ValWindows
 
             mb = self.cfg.train.micro_batch
@@ -531,7 +553,6 @@ class Trainer:
         self._write_status("running")
         self.stop_at = t.stop_at_step or t.total_steps
         self.start_step, self.start_tokens = self.step, self.tokens
-        self.last_loss, self.last_eval, self.step_seconds = None, None, 0.0  # this launch's, for its summary
         self.audit = Audit(t.nonfinite_patience)
         self.clock = RunClock(self.stop_at)
         self.peak_flops = peak_flops(cfg.logging.peak_tflops)
@@ -541,7 +562,7 @@ class Trainer:
         self.snapshots.start()
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())
         self._say(
-            f"training {cfg.model['family']} ({n_params:,} parameters) on {self.world} rank(s), ZeRO-{cfg.zero.stage}, "
+            f"training {cfg.model.family} ({n_params:,} parameters) on {self.world} rank(s), ZeRO-{cfg.zero.stage}, "
             f"{cfg.precision}; global batch {self.global_batch} = {t.micro_batch} x {self.grad_accum} x {self.world}; "
             f"steps {self.step} -> {self.stop_at} of {t.total_steps}"
         )
@@ -563,7 +584,6 @@ class Trainer:
             listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in self.config_changes)
             self._say(f"resuming with changed settings: {listed}")
             self.log.log({"step": self.step, "event": "config_change", "changes": changes})
-        self.samples_file = None
         if cfg.data.log_sample_ids and self.is_main:
             truncate_jsonl(self.run_dir / "samples.jsonl", self.step)
             self.samples_file = JsonLines(self.run_dir / "samples.jsonl")
@@ -782,7 +802,7 @@ def _record_failure(run_dir: Path, trainer: Trainer | None, error: BaseException
         status, reason = Outcome.FAILED.value, first_line
     else:  # a crash: its traceback follows on stderr
         status, reason = Outcome.FAILED.value, f"{type(error).__name__}: {first_line}"
-    step = getattr(trainer, "step", None)
+    step = trainer.step if trainer is not None else None
     world = trainer.world if trainer is not None else int(os.environ.get("WORLD_SIZE", "1"))
     try:
         write_status(run_dir, status, step, world, reason)

@@ -117,11 +117,11 @@ def check(cfg: TrainConfig, resume: str, config_file: Path | None = None, world:
     check_run_dir(Path(cfg.run.dir), config_file)
     if branch_from is not None:
         branch.check_run_dir(cfg.run.dir, branch_from, cfg.train.total_steps)
-    model_vocab = cfg.model.get("vocab_size")
+    model_vocab = cfg.model.vocab_size
     infos = {}
     for split, location in (("train", cfg.data.train), ("val", cfg.data.val)):
         info = infos[split] = split_info(location, split)
-        if info is None or info.vocab_size is None or model_vocab is None:
+        if info is None or info.vocab_size is None:
             continue
         if info.vocab_size > model_vocab:
             raise UserError(f"data.{split}: {_shown(location)} was tokenized with a vocabulary of {info.vocab_size} "
