@@ -23,7 +23,7 @@ points 2-4):
   back through the fuse gate, the layers and the memory, carrying dL/dg, and dL/dM the way the
   memory's form does (memory_step.py: M rebuilt inside each chunk from its saved start, dL/dM
   carried step by step; memory_chunk.py: the chunk's algebra, dL/dM carried once per chunk).
-  The named structures the core passes around are in core_state.py. The gradients w.r.t. each GEMM's output are
+  The named structures the core passes around are in core_structures.py. The gradients w.r.t. each GEMM's output are
   kept for the chunk (dY rows), and the weight gradients are GEMMs over the chunk's B*chunk rows
   (dW += X^T dY), so the backward's working memory is a chunk's, not the window's.
 
@@ -41,10 +41,10 @@ from __future__ import annotations
 import torch
 
 from gpn_scale.models import memory_chunk, memory_step
-from gpn_scale.models.core_state import (Carry, ChunkLayer, ChunkRows, ChunkShared, LayerSteps, LayerWeights, OutputGrads,
+from gpn_scale.models.core_structures import (Carry, ChunkLayer, ChunkRows, ChunkShared, LayerSteps, LayerWeights, OutputGrads,
                                          Saved, Span, Spec, Sweep, WeightGrads, Weights, Workspace, bounds, cast, columns,
                                          io_dtype)
-from gpn_scale.models.core_state import step_views as _steps  # short: the loop's lines are full of them
+from gpn_scale.models.core_structures import step_views as _steps  # short: the loop's lines are full of them
 from kernels.graph import core_graphs, signature
 from kernels.step.reference import l2n_relu
 from kernels.step.reference import mm as _mm  # the chunk's GEMMs, of many rows: BLAS

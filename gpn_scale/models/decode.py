@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from gpn_scale.models.core import fuse_weights
-from gpn_scale.models.core_state import Spec, columns
+from gpn_scale.models.core_structures import Spec, columns
 from gpn_scale.models.gdn import GatedDeltaNet
 from gpn_scale.models.gpn import GPN, GPNState
 from gpn_scale.models.ops import at_least_f32
@@ -89,7 +89,7 @@ class _LayerWork(NamedTuple):
 
     x: torch.Tensor  # (B, d): the normalised layer input (layer 0's: the grounded state's)
     r: torch.Tensor  # (B, 1): its rms
-    y: torch.Tensor  # (B, N): the fused projection's output (core_state.columns' blocks)
+    y: torch.Tensor  # (B, N): the fused projection's output (core_structures.columns' blocks)
     h1: torch.Tensor  # its SwiGLU blocks
     h2: torch.Tensor
     pg: torch.Tensor  # the predict gate's block

@@ -13,7 +13,7 @@ Backward: per chunk, the L x L algebra of its keys is formed once from the forwa
 errors and reads, with dL/dM at the chunk's end reduced to the products the sweep reads
 (`chunk.algebra`); each step's backward then needs no M but M_c, and dL/dM leaves the chunk
 once, at its start (`chunk.finish`, `chunk.carry_back`), cut at truncated-BPTT boundaries
-(which are chunk boundaries in this form: core_state.bounds).
+(which are chunk boundaries in this form: core_structures.bounds).
 
 The core (core.py) drives a form through the same few calls as memory_step.py's.
 """
@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from gpn_scale.models.core_state import ChunkLayer, ChunkShared, Span, Spec, read_outputs, step_views
+from gpn_scale.models.core_structures import ChunkLayer, ChunkShared, Span, Spec, read_outputs, step_views
 from kernels.memory_chunk import algebra
 
 KEEPS_READS = True  # the forward keeps every step's reads, write errors and deltas: the backward takes them as they were

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from gpn_scale.models.core_state import ChunkLayer, ChunkShared, Span, Spec, read_outputs, step_views
+from gpn_scale.models.core_structures import ChunkLayer, ChunkShared, Span, Spec, read_outputs, step_views
 
 KEEPS_READS = False  # the forward keeps the current step's reads and write errors only (a work ring)
 GATE_GRAD_IS_GAMMA = False  # the write's backward gives dL/d(decay), decay = exp(gamma)
