@@ -1,10 +1,28 @@
-"""The fused core's named state: its weights in their fused layout, the window's saved tensors, one
-chunk's rebuilt factors and buffers, the sweep's carry, and the small pieces that the core
-(core.py) and both memory forms (memory_step.py, memory_chunk.py) share.
+"""The fused core's named structures: its weights in their fused layout, the window's saved tensors,
+one chunk's rebuilt factors and buffers, the sweep's carry, the spec, and the small pieces that the
+core (core.py), both memory forms (memory_step.py, memory_chunk.py) and the decoder share.
 
 Shapes: T steps of the window (2 for a work ring: two slots written in turn), B sequences, d the
 state, F the FFN, H heads of dk x dv, N_i the width of layer i's fused projection; L the steps of
 a chunk. Per-step views (`step_views`) are tuples of the time-major tensor's rows, one per step.
+
+One vocabulary throughout (the docs' symbols in brackets):
+  x_hat, rms      a layer's normalised input c / rms(c) and rms(c) [X, R]
+  proj            the fused projection's output [Y]; its column blocks (`columns`): heads (the raw
+                  [next key |] query), gate (the read's), v, beta_pre, a (the write's value and
+                  gate pre-activations), h1, h2 (the SwiGLU's), pg (the predict gate's)
+  gemm2_in        the second GEMM's input [Z] = [swiglu | read_out]: silu(h1) h2 and the read's
+                  output silu(gate) o / rms(o)
+  pred_hat, pred_rms   the prediction normalised, and its rms [XP, RP]
+  fuse_gate       the fuse-gate GEMM's output, the gate's pre-activation [FG]; in the backward the gate
+  preds           the predictions [P]
+  heads_hat, head_norms   the normalised [next key |] query heads and their norms [NQ, NN]; q, next_key
+                  the normalised query and next key among them
+  reads           the raw reads o [O]
+  write_err, delta     the write's error e and beta e [E, DELTA]
+  beta, gamma, decay   the write's gates [BETA, GAMMA, DECAY]
+  d_<name>        dL/d<name>; d_out: dL/d(a layer's output c) [dU]
+  <name>_full     a chunk's (L, B, ...) tensor, whose per-step views are <name>
 """
 
 from __future__ import annotations
@@ -38,10 +56,25 @@ class OutputGrads(NamedTuple):
     """The gradients w.r.t. the core's outputs (None where unused): the predictions (T, B, d) and
     the final state."""
 
-    dP: torch.Tensor | None
+    d_preds: torch.Tensor | None
     dg: torch.Tensor | None
     dg_prev: torch.Tensor | None
     dM: torch.Tensor | None
+
+
+class CoreGrads(NamedTuple):
+    """The gradients `run_backward` returns: w.r.t. the input projections du (T, B, d), the incoming
+    state (dg, dg_prev, dM; the last two None without memory), A_log (None without memory), and the
+    fused weights: per layer [dW, db, dW2o], the fuse gate's."""
+
+    du: torch.Tensor
+    dg: torch.Tensor
+    dg_prev: torch.Tensor | None
+    dM: torch.Tensor | None
+    A_log: torch.Tensor | None
+    layers: list
+    fg_W: torch.Tensor
+    fg_b: torch.Tensor
 
 
 class Span(NamedTuple):
@@ -56,12 +89,14 @@ class Span(NamedTuple):
         return slice(self.c0, self.c1)
 
 
-class Spec(NamedTuple):
-    d: int
-    F: int
-    H: int
-    dk: int
-    dv: int
+class CoreSpec(NamedTuple):
+    """The fused core's sizes and settings for one window (`from_config`): hashable, a graph's key."""
+
+    d_state: int
+    d_ffn: int
+    n_heads: int
+    d_key: int
+    d_val: int
     memory: bool
     chunk: int
     bptt: int
@@ -71,8 +106,20 @@ class Spec(NamedTuple):
     low_reads: bool = False  # the chunk form's per-step products read M_c in compute_dtype (memory_reads: compute)
     keep_projections: bool = False  # the forward keeps every step's projection for the backward (core_projections: keep)
 
+    @classmethod
+    def from_config(cls, cfg, backend: Backend, compute_dtype: torch.dtype, device_type: str | None = None,
+                    state_dtype: torch.dtype | None = None) -> CoreSpec:
+        """The spec of a `GPNConfig`'s core. device_type: where a window runs, which picks the memory's
+        form (None: the step form, as a decoder's single steps); state_dtype: the state's, against
+        which the compute dtype is narrower or not (the chunk form's low reads)."""
+        chunked = device_type is not None and cfg.memory and cfg.memory_form_on(device_type) == "chunk"
+        return cls(d_state=cfg.d_state, d_ffn=cfg.d_ffn, n_heads=cfg.n_heads, d_key=cfg.d_key, d_val=cfg.d_val,
+                   memory=cfg.memory, chunk=cfg.core_chunk, bptt=cfg.bptt, compute_dtype=compute_dtype, backend=backend,
+                   chunked=chunked, low_reads=chunked and cfg.memory_reads == "compute" and compute_dtype != state_dtype,
+                   keep_projections=cfg.core_projections == "keep")
 
-def bounds(spec: Spec, T: int) -> list[tuple[int, int]]:
+
+def bounds(spec: CoreSpec, T: int) -> list[tuple[int, int]]:
     """The chunks (c0, c1) of a window: every `chunk` steps, and in the chunk form also at every
     truncated-BPTT cut, where dL/dM stops (it enters and leaves a chunk only at its ends)."""
     starts = set(range(0, T, spec.chunk))
@@ -82,19 +129,19 @@ def bounds(spec: Spec, T: int) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [T]))
 
 
-def columns(spec: Spec, first: bool) -> dict[str, slice]:
+def columns(spec: CoreSpec, first: bool) -> dict[str, slice]:
     """Column blocks of a layer's fused projection.
 
     Layer 0 of GPN+M leads with the next step's key next to its query, so both are normalised
     (and differentiated) as one block of 2H heads, then the write's v, beta, a.
     """
-    hk, hv = spec.H * spec.dk, spec.H * spec.dv
+    hk, hv = spec.n_heads * spec.d_key, spec.n_heads * spec.d_val
     widths = []
     if spec.memory:
         widths += [("k", hk)] if first else []
         widths += [("q", hk), ("gate", hv)]
-        widths += [("v", hv), ("beta", spec.H), ("a", spec.H)] if first else []
-    widths += [("ffn", 2 * spec.F), ("pg", spec.d)]
+        widths += [("v", hv), ("beta_pre", spec.n_heads), ("a", spec.n_heads)] if first else []
+    widths += [("ffn", 2 * spec.d_ffn), ("pg", spec.d_state)]
     out, start = {}, 0
     for name, w in widths:
         out[name] = slice(start, start + w)
@@ -104,13 +151,13 @@ def columns(spec: Spec, first: bool) -> dict[str, slice]:
     return out
 
 
-def io_dtype(spec: Spec, sd: torch.dtype) -> torch.dtype:
+def io_dtype(spec: CoreSpec, sd: torch.dtype) -> torch.dtype:
     """The dtype of the per-step buffers the step's GEMMs read and write: the compute dtype when
     the step's kernels widen them on load and round into them on store, else the state's (sd)."""
     return spec.compute_dtype if spec.backend.step.narrow_io else sd
 
 
-def cast(spec: Spec, weights: Weights) -> Weights:
+def cast(spec: CoreSpec, weights: Weights) -> Weights:
     """The weights the GEMMs read, in the compute dtype (A_log stays as it is)."""
     cd = spec.compute_dtype
     return weights._replace(layers=[LayerWeights(*(w.to(cd) for w in L)) for L in weights.layers], fg_W=weights.fg_W.to(cd),
@@ -119,162 +166,181 @@ def cast(spec: Spec, weights: Weights) -> Weights:
 
 @dataclass(eq=False)
 class Saved:
-    """What the forward keeps for the backward (time-major); the work-ring ones hold only the
-    current step's, the backward recomputes them per chunk.
+    """What the forward keeps for the backward (time-major; names as in the module docstring); the
+    work-ring ones hold only the current step's, the backward recomputes them per chunk.
 
-    X, R: per layer, the normalised input (T, B, d) and its rms (T, B, 1); layer 0's in the ring
-      (the backward forms it again from u, P and the fuse gates).
-    Y, Z: per layer, the fused projection's output (2, B, N_i; T rows with core_projections: keep,
-      in the GEMMs' dtype) and the second GEMM's input
-      (2, B, F [+ H*dv]) = [silu(h1) h2 | read output]. XP, RP, FG: the normalised prediction
-      (2, B, d), its rms (2, B, 1), the fuse gate (2, B, d).
-    P: the predictions (T, B, d); u: the input projections (T, B, d); g0: the incoming state (B, d).
-    GPN+M: NQ, NN: per layer, the normalised [next key | query] heads (2, B, 2 or 1, H, dk) and
-      their norms (.., 1); O: per layer, the raw reads (2, B, H*dv); E: the write's error
-      (2, B, H, dv); BETA, GAMMA, DECAY: the write's gates (T, B, H); M: M before every chunk
-      (B, H, dk, dv) each (the chunk form with memory_reads: compute keeps its bf16 copy only);
-      x_prev, r_prev: the incoming previous state normalised (B, d) and its rms (B, 1); k0, k0n:
-      the first step's key (B, H, dk) and its norm (B, H, 1). The chunk form keeps O and E for
-      every step (T rows), and DELTA (T, B, H, dv), the write's beta e, and M_end, the window's
-      last M (its phi = <dL/dM, M> starts the sweep).
+    x_hat, rms: per layer, the normalised input (T, B, d) and its rms (T, B, 1); layer 0's in the
+      ring (the backward forms it again from u, preds and the fuse gates).
+    proj, gemm2_in: per layer, the fused projection's output (2, B, N_i; T rows with
+      core_projections: keep, in the GEMMs' dtype) and the second GEMM's input (2, B, F [+ H*dv]).
+    pred_hat, pred_rms, fuse_gate: the normalised prediction (2, B, d), its rms (2, B, 1), the
+      fuse-gate GEMM's output (2, B, d).
+    preds: the predictions (T, B, d); u: the input projections (T, B, d); g0: the incoming state (B, d).
+    GPN+M: heads_hat, head_norms: per layer, the normalised [next key | query] heads (2, B, 2 or 1,
+      H, dk) and their norms (.., 1); reads: per layer, the raw reads (2, B, H*dv); write_err: the
+      write's error (2, B, H, dv); beta, gamma, decay: the write's gates (T, B, H); M: M before every
+      chunk (B, H, dk, dv) each (the chunk form with memory_reads: compute keeps its bf16 copy only);
+      x_prev, r_prev: the incoming previous state normalised (B, d) and its rms (B, 1); k0, k0_norm:
+      the first step's key (B, H, dk) and its norm (B, H, 1). The chunk form keeps reads and write_err
+      for every step (T rows), and delta (T, B, H, dv), and M_end, the window's last M (its
+      phi = <dL/dM, M> starts the sweep).
     """
 
-    X: list
-    R: list
-    Y: list
-    Z: list
-    XP: torch.Tensor
-    RP: torch.Tensor
-    FG: torch.Tensor
-    P: torch.Tensor | None = None
+    x_hat: list
+    rms: list
+    proj: list
+    gemm2_in: list
+    pred_hat: torch.Tensor
+    pred_rms: torch.Tensor
+    fuse_gate: torch.Tensor
+    preds: torch.Tensor | None = None
     u: torch.Tensor | None = None
     g0: torch.Tensor | None = None
-    NQ: list = field(default_factory=list)
-    NN: list = field(default_factory=list)
-    O: list = field(default_factory=list)
-    E: torch.Tensor | None = None
-    BETA: torch.Tensor | None = None
-    GAMMA: torch.Tensor | None = None
-    DECAY: torch.Tensor | None = None
+    heads_hat: list = field(default_factory=list)
+    head_norms: list = field(default_factory=list)
+    reads: list = field(default_factory=list)
+    write_err: torch.Tensor | None = None
+    beta: torch.Tensor | None = None
+    gamma: torch.Tensor | None = None
+    decay: torch.Tensor | None = None
     M: list = field(default_factory=list)
     x_prev: torch.Tensor | None = None
     r_prev: torch.Tensor | None = None
     k0: torch.Tensor | None = None
-    k0n: torch.Tensor | None = None
-    DELTA: torch.Tensor | None = None
+    k0_norm: torch.Tensor | None = None
+    delta: torch.Tensor | None = None
     M_end: torch.Tensor | None = None
 
 
 class LayerSteps(NamedTuple):
     """Per-step views of one layer's forward buffers (`Saved`) and of its projection's column
-    blocks (`columns`); the memory ones are None without memory, next_key, v, beta, a are layer 0's."""
+    blocks (`columns`); the memory ones are None without memory; next_key, v, beta_pre, a and the
+    write's gates beta, gamma, decay are layer 0's."""
 
-    x: tuple
-    r: tuple
-    y: tuple
-    z: tuple
+    x_hat: tuple
+    rms: tuple
+    proj: tuple
+    gemm2_in: tuple
     pg: tuple
     h1: tuple
     h2: tuple
-    z_ffn: tuple
-    z_read: tuple
+    swiglu: tuple
+    read_out: tuple
     heads: tuple | None = None
     gate: tuple | None = None
-    nq: tuple | None = None
-    nn: tuple | None = None
+    heads_hat: tuple | None = None
+    head_norms: tuple | None = None
     q: tuple | None = None
-    o: tuple | None = None
+    reads: tuple | None = None
     next_key: tuple | None = None
     v: tuple | None = None
-    beta: tuple | None = None
+    beta_pre: tuple | None = None
     a: tuple | None = None
+    beta: tuple | None = None
+    gamma: tuple | None = None
+    decay: tuple | None = None
+
+
+class StepLayers(NamedTuple):
+    """What one step's predict layers (core.predict_step) read and write, fixed for a window (or a
+    decoder's batch size): the step's kernels (`StepOps`), each layer's weights as its GEMMs read
+    them, each layer's `LayerSteps`, the rows the second GEMM writes (2, B, d), and the write's
+    A = -exp(A_log) (None without memory)."""
+
+    ops: object
+    weights: list
+    views: list
+    gemm2_out: tuple
+    A: torch.Tensor | None
 
 
 class Workspace(NamedTuple):
     """One layer's widest chunk buffers, (L, B, ...): reused by every chunk of the sweep."""
 
-    Y: torch.Tensor | None  # projection outputs (.., N_i); None when the forward kept its own
-    dY: torch.Tensor  # their gradients
-    Z: torch.Tensor  # second GEMM inputs (.., F [+ H*dv])
-    dZ: torch.Tensor  # their gradients
+    proj: torch.Tensor | None  # projection outputs (.., N_i); None when the forward kept its own
+    d_proj: torch.Tensor  # their gradients
+    gemm2_in: torch.Tensor  # second GEMM inputs (.., F [+ H*dv])
+    d_gemm2_in: torch.Tensor  # their gradients
     ffn_fac: torch.Tensor  # (.., 2, F): the SwiGLU's (dL/dh1, dL/dh2) per dL/d(silu(h1) h2)
 
 
 @dataclass(eq=False, slots=True)
 class ChunkLayer:
-    """One layer's buffers for one chunk of the reverse sweep: `*_full` tensors (L, B, ...), the
-    rest per-step views of them. x, r: the normalised input and its rms; Y, Z: the recomputed
-    projection and second GEMM input; dY, dZ, dU: the gradients w.r.t. the projection output, the
-    second GEMM input and the layer's output c; pg_gate, pg_fac: the predict gate and its
-    derivative factor; ffn_fac, dffn, dpg, dz_ffn, dz_read: the SwiGLU's factors and the
-    gradient blocks. GPN+M: nq, q (q_full), nq_mask: the normalised heads, the query, relu's mask
-    over the norm; gate, o, z_read: the read's gate, raw output and output; dgate, dheads: their gradient
-    blocks; rf: the reads' `ReadFactors`; keys, v: layer 0's write keys and values."""
+    """One layer's buffers for one chunk of the reverse sweep (names as in the module docstring):
+    `*_full` tensors (L, B, ...), the rest per-step views of them. x_hat, rms: the normalised input
+    and its rms; proj_full, gemm2_in_full: the recomputed projection and second GEMM input; d_proj,
+    d_gemm2_in, d_out: the gradients w.r.t. the projection output, the second GEMM input and the
+    layer's output c; pg_gate, pg_fac: the predict gate and its derivative factor; ffn_fac, d_ffn,
+    d_pg, d_swiglu, d_read_out: the SwiGLU's factors and the gradient blocks. GPN+M: heads_hat, q
+    (q_full), heads_mask: the normalised heads, the query, relu's mask over the norm; gate, reads,
+    read_out: the read's gate, raw output and output; d_gate, d_heads: their gradient blocks;
+    read_factors: the reads' `ReadFactors`; keys, v: layer 0's write keys and values."""
 
-    X_full: torch.Tensor
-    x: tuple
-    r: tuple
-    Y: torch.Tensor
-    Z_full: torch.Tensor
-    dY_full: torch.Tensor
-    dZ_full: torch.Tensor
-    dU_full: torch.Tensor
-    dU: tuple
+    x_hat_full: torch.Tensor
+    x_hat: tuple
+    rms: tuple
+    proj_full: torch.Tensor
+    gemm2_in_full: torch.Tensor
+    d_proj_full: torch.Tensor
+    d_gemm2_in_full: torch.Tensor
+    d_out_full: torch.Tensor
+    d_out: tuple
     pg_gate: tuple
     pg_fac: tuple
     ffn_fac: tuple
-    dY: tuple
-    dZ: tuple
-    dffn: tuple
-    dpg: tuple
-    dz_ffn: tuple
-    dz_read: tuple
-    nq: tuple | None = None
+    d_proj: tuple
+    d_gemm2_in: tuple
+    d_ffn: tuple
+    d_pg: tuple
+    d_swiglu: tuple
+    d_read_out: tuple
+    heads_hat: tuple | None = None
     q_full: torch.Tensor | None = None
     q: tuple | None = None
-    nq_mask: tuple | None = None
+    heads_mask: tuple | None = None
     gate_full: torch.Tensor | None = None
     gate: tuple | None = None
-    O_full: torch.Tensor | None = None
-    o: tuple | None = None
-    z_read: tuple | None = None
-    dgate: tuple | None = None
-    dheads: tuple | None = None
+    reads_full: torch.Tensor | None = None
+    reads: tuple | None = None
+    read_out: tuple | None = None
+    d_gate: tuple | None = None
+    d_heads: tuple | None = None
     keys: list | None = None
     v: tuple | None = None
-    rf: list | None = None
+    read_factors: list | None = None
 
 
 @dataclass(eq=False, slots=True)
 class ChunkShared:
-    """The chunk's buffers outside the layers, (L, B, ...) and per-step views. XP, xp, rp: the
-    normalised predictions and their rms; fg, fg_fac: the fuse gates and their derivative factor;
-    dYfg: the fuse-gate GEMM's output gradient. GPN+M: e (E_full), delta: the write's errors and
-    beta e; gate_fac: (beta, a) derivative factors; dBD (dbeta, ddecay), dgates: the gates'
-    gradients; dv, dkn: layer 0's v and next-key gradient blocks; dKQ (dk_out, dq_out): dL/d the
-    normalised [next key | query] of layer 0."""
+    """The chunk's buffers outside the layers, (L, B, ...) and per-step views (names as in the module
+    docstring). pred_hat (pred_hat_full), pred_rms: the normalised predictions and their rms;
+    fuse_gate, fuse_gate_fac: the fuse gates and their derivative factor; d_fuse_gate: the fuse-gate
+    GEMM's output gradient. GPN+M: write_err, delta: the write's errors and beta e; gate_fac: (beta,
+    a) derivative factors; d_beta_decay (d_beta, d_decay): dL/d(beta, decay); d_beta_a: their
+    pre-activations' gradient block; d_v, d_key_proj: layer 0's v and next-key gradient blocks;
+    d_heads_hat (d_next_key, d_q): dL/d the normalised [next key | query] of layer 0."""
 
-    dYfg_full: torch.Tensor
-    dYfg: tuple
-    fg: tuple
-    fg_fac: tuple
-    XP: torch.Tensor
-    xp: tuple
-    rp: tuple
-    E_full: torch.Tensor | None = None
-    e: tuple | None = None
+    d_fuse_gate_full: torch.Tensor
+    d_fuse_gate: tuple
+    fuse_gate: tuple
+    fuse_gate_fac: tuple
+    pred_hat_full: torch.Tensor
+    pred_hat: tuple
+    pred_rms: tuple
+    write_err_full: torch.Tensor | None = None
+    write_err: tuple | None = None
     gate_fac: tuple | None = None
-    dBD_full: torch.Tensor | None = None
-    dBD: tuple | None = None
-    dbeta: tuple | None = None
-    ddecay: tuple | None = None
-    dgates: tuple | None = None
-    dv: tuple | None = None
-    dkn: tuple | None = None
-    dKQ_full: torch.Tensor | None = None
-    dKQ: tuple | None = None
-    dk_out: tuple | None = None
-    dq_out: tuple | None = None
+    d_beta_decay_full: torch.Tensor | None = None
+    d_beta_decay: tuple | None = None
+    d_beta: tuple | None = None
+    d_decay: tuple | None = None
+    d_beta_a: tuple | None = None
+    d_v: tuple | None = None
+    d_key_proj: tuple | None = None
+    d_heads_hat_full: torch.Tensor | None = None
+    d_heads_hat: tuple | None = None
+    d_next_key: tuple | None = None
+    d_q: tuple | None = None
     delta: tuple | None = None
 
 
@@ -285,18 +351,18 @@ def step_views(x, *shape):
 
 
 class ChunkRows(NamedTuple):
-    """The forward's per-step vectors around the grounded state, formed again for one chunk's steps
-    (`_grounded_rows`), (L, B, ...) each: layer 0's normalised input and its rms, the normalised
-    predictions and their rms, the fuse gates and their derivative factor; and GPN+M's key of the
-    chunk's first step, which the step before projected (None without memory)."""
+    """The forward's per-step vectors around the grounded state, formed again (`_grounded_rows`),
+    (L, B, ...) each: layer 0's normalised input and its rms, the normalised predictions and their
+    rms, the fuse gates and their derivative factor; and GPN+M's key of the chunk's first step,
+    which the step before projected (None without memory, and in the window's rows)."""
 
-    X0: torch.Tensor
-    R0: torch.Tensor
-    XP: torch.Tensor
-    RP: torch.Tensor
-    fg: torch.Tensor
-    fg_fac: torch.Tensor
-    k_first: torch.Tensor | None
+    x_hat: torch.Tensor
+    rms: torch.Tensor
+    pred_hat: torch.Tensor
+    pred_rms: torch.Tensor
+    fuse_gate: torch.Tensor
+    fuse_gate_fac: torch.Tensor
+    first_key: torch.Tensor | None = None
 
 
 class WeightGrads(NamedTuple):
@@ -311,19 +377,19 @@ class WeightGrads(NamedTuple):
 
 class Sweep(NamedTuple):
     """What the reverse sweep reads at every chunk: the step functions, the memory form's backward,
-    the transposed weights of its GEMMs (packed as they are read fastest), du's and dP's per-step
+    the transposed weights of its GEMMs (packed as they are read fastest), du's and d_preds' per-step
     views, the key projection's transpose and dL/dg_prev."""
 
-    ew: object  # StepOps
+    ops: object  # StepOps
     form: object  # the memory form's backward (memory_step.Backward, memory_chunk.Backward), or None without memory
-    WT: list
-    W2oT: list
-    fg_WT: object
-    dus: tuple
-    dPs: tuple | None
-    W_kT: torch.Tensor | None
+    W_T: list  # per layer
+    W2o_T: list  # per layer
+    fg_W_T: object
+    du: tuple
+    d_preds: tuple | None
+    W_k_T: torch.Tensor | None
     dg_prev: torch.Tensor | None
-    dX: torch.Tensor  # (B, d): the input-gradient GEMMs' output, read by the next group
+    dx: torch.Tensor  # (B, d): the input-gradient GEMMs' output, read by the next group
 
 
 class Carry(NamedTuple):
@@ -335,14 +401,13 @@ class Carry(NamedTuple):
     kn_flows: bool
 
 
-def read_outputs(spec: Spec, outputs: list, C: list) -> None:
+def read_outputs(spec: CoreSpec, outputs: list, C: list) -> None:
     """The chunk's read outputs y = silu(gate) o / rms(o) into the second GEMM's input rows of the
     layers `outputs` (whose reads were not made by a memory function that writes them), then the
-    read factors of every layer (`ChunkLayer.rf`)."""
+    read factors of every layer (`ChunkLayer.read_factors`)."""
     factors = spec.backend.memory.read_factors
     for c in C:
-        y = c.Z_full[..., spec.F :] if any(c is o for o in outputs) else None
-        L, B, n = c.O_full.shape
-        f = factors(c.O_full.view(L * B, n), c.gate_full.reshape(L * B, n), out_y=None if y is None else y.view(L * B, n))
-        c.rf = [ReadFactors(*v) for v in zip(*(step_views(x.view(L, B, -1)) for x in f))]
-
+        y = c.gemm2_in_full[..., spec.d_ffn :] if any(c is o for o in outputs) else None
+        L, B, n = c.reads_full.shape
+        f = factors(c.reads_full.view(L * B, n), c.gate_full.reshape(L * B, n), out_y=None if y is None else y.view(L * B, n))
+        c.read_factors = [ReadFactors(*v) for v in zip(*(step_views(x.view(L, B, -1)) for x in f))]
