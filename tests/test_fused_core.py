@@ -247,7 +247,7 @@ def test_kept_projections_are_saved_per_step_and_not_recomputed(form, monkeypatc
     cfg, chunks = model.config, 3
     hk, hv, rest = cfg.n_heads * cfg.d_key, cfg.n_heads * cfg.d_val, 2 * cfg.d_ffn + cfg.d_state
     widths = [2 * hk + 2 * hv + 2 * cfg.n_heads + rest] + [hk + hv + rest] * (cfg.n_layers - 1)  # [k] q gate [v beta a] ffn pg
-    assert [tuple(y.shape) for y in S_k.Y] == [(13, 2, n) for n in widths] and all(y.shape[0] == 2 for y in S_r.Y)
+    assert [tuple(y.shape) for y in S_k.proj] == [(13, 2, n) for n in widths] and all(y.shape[0] == 2 for y in S_r.proj)
     # per chunk: the layers' projections and the fuse gate, or the gate alone
     assert n_r == chunks * (cfg.n_layers + 1) and n_k == chunks
     assert rel_err(out_k.loss, out_r.loss) < 1e-6
@@ -320,7 +320,7 @@ def test_memory_form_auto_is_the_chunk_form_on_cuda_and_the_step_form_elsewhere(
         assert GPNConfig(memory_form=form).memory_form_on("cuda") == GPNConfig(memory_form=form).memory_form_on("cpu") == form
     tokens = torch.randint(0, ODD.vocab_size, (2, 9))
     node = _fused_node(make(**CASES["gpn_m_1l"])(tokens).loss)  # auto, on the CPU
-    assert node.spec.chunked is False and node.S.DELTA is None
+    assert node.spec.chunked is False and node.S.delta is None
 
 
 # ---- the memory step's torch implementation: the contract a kernel keeps ----------------------
@@ -434,9 +434,9 @@ def test_fused_core_saves_only_narrow_per_step_vectors(case):
     cfg, (B, T) = model.config, (2, 21)
     S = _fused_node(model(torch.randint(0, ODD.vocab_size, (B, T))).loss).S
     tensors = [x for v in vars(S).values() for x in (v if isinstance(v, list) else [v]) if isinstance(x, torch.Tensor)]
-    per_step = sum(x.numel() for x in tensors if x.dim() and x.shape[0] == T and x is not S.P and x is not S.u)
+    per_step = sum(x.numel() for x in tensors if x.dim() and x.shape[0] == T and x is not S.preds and x is not S.u)
     memory = 3 * cfg.n_heads + (cfg.n_layers + 2) * cfg.n_heads * cfg.d_val * chunked if cfg.memory else 0
     assert per_step == T * B * ((cfg.n_layers - 1) * (cfg.d_state + 1) + memory)
-    assert S.P.shape == S.u.shape == (T, B, cfg.d_state)
+    assert S.preds.shape == S.u.shape == (T, B, cfg.d_state)
     if cfg.memory:
         assert len(S.M) == -(-T // cfg.core_chunk)

@@ -35,8 +35,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from gpn_scale.models.core import fuse_weights
-from gpn_scale.models.core_state import Spec, columns
+from gpn_scale.models.core import fuse_weights, layer_steps, predict_step, window_buffers
+from gpn_scale.models.core_structures import CoreSpec, StepLayers, columns, step_views
 from gpn_scale.models.gdn import GatedDeltaNet
 from gpn_scale.models.gpn import GPN, GPNState
 from gpn_scale.models.ops import at_least_f32
@@ -83,36 +83,37 @@ class GPNDecodeState(NamedTuple):
     key: torch.Tensor | None
 
 
-class _LayerWork(NamedTuple):
-    """One layer's buffers for a batch size, written and read within a step (never carried), and
-    the views of them the step's kernels take, made once: slicing costs microseconds a view."""
-
-    x: torch.Tensor  # (B, d): the normalised layer input (layer 0's: the grounded state's)
-    r: torch.Tensor  # (B, 1): its rms
-    y: torch.Tensor  # (B, N): the fused projection's output (core_state.columns' blocks)
-    h1: torch.Tensor  # its SwiGLU blocks
-    h2: torch.Tensor
-    pg: torch.Tensor  # the predict gate's block
-    z: torch.Tensor  # (B, F [+ H*dv]): the second GEMM's input [silu(h1) h2 | read output]
-    z_ffn: torch.Tensor
-    z_read: torch.Tensor | None
-    heads: torch.Tensor | None  # (B, 2 or 1, H, dk): [next key |] query, before normalising
-    gate: torch.Tensor | None  # the read's gate block
-    norms: torch.Tensor | None  # the normalised heads' norms
-    q: torch.Tensor | None  # (B, 1, H, dk): a later layer's normalised query
-    o: torch.Tensor | None  # (B, H*dv): the raw read
-    v: torch.Tensor | None = None  # layer 0 of GPN+M: the write's value (B, H, dv), gates' blocks
-    beta: torch.Tensor | None = None
-    a: torch.Tensor | None = None
-
-
 class _Work(NamedTuple):
-    layers: list  # _LayerWork per layer
-    out: torch.Tensor  # (B, d): the second GEMM's output
-    fg: torch.Tensor  # (B, d): the fuse gate's pre-activation, then the gate
-    rp: torch.Tensor  # (B, 1): rms of the prediction
-    gates: torch.Tensor | None  # (3, B, H): the write's beta, gamma, decay
-    e: torch.Tensor | None  # (B, H, dv): the write's error
+    """A batch size's buffers, written and read within a step (never carried): the fused core's for
+    a one-step window (`core.window_buffers`), whose rows 0 a step uses, made once with the views
+    of them the step's kernels take (slicing costs microseconds a view)."""
+
+    layers: StepLayers  # the predict layers' (`core.predict_step`)
+    fuse_gate: torch.Tensor  # (B, d): the fuse gate's pre-activation, then the gate
+    pred_rms: torch.Tensor  # (B, 1): rms of the prediction
+    write_err: torch.Tensor | None  # (B, H, dv): the write's error
+
+
+class _Memory:
+    """M's write and reads for one decode step (`core.predict_step`), from the carried M and key.
+    Layer 0's normalised [next key | query] go to a tensor of their own each step, `heads`, put in
+    the one slot of its views (a list, `GPNDecoder._buffers`): the next key is carried in the
+    decode state."""
+
+    def __init__(self, mem, M, key, work: _Work):
+        self.mem, self.M, self.key, self.write_err = mem, M, key, work.write_err
+        first = work.layers.views[0]
+        self.heads = first.heads_hat[0] = torch.empty_like(first.heads[0])
+
+    def write(self, v, w: int, s: int, y: int) -> None:
+        """The write from the carried key, into an M of its own (M_{t+1} is carried), and layer 0's read."""
+        self.M, *_ = self.mem.memory_step(self.M, self.key, v.v[y], v.beta[0], v.decay[0], self.heads[:, 1], v.gate[y],
+                                          out_e=self.write_err, out_o=v.reads[w], out_y=v.read_out[w],
+                                          out_M=torch.empty_like(self.M))
+
+    def read(self, v, w: int, s: int, y: int) -> None:
+        """A later layer's read of M_{t+1}."""
+        self.mem.memory_read(self.M, v.q[w], v.gate[y], out_o=v.reads[w], out_y=v.read_out[w])
 
 
 class GPNDecoder:
@@ -127,14 +128,11 @@ class GPNDecoder:
         self.dtype = torch.promote_types(model.embedding.dtype, torch.float32)  # the state's
         backend = model.backend(self.device.type)
         self.ops, self.mem = backend.step, backend.memory
-        spec = Spec(cfg.d_state, cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.d_val, cfg.memory, cfg.core_chunk, cfg.bptt,
-                    self.dtype, backend)
-        self.cols = [columns(spec, i == 0) for i in range(cfg.n_layers)]
+        self.spec = CoreSpec.from_config(cfg, backend, self.dtype)
         sd, pack = self.dtype, self.ops.pack
         with torch.no_grad():
             layers, fg_W, fg_b = fuse_weights(model)
             layers = [L._replace(W=L.W.to(sd), b=L.b.to(sd), W2o=L.W2o.to(sd)) for L in layers]
-            self.widths = [L.W.shape[1] for L in layers]
             steps = 1 << 20  # a generation's: enough to be worth laying out once
             self.layers = [L._replace(W=pack(L.W, steps, batch), W2o=pack(L.W2o, steps, batch)) for L in layers]
             self.fg_W, self.fg_b = pack(fg_W.to(sd), steps, batch), fg_b.to(sd)
@@ -143,8 +141,9 @@ class GPNDecoder:
             self.dec_b = None if model.decode_bias is None else model.decode_bias.to(sd)
             self.emb = model.embedding.to(sd)
             self.emb_T = self.emb.T
+            self.A = None
             if cfg.memory:
-                k = self.cols[0]["k"]
+                k = columns(self.spec, True)["k"]
                 self.key_W, self.key_b = layers[0].W[:, k], layers[0].b[k]
                 self.A = -torch.exp(model.write_A_log.to(sd))
         self._work: dict[int, _Work] = {}
@@ -152,24 +151,16 @@ class GPNDecoder:
     def _buffers(self, B: int) -> _Work:
         work = self._work.get(B)
         if work is None:
-            cfg = self.cfg
-            new = lambda *shape: torch.empty(shape, dtype=self.dtype, device=self.device)  # noqa: E731
-            Fd, H, dk, mem = cfg.d_ffn, cfg.n_heads, cfg.d_key, cfg.memory
-            layers = []
-            for i, (width, col) in enumerate(zip(self.widths, self.cols)):
-                y, z = new(B, width), new(B, Fd + (H * cfg.d_val if mem else 0))
-                ffn = y[:, col["ffn"]]
-                views = dict(x=new(B, cfg.d_state), r=new(B, 1), y=y, h1=ffn[:, :Fd], h2=ffn[:, Fd:], pg=y[:, col["pg"]],
-                             z=z, z_ffn=z[:, :Fd], z_read=None, heads=None, gate=None, norms=None, q=None, o=None)
-                if mem:
-                    nh = 2 if i == 0 else 1
-                    views.update(z_read=z[:, Fd:], heads=y[:, col["heads"]].view(B, nh, H, dk), gate=y[:, col["gate"]],
-                                 norms=new(B, nh, H, 1), q=None if i == 0 else new(B, 1, H, dk), o=new(B, H * cfg.d_val))
-                    if i == 0:
-                        views.update(v=y[:, col["v"]].view(B, H, cfg.d_val), beta=y[:, col["beta"]], a=y[:, col["a"]])
-                layers.append(_LayerWork(**views))
-            work = self._work[B] = _Work(layers, new(B, cfg.d_state), new(B, cfg.d_state), new(B, 1),
-                                         new(3, B, H) if mem else None, new(B, H, cfg.d_val) if mem else None)
+            spec, n = self.spec, self.cfg.n_layers
+            like = torch.empty((), dtype=self.dtype, device=self.device)
+            S = window_buffers(spec, n, 1, B, like, gate_rows=1)
+            views = [layer_steps(spec, S, i, columns(spec, i == 0)) for i in range(n)]
+            if spec.memory:  # layer 0's [next key | query]: a fresh tensor each step (`_Memory`)
+                views[0] = views[0]._replace(heads_hat=[None])
+            gemm2_out = step_views(like.new_empty((1, B, spec.d_state)))
+            layers = StepLayers(ops=self.ops, weights=self.layers, views=views, gemm2_out=gemm2_out, A=self.A)
+            work = self._work[B] = _Work(layers=layers, fuse_gate=S.fuse_gate[0], pred_rms=S.pred_rms[0],
+                                         write_err=S.write_err[0] if spec.memory else None)
         return work
 
     @torch.no_grad()
@@ -190,7 +181,8 @@ class GPNDecoder:
         if self.cfg.memory:  # the first write's key, from the state's previous grounded state
             x_prev, _ = ew.rms_hat(state.prev_s.to(self.dtype))
             key, _ = ew.l2n_relu(ew.mm(x_prev, self.key_W, bias=self.key_b).view(B, self.cfg.n_heads, -1))
-        ew.rms_hat(s, work.layers[0].x, work.layers[0].r)
+        first = work.layers.views[0]
+        ew.rms_hat(s, first.x_hat[0], first.rms[0])
         return self._predict(state, s, key, work)
 
     @torch.no_grad()
@@ -200,41 +192,22 @@ class GPNDecoder:
         ew, work = self.ops, self._buffers(ds.c.shape[0])
         x_emb, _ = ew.rms_hat(self.emb[tokens.to(self.device)])
         u = ew.mm(x_emb, self.u_W)
-        ew.mm(ds.c_hat, self.fg_W, work.fg, self.fg_b)
-        first = work.layers[0]
-        s = ew.ground(work.fg, ds.c, u, work.fg, first.x, first.r)  # g = u + sigmoid(.) c, normalised for layer 0
+        fg, first = work.fuse_gate, work.layers.views[0]
+        ew.mm(ds.c_hat, self.fg_W, fg, self.fg_b)
+        s = ew.ground(fg, ds.c, u, fg, first.x_hat[0], first.rms[0])  # g = u + sigmoid(.) c, normalised for layer 0
         return self._predict(GPNState(s, ds.state.s, ds.M), s, ds.key, work)
 
     def _predict(self, state: GPNState, s, key, work: _Work):
         """The write (GPN+M) and the predict layers from s = state.s, whose normalised form is in
-        layer 0's input buffer; then the logits of the prediction."""
-        cfg, ew, mem = self.cfg, self.ops, self.mem
-        M, next_key, c, c_hat = state.M, None, s, None
-        last = cfg.n_layers - 1
-        for i, (L, w) in enumerate(zip(self.layers, work.layers)):
-            ew.mm(w.x, L.W, w.y, L.b)
-            if not cfg.memory:
-                ew.post_projection(w.h1, w.h2, w.z_ffn)
-            elif i == 0:
-                heads = torch.empty_like(w.heads)  # [next key | query]: the key is carried to the next step
-                beta, gamma, decay = work.gates
-                ew.post_projection(w.h1, w.h2, w.z_ffn, w.heads, heads, w.norms, w.beta, w.a, self.A, beta, gamma, decay)
-                M = state.M.contiguous()
-                M, *_ = mem.memory_step(M, key, w.v, beta, decay, heads[:, 1], w.gate, out_e=work.e, out_o=w.o,
-                                        out_y=w.z_read, out_M=torch.empty_like(M))  # M_{t+1}: carried
-                next_key = heads[:, 0]
-            else:
-                ew.post_projection(w.h1, w.h2, w.z_ffn, w.heads, w.q, w.norms)
-                mem.memory_read(M, w.q[:, 0], w.gate, out_o=w.o, out_y=w.z_read)
-            if i == last:
-                c_hat = torch.empty_like(s)
-                x_next, r_next, out = c_hat, work.rp, torch.empty_like(s)
-            else:
-                x_next, r_next, out = work.layers[i + 1].x, work.layers[i + 1].r, None
-            c = ew.residual_rms(ew.mm(w.z, L.W2o, work.out), w.pg, c, out, x_next, r_next)
-        h = ew.mm(c_hat, self.dec_W, bias=self.dec_b)
+        layer 0's input buffer (`core.predict_step`); then the logits of the prediction."""
+        memory = _Memory(self.mem, state.M.contiguous(), key, work) if self.cfg.memory else None
+        c_hat = torch.empty_like(s)
+        c = predict_step(work.layers, s, memory, (0, 0, 0, 0), (torch.empty_like(s), c_hat, work.pred_rms))
+        h = self.ops.mm(c_hat, self.dec_W, bias=self.dec_b)
         logits = at_least_f32(h @ self.emb_T)
-        return logits, GPNDecodeState(state, c, c_hat, M, next_key)
+        if memory is None:
+            return logits, GPNDecodeState(state=state, c=c, c_hat=c_hat, M=None, key=None)
+        return logits, GPNDecodeState(state=state, c=c, c_hat=c_hat, M=memory.M, key=memory.heads[:, 0])
 
 
 # ---- Transformer++ -----------------------------------------------------------------------------
