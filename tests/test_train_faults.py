@@ -296,7 +296,7 @@ def test_a_checkpoint_saved_before_recompute_every_was_named_so_loads_and_resume
     """A trainer_state.json written when GPN's recompute_every was checkpoint_every: read under the new
     name wherever a saved run is read back (loading its model, comparing it with a resuming run's
     config), never refused as a user's config with the old key is."""
-    from gpn_scale.train.checkpoint import write_manifest
+    from gpn_scale.train.checkpoint_writer import write_manifest
 
     tag = run / "checkpoints" / "step_00000006"
     state_file = tag / "trainer_state.json"
