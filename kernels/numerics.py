@@ -11,7 +11,7 @@ most 2.5e-8, and e^x is within 2.5 ulp plus 4.6e-8 (3.44e-7 relative) wherever i
 float.
 
 The derivation of each function's bound from the documented errors of the instructions it
-compiles to is in docs/kernels_accuracy.md; tests/test_kernels_accuracy.py computes the bounds
+compiles to is in docs/kernels_accuracy.md; tests/kernels/test_kernels_accuracy.py computes the bounds
 per input from the same constants, checks the kernels against them and checks that the
 compiled PTX uses exactly the instructions the derivation assumes.
 

@@ -11,8 +11,8 @@ Stages (docs/gpu.md says what each checks):
   graphs   the fused core with CUDA graphs (and the reverse sweep's side stream) against eager on one
            stream, in both memory forms: losses and every
            parameter's gradient, after accumulating 2 micro-batches, at every optimizer step
-  kernels  pytest -m "not cpu_only" tests/test_kernels.py, tests/test_kernels_memory_chunk.py (and
-           tests/test_kernels_accuracy.py when present) on the device
+  kernels  pytest -m "not cpu_only" tests/kernels/test_kernels.py, tests/kernels/test_kernels_memory_chunk.py (and
+           tests/kernels/test_kernels_accuracy.py when present) on the device
   bench    bench/gpu.py with a fixed batch per row; its ratio table
   engine   DeepSpeed ZeRO-2 training of the tiny GPN+M, stopped halfway and resumed, against an
            uninterrupted run (needs deepspeed and mosaicml-streaming, installed or as wheels from

@@ -352,8 +352,8 @@ def junit_counts(path: Path) -> dict:
 
 
 def stage_kernels(part: Part, mode: Mode, out: Path) -> None:
-    files = ["tests/test_kernels.py", "tests/test_kernels_memory_chunk.py"] + (
-        ["tests/test_kernels_accuracy.py"] if (ROOT / "tests" / "test_kernels_accuracy.py").is_file() else [])
+    files = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_memory_chunk.py"] + (
+        ["tests/kernels/test_kernels_accuracy.py"] if (ROOT / "tests" / "test_kernels_accuracy.py").is_file() else [])
     xml = out / "kernel_tests.xml"
     xml.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cpu_only", *files, f"--junitxml={xml}"]

@@ -4,13 +4,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests' own helpers (reference_gpn, ...)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers: `support` (tests/support/)
 # The Triton kernel modules, defined before any test module is collected: under the interpreter on a
-# machine without CUDA (tests/triton_kernels.py). A module that imports torch._inductor at collection
-# (tests/test_baselines_compile.py) makes kernels defined after it compiled ones, which the
+# machine without CUDA (tests/support/triton_kernels.py). A module that imports torch._inductor at collection
+# (tests/models/test_baselines_compile.py) makes kernels defined after it compiled ones, which the
 # interpreter then refuses to call ("Cannot call @triton.jit'd outside of the scope of a kernel").
-import triton_kernels  # noqa: E402,F401
+import support.triton_kernels as triton_kernels  # noqa: E402,F401
 os.environ.setdefault("WANDB_MODE", "disabled")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # scripts/test.sh runs one worker per core: each worker's torch, and the processes its tests
@@ -61,8 +60,8 @@ def one_thread():
 @pytest.fixture(scope="session")
 def gpu_check_dry(tmp_path_factory):
     """One dry run of scripts/gpu_check.sh, shared: its bench stage runs bench/gpu.py's CPU command,
-    which tests/test_bench_gpu.py checks too. (proc, report, OUT)."""
-    from gpu_check_run import HANG_ARGS, run
+    which tests/bench/test_bench_gpu.py checks too. (proc, report, OUT)."""
+    from support.gpu_check_run import HANG_ARGS, run
 
     out = tmp_path_factory.mktemp("gpu_check")
     proc, report = run("--dry", *HANG_ARGS, out=out)

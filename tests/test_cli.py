@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from eval_fixtures import make_prep, make_tokenizer, tiny_model
+from support.eval_fixtures import make_prep, make_tokenizer, tiny_model
 
 from gpn_scale.cli import COMMANDS, main
 from gpn_scale.eval.codec import Codec
 from gpn_scale.eval.generate import generate_tokens, sampling_probs
 from gpn_scale.storage.native import save_native
 from gpn_scale.train.config import load_train_config
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "train" / "gpn_m_tiny.yaml"
 
 

@@ -11,8 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from support import ROOT
 
 
 def imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:

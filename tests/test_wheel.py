@@ -7,9 +7,8 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
-from conftest import ROOT
+from support import ROOT
 
 CHECK = r"""
 import sys
