@@ -105,7 +105,7 @@ class Trainer:
         self.model: torch.nn.Module | None = None
         self.engine = None  # DeepSpeed's engine around self.model: forward, backward, step, save
         self.scheduler = None  # the learning-rate schedule DeepSpeed steps with the optimiser
-        self.data = None  # the training batches: a TrainStream, or StreamBatches with train.carry_state
+        self.data = None  # the training batches: ShuffledBatches, or StreamBatches with train.carry_state
         self.carried = None  # with train.carry_state: each batch slot's recurrent state (CarriedStates)
         self.step: int | None = None  # optimiser steps taken: 0, or the checkpoint's
         self.tokens: int | None = None  # tokens trained on, as step
