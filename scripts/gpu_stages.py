@@ -353,7 +353,7 @@ def junit_counts(path: Path) -> dict:
 
 def stage_kernels(part: Part, mode: Mode, out: Path) -> None:
     files = ["tests/kernels/test_kernels.py", "tests/kernels/test_kernels_memory_chunk.py"] + (
-        ["tests/kernels/test_kernels_accuracy.py"] if (ROOT / "tests" / "test_kernels_accuracy.py").is_file() else [])
+        ["tests/kernels/test_kernels_accuracy.py"] if (ROOT / "tests" / "kernels" / "test_kernels_accuracy.py").is_file() else [])
     xml = out / "kernel_tests.xml"
     xml.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cpu_only", *files, f"--junitxml={xml}"]
@@ -553,7 +553,7 @@ def stage_engine(part: Part, mode: Mode, out: Path, wheels: Path) -> None:
 
     total, stop, T = mode.engine_steps, mode.engine_steps // 2, mode.engine_seq_len
     data = work / "data"
-    code = ("import sys; from pathlib import Path; from mds_fixture import write_windows; "
+    code = ("import sys; from pathlib import Path; from support.mds_fixture import write_windows; "
             f"write_windows(Path(sys.argv[1]) / 'train', {max(200, 8 * total)}, {T}, 512); "
             f"write_windows(Path(sys.argv[1]) / 'val', 16, {T}, 512, seed=1)")
     data_env = dict(env, PYTHONPATH=os.pathsep.join([env["PYTHONPATH"], str(ROOT / "tests")]))

@@ -239,9 +239,9 @@ def paper_resume(ref: Path, train: dict, batch: np.ndarray, tmp: Path, batch_siz
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
     given = ["--batch", str(tmp / "batch.npy")] if batch_size is None else [
         "--data", str(tmp / "batch.npy"), "--batch-size", str(batch_size)]
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "reference_trainer.py"), str(ref), "--train",
+    proc = subprocess.run([sys.executable, "-m", "support.reference_trainer", str(ref), "--train",
                            str(tmp / "train.json"), *given, "--out", str(tmp / "result")],
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=env, cwd=ROOT / "tests", capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with np.load(tmp / "result.npz") as params:
         return json.loads((tmp / "result.json").read_text()), dict(params)

@@ -85,7 +85,7 @@ def test_dry_kernel_bench_and_engine_stages_report_what_they_ran(dry):
     k = report["stages"]["kernels"]
     assert k["passed"] == k["total"] > 0 and k["failed"] == k["errors"] == 0
     assert {"tests/kernels/test_kernels.py", "tests/kernels/test_kernels_memory_chunk.py"} <= set(k["files"]) and (out / "kernel_tests.xml").is_file()
-    assert ("tests/kernels/test_kernels_accuracy.py" in k["files"]) == (ROOT / "tests" / "test_kernels_accuracy.py").is_file()
+    assert ("tests/kernels/test_kernels_accuracy.py" in k["files"]) == (ROOT / "tests" / "kernels" / "test_kernels_accuracy.py").is_file()
 
     b = report["stages"]["bench"]
     assert set(b["rows"]) == {"gpn_m_triton", "gpn_m_chunk", "gpn_m_eager", "gpn_m_torch", "naive", "transformer"}

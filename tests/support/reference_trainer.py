@@ -11,8 +11,8 @@ docs/model.md's, written in jax.numpy (tests/support/reference_gpn.py is the Num
 Run as a program, in a process of its own as the paper's code runs (and so that jax's threads never
 live in a process that later forks):
 
-    python tests/support/reference_trainer.py CKPT_DIR --train TRAIN.json --batch TOKENS.npy --out RESULT
-    python tests/support/reference_trainer.py CKPT_DIR --train TRAIN.json --data WINDOWS.npy --batch-size B --out RESULT
+    cd tests && python -m support.reference_trainer CKPT_DIR --train TRAIN.json --batch TOKENS.npy --out RESULT
+    cd tests && python -m support.reference_trainer CKPT_DIR --train TRAIN.json --data WINDOWS.npy --batch-size B --out RESULT
 
 loads CKPT_DIR, checks what it restored, takes one training step on the batch (given, or the next
 one the paper's loader reads from WINDOWS: `Dataset.batches(B, start=data_position)`), and writes
