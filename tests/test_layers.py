@@ -237,3 +237,19 @@ def test_no_function_of_the_models_takes_more_than_eight_parameters():
                 if n > 8:
                     wide.append(f"{p.relative_to(ROOT)}:{node.lineno}: {node.name} ({n})")
     assert wide == []
+
+
+def test_the_models_structures_name_their_fields_for_what_they_hold():
+    """A structure of gpn_scale/models (a NamedTuple or dataclass) names its fields for what they
+    hold: at most 5 of them may be a symbol of one to three capital letters (M, the memory, is free)."""
+    import re
+
+    symbolic = []
+    for p in py_files("gpn_scale/models"):
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.ClassDef):
+                fields = [s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+                capitals = [f for f in fields if re.fullmatch(r"[A-Z]{1,3}", f) and f != "M"]
+                if len(capitals) > 5:
+                    symbolic.append(f"{p.relative_to(ROOT)}:{node.lineno}: {node.name} {capitals}")
+    assert symbolic == []
