@@ -77,10 +77,13 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
 
 
 def read_split(path: Path, **kw) -> np.ndarray:
-    from streaming import StreamingDataset
+    """A split's windows in order, read through the project's opener: it registers Streaming's shared
+    memory under the node's lock (a dataset opened without it can take the prefix another test's
+    process is registering at the same moment) and gives it back afterwards."""
+    from gpn_scale.storage.mds_datasets import reading
 
-    ds = StreamingDataset(local=str(path), batch_size=1, shuffle=False, **kw)
-    return np.stack([ds[i]["tokens"] for i in range(len(ds))]) if len(ds) else np.empty((0, SEQ_LEN))
+    with reading(local=str(path), batch_size=1, shuffle=False, **kw) as ds:
+        return np.stack([ds[i]["tokens"] for i in range(len(ds))]) if len(ds) else np.empty((0, SEQ_LEN))
 
 
 def expected_stream(corpus: Path, tokenizer: Path, val_fraction: float) -> dict[str, tuple[list[int], int]]:
