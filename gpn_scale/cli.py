@@ -7,6 +7,7 @@ returning an exit status. Modules are imported only when their subcommand runs, 
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
 import sys
@@ -62,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"error: unknown subcommand {name!r}; expected one of: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    dumps_stacks = name == "train" and not faulthandler.is_enabled()
+    if dumps_stacks:  # a rank that dies in native code (an abort in a library's C++) prints every thread's Python stack
+        faulthandler.enable(all_threads=True)
     if name == "train":  # before torch and DeepSpeed import: a launcher may stop a trainer still starting up
         from gpn_scale.train import stop
 
@@ -84,3 +88,5 @@ def main(argv: list[str] | None = None) -> int:
         leases.release_all()  # the checkpoints the command read: rotation may remove them now
         if name == "train":
             stop.restore()  # run in-process (tests, notebooks): the caller's handlers back
+        if dumps_stacks:
+            faulthandler.disable()

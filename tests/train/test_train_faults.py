@@ -7,6 +7,7 @@ drives the CLI in a real process, as a user would.
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -466,6 +467,26 @@ def test_ctrl_c_twice_leaves_status_interrupted(data, tmp_path):
     status = json.loads((fresh / "status.json").read_text())
     assert status["status"] == "interrupted", status
     assert all(ckpt.verify(fresh / "checkpoints" / t) is None for t in ckpt.committed(fresh / "checkpoints"))
+
+
+def test_a_rank_aborted_in_native_code_prints_its_python_stacks(data, tmp_path):
+    """An abort from a library's C++ (SIGABRT: std::terminate) leaves no Python traceback of its own:
+    the trainer prints every thread's Python stack, so the line that was running is known."""
+    fresh = tmp_path / "fresh"
+    proc = subprocess.Popen(cmd(data, fresh, "train.total_steps=1000000", "train.save_every=1000"), env=process_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300  # a hang guard only
+        while not losses(fresh):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGABRT)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGABRT, stderr[-3000:]
+    assert "Fatal Python error: Aborted" in stderr and "Current thread" in stderr, stderr[-3000:]
+    assert re.search(r'File ".*gpn_scale/train/engine.py", line \d+ in run', stderr), stderr[-3000:]
 
 
 def test_a_second_ctrl_c_inside_a_library_that_raises_over_it_still_says_interrupted(data, tmp_path, monkeypatch):
