@@ -11,6 +11,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers: 
 # interpreter then refuses to call ("Cannot call @triton.jit'd outside of the scope of a kernel").
 import support.triton_kernels as triton_kernels  # noqa: E402,F401
 os.environ.setdefault("WANDB_MODE", "disabled")
+import support.streaming_guard as streaming_guard  # noqa: E402
+
+streaming_guard.install()  # a test that opens a dataset outside the node's lock fails, not its neighbour
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # scripts/test.sh runs one worker per core: each worker's torch, and the processes its tests
     # start, take one thread, so that the workers do not fight over the cores

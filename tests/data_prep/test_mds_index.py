@@ -17,7 +17,7 @@ from support.mds_fixture import write_windows
 from data_prep import mds_index
 from data_prep.errors import UserError
 from gpn_scale.eval.prep_output import open_prep_output, read_windows
-from gpn_scale.storage.mds_datasets import dataset_class, open_dataset
+from gpn_scale.storage.mds_datasets import dataset_class, open_dataset, registering, release
 from gpn_scale.train.batches import ShuffledBatches
 from support import ROOT
 
@@ -52,9 +52,14 @@ def home(tmp_path):
 
 
 def _streaming_reads(local: Path, remote: str | None = None) -> list:
-    """Streaming without gpn-scale's check: every sample, through its own loader."""
-    ds = dataset_class()(local=str(local), remote=remote, shuffle=False, batch_size=1)
-    return [ds[i]["tokens"] for i in range(len(ds))]
+    """Streaming without gpn-scale's check: every sample, through its own loader (registered under
+    the node's lock, as every dataset of the suite is: tests/support/streaming_guard.py)."""
+    with registering():
+        ds = dataset_class()(local=str(local), remote=remote, shuffle=False, batch_size=1)
+    try:
+        return [ds[i]["tokens"] for i in range(len(ds))]
+    finally:
+        release(ds)
 
 
 def _all_openers_refuse(split: Path, match: str) -> None:
