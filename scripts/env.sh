@@ -17,6 +17,20 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -c "import gpn_scale, torch, deepspeed, streaming, triton, wandb" 2>/dev/null \
     || { echo "[env] install failed: see pip's output above" >&2; exit 1; }
   echo "$want" > "$stamp"
+  # The C++ ops a CPU run loads, compiled now (a minute on 2 cores) instead of by the first run or
+  # test that needs them: gpn-scale's CPU kernels, and DeepSpeed's shared-memory comm op, which its
+  # CPU accelerator builds at every process group's start. A failed build is said, not fatal: the
+  # first use builds again and reports why.
+  if "$venv/bin/python" -c 'import sys, torch; sys.exit(torch.cuda.is_available())' 2>/dev/null; then
+    echo "[env] building the C++ CPU ops (cached in torch's extensions directory)"
+    DS_ACCELERATOR=cpu "$venv/bin/python" -c 'import logging
+logging.disable(logging.WARNING)
+from kernels import cpu_build
+from deepspeed.accelerator import get_accelerator
+cpu_build.load()
+get_accelerator().get_op_builder("ShareMemCommBuilder")().load(verbose=False)' >/dev/null 2>&1 \
+      || echo "[env] could not build the C++ CPU ops now; the first run that needs them builds them" >&2
+  fi
 fi
 export PATH="$venv/bin:$PATH"
 export DS_ACCELERATOR="${DS_ACCELERATOR:-$("$venv/bin/python" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}"
