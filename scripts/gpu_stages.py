@@ -61,7 +61,7 @@ GPU = Mode(
     engine_steps=20, engine_seq_len=128, engine_kernel=None,
 )
 DRY = Mode(
-    # ~100 s in all; the engine's first run on a machine also builds DeepSpeed's CPU comm op (1-2 min)
+    # ~90 s in all on an idle 2-core machine (scripts/env.sh builds DeepSpeed's CPU comm op beforehand; else the engine's first run does, 1-2 min)
     name="dry", budget_s=360,
     timeouts=dict(env=60, graphs=180, kernels=60, bench=60, engine=180),
     # Triton's interpreter costs ~0.2 s per time step of the tiny model: short windows, 2 steps
@@ -75,7 +75,7 @@ DRY = Mode(
     kernel_select=("3x4x6x33-dtype1 or triton-3x9x33x1x4x6-all-dtype1 or triton-3x9x33x1x4x6-dtype1 "
                    "or test_nan_inputs_are_not_hidden or test_float64_follows_m or (accuracy and not ptx) "
                    "or test_the_passes_over_dM_match_twin"),
-    bench_args=("--device", "cpu", "--seq-len", "8", "--naive-seq-len", "4", "--steps", "1"),
+    bench_args=("--device", "cpu", "--seq-len", "4", "--naive-seq-len", "2", "--steps", "1"),
     # the engine runs the torch twins on CPU: the interpreter would take ~7 s per step
     engine_steps=8, engine_seq_len=16, engine_kernel="torch",
 )

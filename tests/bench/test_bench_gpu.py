@@ -15,12 +15,12 @@ from support.gpu_check_run import stage_output
 
 @pytest.mark.slow
 def test_gpu_bench_runs_on_cpu(gpu_check_dry):
-    """`bench/gpu.py --device cpu --seq-len 8 --naive-seq-len 4 --steps 1`, every model: as the dry
+    """`bench/gpu.py --device cpu --seq-len 4 --naive-seq-len 2 --steps 1`, every model: as the dry
     gpu_check's bench stage runs it (one run, shared with tests/scripts/test_gpu_check.py)."""
     _, report, check_out = gpu_check_dry
     stage = report["stages"]["bench"]
     assert stage["status"] == "PASS", stage
-    assert stage["command"].endswith("--device cpu --seq-len 8 --naive-seq-len 4 --steps 1 --out " + stage["bench_json"])
+    assert stage["command"].endswith("--device cpu --seq-len 4 --naive-seq-len 2 --steps 1 --out " + stage["bench_json"])
     models = ["gpn_m_triton", "gpn_m_chunk", "gpn_m_eager", "gpn_m_torch", "naive", "transformer"]
     out = stage["bench_json"]
     stdout = "\n".join(stage_output(check_out, "bench"))
@@ -34,8 +34,8 @@ def test_gpu_bench_runs_on_cpu(gpu_check_dry):
     assert rows["gpn_m_triton"]["loss"] == pytest.approx(rows["gpn_m_torch"]["loss"], rel=1e-5)
     assert rows["gpn_m_chunk"]["loss"] == pytest.approx(rows["gpn_m_triton"]["loss"], rel=1e-5)  # nor on the memory's form
     assert "chunk form" in rows["gpn_m_chunk"]["label"] and "step form" in rows["gpn_m_triton"]["label"]
-    assert rows["naive"]["seq_len"] == 4 and rows["naive"]["extrapolated_to_seq_len"] == 8
-    assert "extrapolated to T 8" in stdout
+    assert rows["naive"]["seq_len"] == 2 and rows["naive"]["extrapolated_to_seq_len"] == 4
+    assert "extrapolated to T 4" in stdout
     for name in ("memory_step (fwd)", "decay_and_write", "memory_step_backward", "chunk step 2 of 4 (fwd)",
                  "chunk step 2 of 4 backward", "chunk dM products", "chunk algebra", "chunk finish"):
         assert result["memory_kernels"][name]["bytes_per_s"] > 0
