@@ -170,10 +170,12 @@ CHAIN_STEPS = 2 * (len(WORLD_CHAIN) + 1)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [2, 3])
 def test_world_size_changes_keep_the_sample_order_and_the_losses(data, reference_runs, tmp_path, stage):
     """The uninterrupted 2-rank run taken from its step-2 checkpoint on 3, 1, then 2 ranks (2
-    steps each; its global batch of 12 divides every world size)."""
+    steps each; its global batch of 12 divides every world size). ZeRO-2 and ZeRO-3, whose
+    checkpoints DeepSpeed partitions differently; ZeRO-1's are ZeRO-2's (one optimizer class, the
+    gradients' partitioning is not saved), converted by the same path."""
     ref = reference_runs / f"zero{stage}"
     run = tmp_path / "run"
     step_2 = "step_00000002"
