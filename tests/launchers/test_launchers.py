@@ -262,13 +262,15 @@ def test_slurm_job_checkpoints_at_the_time_limit_signal_requeues_and_finishes(da
     # periodic check, at a moment no test controls, and again to every requeued run of a short
     # limit. The test sends the batch script that signal itself (`scancel --batch`, as slurmctld
     # does), once, as soon as the trainers have logged a step: one checkpoint, one requeue.
-    steps = 300
-    ref = reference(data, tmp_path / "ref", steps, save_every=100)  # also builds DeepSpeed's CPU ops first
+    # 120 steps: the signal comes after the first (about a second of polling and scancel), and a step
+    # of the tiny model on 2 ranks takes at least 0.04 s, so the run is still going when it arrives
+    steps = 120
+    ref = reference(data, tmp_path / "ref", steps, save_every=40)  # also builds DeepSpeed's CPU ops first
     run_dir, log = tmp_path / "run", tmp_path / "job.log"
     submit = cluster.run(
         "sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--time=30", f"--output={log}",
         str(ROOT / "launchers" / "slurm" / "train.sbatch"), str(CONFIG),
-        *overrides(data, run_dir, steps, save_every=100), env=env(RDZV_PORT=str(free_port())))
+        *overrides(data, run_dir, steps, save_every=40), env=env(RDZV_PORT=str(free_port())))
     job = submit.stdout.strip().split(";")[0]
     metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
     while not (metrics.is_file() and '"loss"' in metrics.read_text()) and time.time() < deadline:
