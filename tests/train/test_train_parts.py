@@ -31,17 +31,20 @@ def train_config(*overrides):
 @pytest.fixture(scope="module")
 def one_rank():
     """The process group `gpn-scale train` makes without a launcher, in this process; the
-    environment variables it sets are restored afterwards (subprocess tests inherit them)."""
+    environment variables it sets are restored afterwards (subprocess tests inherit them), and so
+    is torch.nn.functional.linear, which a ZeRO-3 engine replaces for the rest of the process
+    (DeepSpeed's memory-efficient linear: torch.jit.script of a Linear fails under it)."""
     import deepspeed  # noqa: F401  (the accelerator is chosen on import)
 
     from gpn_scale.train import distributed
 
-    saved = dict(os.environ)
+    saved, linear = dict(os.environ), torch.nn.functional.linear
     distributed.init()
     yield distributed.device()
     torch.distributed.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
+    torch.nn.functional.linear = linear
 
 
 def tiny_engine(device, *overrides, grad_accum=1, universal=False):
