@@ -10,5 +10,6 @@ if ! command -v slurmctld >/dev/null && command -v apt-get >/dev/null && [ "$(id
     || echo "[test] could not install slurm-wlm: the SLURM tests will be skipped"
 fi
 export WANDB_MODE=disabled
-# Two workers, one per core of CI's machine (GPN_TEST_WORKERS=N to change, 0: one process); a file stays on one worker.
-exec python -m pytest -n "${GPN_TEST_WORKERS:-2}" --dist loadgroup "$@"
+# Two workers, one per core of CI's machine (GPN_TEST_WORKERS=N to change, 0: one process); a file stays on one
+# worker, and the files go out in the order tests/conftest.py gives them (longest first), not xdist's by test count.
+exec python -m pytest -n "${GPN_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"

@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 from pathlib import Path
@@ -23,21 +24,42 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 _SHARED_WORKER = {"test_gpu_check.py": "gpu_check", "test_bench_gpu.py": "gpu_check"}
 
 
+# The seconds each file took in a whole run (scripts/test_durations.py writes the table); a file
+# it does not list yet is estimated from its tests.
+DURATIONS = Path(__file__).parent / "durations.json"
+SLOW_S, FAST_S = 15.0, 1.0
+
+
+def expected_seconds(items) -> dict[str, float]:
+    """{xdist group: seconds}: the table's figure for each file, else its tests' estimate."""
+    table = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    root = Path(__file__).parent.parent
+    by_file: dict[Path, float] = {}
+    for item in items:
+        estimate = SLOW_S if item.get_closest_marker("slow") else FAST_S
+        by_file[item.path] = by_file.get(item.path, 0.0) + estimate
+    seconds: dict[str, float] = {}
+    for path, estimate in by_file.items():
+        group = _SHARED_WORKER.get(path.name, path.stem)
+        seconds[group] = seconds.get(group, 0.0) + table.get(path.relative_to(root).as_posix(), estimate)
+    return seconds
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under `pytest -n N --dist loadgroup` (scripts/test.sh) a file's tests stay on one worker, so a
-    module-scoped fixture (a trained run, a cluster) is built once, not once per worker; the files
-    with the most slow (multi-process) tests go out first, so that no long file starts last.
+    """Under `pytest -n N --dist loadgroup --no-loadscope-reorder` (scripts/test.sh) a file's tests
+    stay on one worker, so a module-scoped fixture (a trained run, a cluster) is built once, not
+    once per worker, and the files go out longest first (tests/durations.json), so
+    that no long file starts last while the other worker has nothing left to do.
     First among the hooks: xdist's own, on each worker, reads the group markers into the test ids
     the scheduler groups by, and a marker added after it does nothing."""
     if not config.pluginmanager.hasplugin("xdist"):  # a machine with pytest alone (scripts/gpu_check.sh)
         return
-    slow = {}
+    group = {item: _SHARED_WORKER.get(item.path.name, item.path.stem) for item in items}
+    seconds = expected_seconds(items)
+    items.sort(key=lambda item: -seconds[group[item]])  # stable: a file's tests keep their order
     for item in items:
-        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -slow[item.path])  # stable: a file's tests keep their order
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_SHARED_WORKER.get(item.path.name, item.path.stem)))
+        item.add_marker(pytest.mark.xdist_group(group[item]))
 
 
 @pytest.fixture(autouse=True)
