@@ -30,6 +30,11 @@ DURATIONS = Path(__file__).parent / "durations.json"
 SLOW_S, FAST_S = 15.0, 1.0
 
 
+def group_of(path: Path) -> str:
+    """The xdist group of a test file: its stem, or the group of the files sharing its fixture."""
+    return _SHARED_WORKER.get(path.name, path.stem)
+
+
 def expected_seconds(items) -> dict[str, float]:
     """{xdist group: seconds}: the table's figure for each file, else its tests' estimate."""
     table = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
@@ -40,8 +45,7 @@ def expected_seconds(items) -> dict[str, float]:
         by_file[item.path] = by_file.get(item.path, 0.0) + estimate
     seconds: dict[str, float] = {}
     for path, estimate in by_file.items():
-        group = _SHARED_WORKER.get(path.name, path.stem)
-        seconds[group] = seconds.get(group, 0.0) + table.get(path.relative_to(root).as_posix(), estimate)
+        seconds[group_of(path)] = seconds.get(group_of(path), 0.0) + table.get(path.relative_to(root).as_posix(), estimate)
     return seconds
 
 
@@ -55,11 +59,10 @@ def pytest_collection_modifyitems(config, items):
     the scheduler groups by, and a marker added after it does nothing."""
     if not config.pluginmanager.hasplugin("xdist"):  # a machine with pytest alone (scripts/gpu_check.sh)
         return
-    group = {item: _SHARED_WORKER.get(item.path.name, item.path.stem) for item in items}
     seconds = expected_seconds(items)
-    items.sort(key=lambda item: -seconds[group[item]])  # stable: a file's tests keep their order
+    items.sort(key=lambda item: -seconds[group_of(item.path)])  # stable: a file's tests keep their order
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(group[item]))
+        item.add_marker(pytest.mark.xdist_group(group_of(item.path)))
 
 
 @pytest.fixture(autouse=True)

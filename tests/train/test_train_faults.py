@@ -443,18 +443,28 @@ def test_sigterm_while_starting_up_exits_75_with_a_line(data, tmp_path):
     assert not (fresh / "checkpoints").exists() and not (fresh / "trainer.lock").exists()
 
 
+def _training_until_a_step_is_logged(data, run_dir):
+    """A long one-rank run, started and past its first step: (the process, its hang-guard deadline)."""
+    proc = subprocess.Popen(cmd(data, run_dir, "train.total_steps=1000000", "train.save_every=1000"), env=process_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300  # hang guards only
+    try:
+        while not losses(run_dir):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.poll() else ""
+            time.sleep(0.05)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, deadline
+
+
 def test_ctrl_c_twice_leaves_status_interrupted(data, tmp_path):
     """The second Ctrl-C stops the run at once, wherever it is (here: in the checkpoint the first
     one asked for); status.json says so instead of "running", and a save it cut short is never taken
     for a checkpoint."""
     fresh = tmp_path / "fresh"
-    proc = subprocess.Popen(cmd(data, fresh, "train.total_steps=1000000", "train.save_every=1000"), env=process_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, deadline = _training_until_a_step_is_logged(data, fresh)
     try:
-        deadline = time.monotonic() + 300  # hang guards only
-        while not losses(fresh):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.poll() else ""
-            time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         while proc.poll() is None and not (fresh / "checkpoints").is_dir():  # the save the first Ctrl-C asked for
             assert time.monotonic() < deadline
@@ -472,14 +482,8 @@ def test_ctrl_c_twice_leaves_status_interrupted(data, tmp_path):
 def test_a_rank_aborted_in_native_code_prints_its_python_stacks(data, tmp_path):
     """An abort from a library's C++ (SIGABRT: std::terminate) leaves no Python traceback of its own:
     the trainer prints every thread's Python stack, so the line that was running is known."""
-    fresh = tmp_path / "fresh"
-    proc = subprocess.Popen(cmd(data, fresh, "train.total_steps=1000000", "train.save_every=1000"), env=process_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, _ = _training_until_a_step_is_logged(data, tmp_path / "fresh")
     try:
-        deadline = time.monotonic() + 300  # a hang guard only
-        while not losses(fresh):
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
         proc.send_signal(signal.SIGABRT)
         _, stderr = proc.communicate(timeout=300)
     finally:
